@@ -37,6 +37,9 @@ class AttackResult:
         failed: True if the attack as a whole failed (then every image is a failure).
         reason: why it failed, or None.
         labels: labels the attack used or recovered ([B] long), or None.
+        unshuffled: [B, 3, H, W] in [0, 1]: an MJP-aware attack's estimate of the original x (its
+            jigsaw solution, setting c); None for attacks that only estimate the client's input.
+            The benchmark scores setting (c) against this when present, else ``images``.
     """
 
     images: torch.Tensor
@@ -44,6 +47,7 @@ class AttackResult:
     failed: bool = False
     reason: Optional[str] = None
     labels: Optional[torch.Tensor] = None
+    unshuffled: Optional[torch.Tensor] = None
 
     @property
     def failed_images(self) -> list[bool]:
