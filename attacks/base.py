@@ -2,14 +2,24 @@
 
 An honest-but-curious server calls ``attack.reconstruct(model, update, metadata)`` with the model
 as it sent it, one client's update and what the server sees besides (DESIGN section 3). Every attack
-returns an :class:`AttackResult`; a failure (a violated condition, a non-finite objective, an error
-inside a third-party attack) becomes ``failed=True`` with a reason instead of an exception, so that a
-benchmark run records a failure row and goes on.
+returns an :class:`AttackResult`; a failure becomes ``failed=True`` with a reason instead of an
+exception, so that a benchmark run records a failure row and goes on.
+
+Two kinds of failure are told apart, so that a bug cannot make a row look private:
+
+- *condition failures*: :class:`AttackFailure` (a violated condition such as rank or batch size, a
+  non-finite objective) and the numerical errors listed in :attr:`Attack.expected_errors`
+  (``torch.linalg.LinAlgError`` by default). These are properties of the case attacked; the benchmark
+  keeps them as failure rows.
+- *unexpected errors*: any other exception (a bug in an attack, a third-party library error). The
+  result is still failed, but :attr:`AttackResult.error` carries the traceback; the benchmark writes
+  it to the run folder's ``errors/`` and ends with a non-zero exit status.
 """
 from __future__ import annotations
 
 import logging
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence, Union
 
@@ -40,6 +50,7 @@ class AttackResult:
         unshuffled: [B, 3, H, W] in [0, 1]: an MJP-aware attack's estimate of the original x (its
             jigsaw solution, setting c); None for attacks that only estimate the client's input.
             The benchmark scores setting (c) against this when present, else ``images``.
+        error: the traceback of an unexpected exception (a bug, not a condition failure), or None.
     """
 
     images: torch.Tensor
@@ -48,6 +59,7 @@ class AttackResult:
     reason: Optional[str] = None
     labels: Optional[torch.Tensor] = None
     unshuffled: Optional[torch.Tensor] = None
+    error: Optional[str] = None
 
     @property
     def failed_images(self) -> list[bool]:
@@ -142,13 +154,27 @@ def update_to_gradients(update: Update, meta: AttackMetadata) -> tuple[dict[str,
     return {k: v * scale for k, v in grads.items()}, notes
 
 
+class ErrorReason(str):
+    """The reason string of an unexpected exception, carrying its traceback (``.traceback``)."""
+
+    traceback: str = ""
+
+    @classmethod
+    def from_exception(cls, err: BaseException) -> "ErrorReason":
+        reason = cls(f"unexpected error: {type(err).__name__}: {err}")
+        reason.traceback = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+        return reason
+
+
 def failed_result(meta: Optional[AttackMetadata], reason: str, num_images: int = 1,
                   image_size: Sequence[int] = (3, 32, 32)) -> AttackResult:
-    """A result with zero images and the reason on every image."""
+    """A result with zero images and the reason on every image (``error`` set for an
+    :class:`ErrorReason`)."""
     n = meta.num_images if meta is not None else num_images
     size = meta.image_size if meta is not None else tuple(image_size)
-    stats = [dict(failed=True, reason=reason, notes=[]) for _ in range(n)]
-    return AttackResult(torch.zeros(n, *size), stats, failed=True, reason=reason)
+    stats = [dict(failed=True, reason=str(reason), notes=[]) for _ in range(n)]
+    error = reason.traceback if isinstance(reason, ErrorReason) else None
+    return AttackResult(torch.zeros(n, *size), stats, failed=True, reason=str(reason), error=error)
 
 
 class Attack:
@@ -160,6 +186,9 @@ class Attack:
     """
 
     name: ClassVar[str] = ""
+    #: Exceptions besides AttackFailure that are condition failures of the case attacked (kept as
+    #: failure rows without an error); anything else is an unexpected error (see the module docstring).
+    expected_errors: ClassVar[tuple[type[BaseException], ...]] = (torch.linalg.LinAlgError,)
 
     def __init__(self, raise_errors: bool = False) -> None:
         self.raise_errors = bool(raise_errors)
@@ -198,17 +227,22 @@ class Attack:
         return _check_finite(result, self.name, time.perf_counter() - t0)
 
     def _run_guarded(self, fn: Callable[[], Any]) -> tuple[Any, Optional[str]]:
-        """(fn(), None), or (None, reason) for an AttackFailure or (unless raise_errors) any error."""
+        """(fn(), None), or (None, reason) for an AttackFailure, an expected error, or (unless
+        raise_errors) any other error; the reason of the latter is an :class:`ErrorReason`."""
         try:
             return fn(), None
         except AttackFailure as err:
             _logger.warning("%s failed: %s", self.name, err)
             return None, str(err)
-        except Exception as err:  # a third-party attack error must not end a benchmark run
+        except self.expected_errors as err:
+            _logger.warning("%s failed (%s): %s", self.name, type(err).__name__, err)
+            return None, f"{type(err).__name__}: {err}"
+        except Exception as err:  # recorded with its traceback; the benchmark's exit status says so
             if self.raise_errors:
                 raise
-            _logger.exception("%s raised; recorded as a failed result", self.name)
-            return None, f"{type(err).__name__}: {err}"
+            _logger.exception("%s raised an unexpected error; recorded as a failed result with its traceback",
+                              self.name)
+            return None, ErrorReason.from_exception(err)
 
     def _failed(self, model: nn.Module, metadata: Optional[Metadata], reason: str) -> AttackResult:
         try:

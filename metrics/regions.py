@@ -1,0 +1,157 @@
+"""Per-region scores of MJP reconstructions: the unshuffled positions and the shuffled patches as a set.
+
+Why a set: every shuffled token carries the same E_unk and a ViT is permutation-equivariant over
+tokens with equal position embeddings, so permuting the shuffled patches among the shuffled
+positions S leaves every gradient unchanged (DESIGN section 11). Which true patch sits at which
+position of S is therefore unknowable to any gradient attacker; an order-sensitive score of that
+region would measure luck. The shuffled region is scored after matching the reconstructed patches
+at S to the true patches at S by an assignment on MSE (``scipy.optimize.linear_sum_assignment``).
+
+All functions are pure: images [B, 3, H, W] in [0, 1], ``mask`` [B, N] bool with N = (H/p)(W/p)
+patch positions in row-major order (True = shuffled, carries E_unk), patch side ``p`` in pixels.
+Scores are per image ([B] float64); an empty region gives NaN.
+
+Per-region metrics: MSE and PSNR over the region's pixels; SSIM as the mean of scikit-image's SSIM
+map (the same settings as :func:`metrics.ssim`: Gaussian window sigma 1.5, data_range 1) over the
+region's pixels. The SSIM window (about 11 px) reaches across region borders, so the region SSIM
+also sees neighbouring pixels; MSE/PSNR see only the region.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from scipy.optimize import linear_sum_assignment
+from skimage.metrics import structural_similarity
+
+#: PSNR of a region reproduced exactly (MSE 0) is capped here, as the table caps per-image PSNR.
+PSNR_CAP_DB = 100.0
+
+
+def _check(reconstruction: torch.Tensor, reference: torch.Tensor, mask: torch.Tensor, patch: int) -> None:
+    if reconstruction.shape != reference.shape or reconstruction.dim() != 4:
+        raise ValueError(f"reconstruction {tuple(reconstruction.shape)} and reference {tuple(reference.shape)} "
+                         "must both be [B, 3, H, W]")
+    B, _, H, W = reference.shape
+    if H % patch or W % patch:
+        raise ValueError(f"image size {H}x{W} is not a multiple of the patch size {patch}")
+    n = (H // patch) * (W // patch)
+    if tuple(mask.shape) != (B, n):
+        raise ValueError(f"mask must be [B, N] = [{B}, {n}] for {H}x{W} images and patch {patch}, "
+                         f"got {tuple(mask.shape)}")
+
+
+def to_patches(images: torch.Tensor, patch: int) -> torch.Tensor:
+    """[B, C, H, W] -> [B, N, C, p, p] patches in row-major grid order."""
+    B, C, H, W = images.shape
+    gh, gw = H // patch, W // patch
+    x = images.reshape(B, C, gh, patch, gw, patch).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(B, gh * gw, C, patch, patch)
+
+
+def from_patches(patches: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """Inverse of :func:`to_patches`: [B, N, C, p, p] -> [B, C, H, W]."""
+    B, N, C, p, _ = patches.shape
+    gh, gw = height // p, width // p
+    x = patches.reshape(B, gh, gw, C, p, p).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(B, C, height, width)
+
+
+def pixel_mask(mask: torch.Tensor, patch: int, height: int, width: int) -> torch.Tensor:
+    """[B, N] patch mask -> [B, H, W] bool pixel mask."""
+    B = mask.shape[0]
+    grid = mask.reshape(B, height // patch, width // patch)
+    return grid.repeat_interleave(patch, dim=1).repeat_interleave(patch, dim=2)
+
+
+def match_shuffled(reconstruction: torch.Tensor, reference: torch.Tensor, mask: torch.Tensor,
+                   patch: int) -> tuple[torch.Tensor, list[list[int]]]:
+    """Rearrange the reconstruction's patches at S to best match the reference's patches at S.
+
+    For each image, the reconstructed patches at the shuffled positions are assigned to the true
+    patches at those positions by a minimum-total-MSE assignment; the unshuffled positions are left
+    as they are.
+
+    Returns:
+        (arranged [B, 3, H, W], assignment): ``assignment[b][k]`` is the patch position of the
+        reconstruction placed at the k-th shuffled position (ascending order) of image b.
+    """
+    _check(reconstruction, reference, mask, patch)
+    B, _, H, W = reference.shape
+    rec_p, ref_p = to_patches(reconstruction.double(), patch), to_patches(reference.double(), patch)
+    out = rec_p.clone()
+    assignment: list[list[int]] = []
+    for b in range(B):
+        pos = torch.nonzero(mask[b].cpu(), as_tuple=False).flatten()
+        if pos.numel() == 0:
+            assignment.append([])
+            continue
+        r = rec_p[b, pos].flatten(1)  # [S, D]
+        t = ref_p[b, pos].flatten(1)
+        cost = torch.cdist(t, r).pow(2) / r.shape[1]  # cost[k, j]: true patch k vs reconstructed j
+        rows, cols = linear_sum_assignment(cost.cpu().numpy())
+        chosen = pos[torch.as_tensor(cols[np.argsort(rows)])]
+        out[b, pos] = rec_p[b, chosen]
+        assignment.append([int(c) for c in chosen])
+    return from_patches(out, H, W).to(reconstruction.dtype), assignment
+
+
+def masked_mse(reconstruction: torch.Tensor, reference: torch.Tensor, pixels: torch.Tensor) -> torch.Tensor:
+    """MSE over the pixels where ``pixels`` [B, H, W] is True (all channels); NaN where none."""
+    sq = (reconstruction.double() - reference.double()).pow(2).mean(dim=1)  # [B, H, W]
+    count = pixels.sum(dim=(1, 2)).double()
+    total = (sq * pixels.double()).sum(dim=(1, 2))
+    return torch.where(count > 0, total / count.clamp(min=1), torch.full_like(total, math.nan))
+
+
+def psnr_from_mse(mse: torch.Tensor, cap: float = PSNR_CAP_DB) -> torch.Tensor:
+    """10 log10(1 / MSE) in dB for images in [0, 1], capped at ``cap`` (NaN stays NaN)."""
+    return (10.0 * torch.log10(1.0 / mse)).clamp(max=cap)
+
+
+def masked_ssim(reconstruction: torch.Tensor, reference: torch.Tensor, pixels: torch.Tensor) -> torch.Tensor:
+    """Mean of the SSIM map (scikit-image, Gaussian sigma 1.5, data_range 1) over ``pixels``."""
+    out = torch.full((reference.shape[0],), math.nan, dtype=torch.float64)
+    for b in range(reference.shape[0]):
+        sel = pixels[b].cpu().numpy()
+        if not sel.any():
+            continue
+        x = reconstruction[b].double().permute(1, 2, 0).cpu().numpy()
+        y = reference[b].double().permute(1, 2, 0).cpu().numpy()
+        _, smap = structural_similarity(x, y, data_range=1.0, channel_axis=2, gaussian_weights=True,
+                                        sigma=1.5, use_sample_covariance=False, full=True)
+        out[b] = float(smap.mean(axis=2)[sel].mean())
+    return out
+
+
+def region_scores(reconstruction: torch.Tensor, reference: torch.Tensor, mask: torch.Tensor,
+                  patch: int) -> dict[str, torch.Tensor]:
+    """Scores of the unshuffled positions and of the shuffled patches as a set.
+
+    Args:
+        reconstruction, reference: [B, 3, H, W] in [0, 1].
+        mask: [B, N] bool, True at the shuffled positions S.
+        patch: patch side in pixels.
+    Returns:
+        ``{mse,psnr,ssim}_{unshuffled,shuffled}``: [B] float64 each (NaN for an empty region); the
+        shuffled scores are computed after :func:`match_shuffled`, so they do not depend on the
+        arrangement of the patches within S.
+    """
+    _check(reconstruction, reference, mask, patch)
+    B, _, H, W = reference.shape
+    rec = reconstruction.detach().double().cpu().clamp(0, 1)
+    ref = reference.detach().double().cpu()
+    shuffled = pixel_mask(mask.bool().cpu(), patch, H, W)
+    arranged, _ = match_shuffled(rec, ref, mask.bool().cpu(), patch)
+    out: dict[str, torch.Tensor] = {}
+    for region, image, pixels in (("unshuffled", rec, ~shuffled), ("shuffled", arranged, shuffled)):
+        m = masked_mse(image, ref, pixels)
+        out[f"mse_{region}"] = m
+        out[f"psnr_{region}"] = psnr_from_mse(m)
+        out[f"ssim_{region}"] = masked_ssim(image, ref, pixels)
+    return out
+
+
+#: Column names :func:`region_scores` returns.
+REGION_COLUMNS = tuple(f"{m}_{r}" for r in ("unshuffled", "shuffled") for m in ("mse", "psnr", "ssim"))
