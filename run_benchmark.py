@@ -33,7 +33,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cfg = resolve(args)
         output = args.output or cfg["output"] or default_output(cfg)
         cfg["output"] = str(Path(output).resolve())
-        from fedmjp.benchmark.pipeline import run_benchmark
+        from fedmjp.benchmark.pipeline import raise_for_errors, run_benchmark
 
         with logging_redirect_tqdm():  # log lines above the progress bars, not through them
             summary = run_benchmark(cfg, output, progress=not args.no_progress)
@@ -52,6 +52,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"output: {summary.folder} (results.jsonl, table.csv/.md/.tex, table_full.csv, "
           f"{', '.join(Path(g).name for g in summary.grids) or 'no grid'}, config.yaml)")
     print(f"wall time: {time.perf_counter() - t0:.1f} s")
+    try:
+        raise_for_errors(summary)  # tables are written; a bug in an attack still fails the run
+    except BenchmarkError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return err.exit_code
     return 0
 
 

@@ -24,6 +24,11 @@ partitioner        ``iid`` or ``dirichlet`` (by label, ``dirichlet-alpha``), see
 model-*            the model spec for :func:`fedmjp.factory.build_model` (model-kwargs is JSON)
 precision          ``float32`` or ``float64``: dtype of the client's forward/backward (APRIL's
                    closed form is exact only on float64 gradients; DESIGN section 4)
+device             where clients compute: ``auto`` (CUDA when present), ``cpu``, ``cuda``, ``cuda:N``
+server-eval        false (default): the server evaluates nothing. true: after every round it
+                   evaluates the global model on the *public split* (:func:`public_eval_set`): the
+                   images of the same source after the first ``num-images`` ones, which no client
+                   owns; never on the clients' private images
 =================  ==========================================================================
 """
 from __future__ import annotations
@@ -83,7 +88,8 @@ DEFAULTS: dict[str, Any] = {
     "fraction-train": 1.0,
     "min-nodes": 2,
     "round-timeout": 600.0,
-    "server-eval": True,
+    "server-eval": False,
+    "device": "auto",
     "out-dir": "",
     "fail-partition": -1,
     "slow-partition": -1,
@@ -164,6 +170,26 @@ def stable_seed(*parts: Any) -> int:
     """A 62-bit seed from any printable parts; stable across processes (unlike ``hash``)."""
     digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 2
+
+
+def public_eval_set(run_config: Mapping[str, Any]) -> ImageSet:
+    """The server's evaluation images: the images of the source after the first ``num-images``
+    (the private set), which no client owns; labels as the private set's ((sorted index) %
+    num-classes).
+
+    Raises:
+        ValueError: the private set takes every image of the source (``num-images`` 0 or too
+            large), so no public split is left.
+    """
+    cfg = resolve_config(run_config)
+    n_private = int(cfg["num-images"])
+    full = load_images(str(cfg["images"]), int(cfg["image-size"]), None, int(cfg["num-classes"]))
+    if n_private <= 0 or n_private >= len(full):
+        raise ValueError(f"server-eval needs a public split, but the private set (num-images={n_private or 'all'}) "
+                         f"takes all {len(full)} images of {cfg['images']!r}; lower num-images or set "
+                         "server-eval=false")
+    keep = torch.arange(n_private, len(full))
+    return ImageSet(full.images[keep], full.labels[keep], [full.names[i] for i in keep.tolist()])
 
 
 def pick_device(preferred: Optional[str] = None) -> torch.device:
@@ -360,7 +386,7 @@ def local_update(cfg: Mapping[str, Any], state: Mapping[str, torch.Tensor], part
         (update, loss, batch).
     """
     cfg = resolve_config(cfg)
-    device = device or pick_device()
+    device = device or pick_device(str(cfg["device"]))
     batch = private_batch(cfg, partition_id, server_round, num_partitions)
     model = _cached_model(json.dumps(model_spec(cfg), sort_keys=True), str(device), cfg["precision"])
     model.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=True)

@@ -111,10 +111,10 @@ def run_rounds(grid: Grid, run_config: Mapping[str, Any], tap: Optional[Tap] = N
     )
     strategy = FedSGD(lr=float(cfg["lr"]), **common) if cfg["mode"] == "fedsgd" else TappedFedAvg(**common)
     train_config = ConfigRecord({k: cfg[k] for k in task.ROUND_KEYS})
-    eval_data = task.private_image_set(cfg) if cfg["server-eval"] else None
+    # The public split (images of the source no client owns), never the clients' private images.
+    eval_data = task.public_eval_set(cfg) if cfg["server-eval"] else None
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> Optional[MetricRecord]:
-        # Stand-in for a held-out set: the benchmark's own image set, original images (setting a).
         model.load_state_dict(arrays.to_torch_state_dict(), strict=True)
         loss, acc = task.evaluate(model, eval_data.images, eval_data.labels)
         return MetricRecord({"eval-loss": loss, "eval-acc": acc})

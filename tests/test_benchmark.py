@@ -150,7 +150,8 @@ def test_grid_layout(full_run: Path) -> None:
         img = Image.open(full_run / f"grid_{setting}.png")
         cols = 2 * len(grid_columns(setting))  # 2 images x (x, [x~,] recon.)
         assert img.size == GridLayout(n_rows=2, n_cols=cols, tile=32).size
-    assert len(list((full_run / "images").rglob("*__rec.png"))) == 2 * 2 * 2  # models x groups x images
+    # one reconstruction per model x setting x image (stored per attacker and setting)
+    assert len(list((full_run / "images").rglob("*__rec-april_analytic-*.png"))) == 2 * 3 * 2
 
 
 def test_killed_run_resumes_to_the_same_table(full_run: Path, tmp_path: Path) -> None:

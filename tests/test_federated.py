@@ -40,7 +40,7 @@ def fedsgd_run(tmp_path_factory):
     """2 clients x 2 rounds, FedSGD, setting c, tapped in memory and to a folder."""
     out = tmp_path_factory.mktemp("fl")
     taps = []
-    cfg = {**TINY, "setting": "c", "gamma": 0.27, "lr": 0.05, "out-dir": str(out)}
+    cfg = {**TINY, "setting": "c", "gamma": 0.27, "lr": 0.05, "out-dir": str(out), "server-eval": True}
     result = run_federation(cfg, tap=taps.append, engine="inprocess", num_supernodes=2)
     return result, taps, out
 

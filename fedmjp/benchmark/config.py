@@ -67,6 +67,9 @@ DEFAULTS: dict[str, Any] = {
         "labels": "known",  # the threat model grants the server the labels (known) or not (none)
         "options": {},
     },
+    # Several attackers per model row: [{name: ..., options: {...}, label: ...}, ...]; empty: the one
+    # attack above. ``label`` (default: name) is the ``attack`` column and must be unique.
+    "attacks": [],
     "metrics": {
         "lpips_backbone": None,  # AlexNet features file; None: $FEDMJP_LPIPS_BACKBONE or torchvision
         "lpips": True,
@@ -242,6 +245,7 @@ def validate(cfg: dict) -> dict:
     _check_int(cfg["report"]["tile"], "report.tile", minimum=8)
     _validate_models(cfg)
     _validate_attack(cfg["attack"]["name"])
+    _validate_attack_list(cfg)
     return cfg
 
 
@@ -274,6 +278,39 @@ def _validate_attack(name: str) -> None:
         raise ConfigError(f"unknown attack {name!r}; valid: {', '.join(valid)}")
 
 
+ATTACK_ENTRY_KEYS = ("name", "options", "label")
+
+
+def _validate_attack_list(cfg: dict) -> None:
+    entries = cfg["attacks"]
+    if entries is None:
+        cfg["attacks"] = entries = []
+    if not isinstance(entries, list):
+        raise ConfigError(f"attacks must be a list of mappings with a name, got {entries!r}")
+    for index, entry in enumerate(entries):
+        if not isinstance(entry, dict) or not entry.get("name"):
+            raise ConfigError(f"attacks[{index}] must be a mapping with a name, got {entry!r}")
+        unknown = set(entry) - set(ATTACK_ENTRY_KEYS)
+        if unknown:
+            raise ConfigError(f"attacks[{index}]: unknown keys {sorted(unknown)}; valid: {', '.join(ATTACK_ENTRY_KEYS)}")
+        if not isinstance(entry.get("options") or {}, dict):
+            raise ConfigError(f"attacks[{index}].options must be a mapping, got {entry['options']!r}")
+        _validate_attack(entry["name"])
+    labels = [a["label"] for a in attack_entries(cfg)]
+    duplicates = sorted({n for n in labels if labels.count(n) > 1})
+    if duplicates:
+        raise ConfigError(f"attack labels must be unique (give each entry of attacks a label); repeated: "
+                          f"{', '.join(duplicates)}")
+
+
+def attack_entries(cfg: Mapping[str, Any]) -> list[dict]:
+    """The attackers of a run, each ``{label, name, options}``: the ``attacks`` list when it is not
+    empty, else the single ``attack`` section."""
+    entries = cfg.get("attacks") or [{"name": cfg["attack"]["name"], "options": cfg["attack"]["options"]}]
+    return [{"label": str(e.get("label") or e["name"]), "name": str(e["name"]),
+             "options": dict(e.get("options") or {})} for e in entries]
+
+
 def available_attacks() -> list[str]:
     """Names :func:`attacks.create_attack` knows."""
     import attacks
@@ -299,8 +336,14 @@ def model_label(row: Mapping[str, Any]) -> str:
 
 
 def save_config(cfg: dict, path: str | Path) -> None:
-    """Write the resolved config (``yaml.safe_dump``; plain data only)."""
-    Path(path).write_text(yaml.safe_dump(cfg, sort_keys=False, default_flow_style=None))
+    """Write the resolved config (``yaml.safe_dump``; plain data only) atomically: a temporary file
+    beside it, then ``os.replace``, so a reader never sees half a config."""
+    import os
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(yaml.safe_dump(cfg, sort_keys=False, default_flow_style=None))
+    os.replace(tmp, path)
 
 
 def result_view(cfg: Mapping[str, Any]) -> dict:

@@ -8,8 +8,12 @@ code   meaning
 3      bad config: unknown model/attack/setting/key names (valid names listed), bad values
 4      bad input data: missing or empty image folder, corrupt image with ``--on-corrupt fail``
 5      missing or mismatched checkpoint
-6      the output folder holds a run with a different config (results are never mixed)
+6      the output folder holds a run with a different config or provenance (code version,
+       library versions, device, checkpoint hashes; results are never mixed)
 7      the federated run failed (no update reached the attacker)
+8      an attack raised an unexpected error (a bug, not a condition failure): the run finished and
+       wrote its tables, the failure rows are marked ``error``, tracebacks are in ``errors/``
+9      the output folder is in use by another run (its lock file is held)
 130    interrupted (Ctrl-C); finished rows are kept, re-run the same command to resume
 =====  ===================================================================================
 """
@@ -50,6 +54,18 @@ class FederationFailed(BenchmarkError):
     """The federated run produced no update to attack."""
 
     exit_code = 7
+
+
+class AttackErrors(BenchmarkError):
+    """Attacks raised unexpected errors (tracebacks in the run folder's ``errors/``)."""
+
+    exit_code = 8
+
+
+class OutputLockedError(BenchmarkError):
+    """Another run holds the output folder's lock."""
+
+    exit_code = 9
 
 
 EXIT_INTERRUPTED = 130

@@ -26,9 +26,9 @@ from fedmjp.data import DataError, ImageSet, load_images
 from fedmjp.devices import resolve_device
 
 from . import scoring
-from .config import SETTING_GROUPS, model_label, model_spec
-from .errors import ConfigError, FederationFailed, InputDataError, ModelCheckpointError
-from .report import Tables, write_grids, write_tables
+from .config import SETTING_GROUPS, attack_entries, model_label, model_spec
+from .errors import AttackErrors, ConfigError, FederationFailed, InputDataError, ModelCheckpointError
+from .report import Tables, write_distributions, write_grids, write_tables
 from .store import RunFolder, row_key
 
 _logger = logging.getLogger(__name__)
@@ -36,9 +36,22 @@ _logger = logging.getLogger(__name__)
 GROUP_SETTING = {"clean": "a", "shuffled": "c"}  # the setting the clients are told (b == c on the client)
 
 
+def rec_kind(attack: str, setting: str) -> str:
+    """Stored-image kind of a reconstruction: per attacker and setting (an MJP-aware attack scores
+    setting c on its own estimate of x, and batches are paired per setting)."""
+    from .store import slug
+
+    return f"rec-{slug(attack)}-{setting}"
+
+
 @dataclass
 class ModelRow:
-    """One model row: its config, factory spec and the server's copy of the model."""
+    """One model row: its config, factory spec and the server's copy of the model.
+
+    ``model`` is what the attacks see (with ``april: surgery``: block 0 without norm1 and attention
+    residual); ``acc_model`` is the model as trained (block 0 unmodified), on which the Acc. column is
+    measured, or None when ``model`` is already the model as trained.
+    """
 
     index: int
     name: str
@@ -46,6 +59,16 @@ class ModelRow:
     spec: dict
     model: nn.Module
     trained: bool
+    acc_model: Optional[nn.Module] = None
+
+
+@dataclass
+class Attacker:
+    """One attacker of the run: its ``attack`` column value, registry name and the attack object."""
+
+    label: str
+    name: str
+    attack: Any
 
 
 @dataclass
@@ -56,7 +79,7 @@ class Prepared:
     device: torch.device
     image_names: list[str]  # the attack set in order (the tensors stay with the clients' loader)
     rows: list[ModelRow]
-    attack: Any
+    attackers: list[Attacker]
     scorer: scoring.Scorer
 
 
@@ -69,6 +92,7 @@ class RunSummary:
     kept_rows: int
     failed_rows: int
     federations: int
+    error_rows: int
     seconds: float
     tables: Tables
     grids: list[str] = field(default_factory=list)
@@ -122,7 +146,11 @@ def build_rows(cfg: dict, device: torch.device) -> list[ModelRow]:
         if model.num_classes < cfg["data"]["num_classes"]:
             raise ConfigError(f"model row {row['name']!r} has {model.num_classes} classes, fewer than "
                               f"data.num_classes={cfg['data']['num_classes']}")
-        rows.append(ModelRow(index, str(row["name"]), model_label(row), spec, model, bool(spec["checkpoint"])))
+        acc_model = None
+        if spec["april"] == "surgery":  # the unmodified model (same seed/checkpoint) for the Acc. column
+            acc_model = build_model({**spec, "april": None}, device=device)
+        rows.append(ModelRow(index, str(row["name"]), model_label(row), spec, model, bool(spec["checkpoint"]),
+                             acc_model))
     return rows
 
 
@@ -133,12 +161,15 @@ def prepare(cfg: dict) -> Prepared:
     device = pick_device(str(cfg["device"]))
     images = load_attack_images(cfg)
     rows = build_rows(cfg, device)
-    try:
-        attack = attacks.create_attack(cfg["attack"]["name"], **dict(cfg["attack"]["options"] or {}))
-    except ValueError as err:
-        raise ConfigError(str(err)) from err
+    attackers = []
+    for entry in attack_entries(cfg):
+        try:
+            attackers.append(Attacker(entry["label"], entry["name"],
+                                      attacks.create_attack(entry["name"], **entry["options"])))
+        except ValueError as err:
+            raise ConfigError(f"attack {entry['label']!r}: {err}") from err
     scorer = scoring.Scorer(device, cfg["metrics"])
-    return Prepared(cfg, device, images.names, rows, attack, scorer)
+    return Prepared(cfg, device, images.names, rows, attackers, scorer)
 
 
 # ------------------------------------------------------------------------------------ federation
@@ -170,6 +201,7 @@ def client_run_config(cfg: dict, row: ModelRow, group: str) -> dict:
         "model-checkpoint": spec["checkpoint"] or "",
         "model-april": spec["april"] or "",
         "model-seed": int(spec["seed"]),
+        "device": str(cfg["device"]),
     }
     run_config.update(fed.get("options") or {})
     return run_config
@@ -192,8 +224,9 @@ def expected_keys(cfg: dict, row: ModelRow, group: str, settings: list[str]) -> 
         batch = private_batch(run_config, part, rnd, cfg["federation"]["clients"])
         for b, image_id in enumerate(batch.image_ids):
             for s in settings:
-                keys.add(row_key({"model": row.name, "setting": s, "round": rnd, "partition_id": part,
-                                  "batch_index": b, "image_id": image_id}))
+                for entry in attack_entries(cfg):
+                    keys.add(row_key({"model": row.name, "attack": entry["label"], "setting": s, "round": rnd,
+                                      "partition_id": part, "batch_index": b, "image_id": image_id}))
     return keys
 
 
@@ -236,7 +269,7 @@ def run_benchmark(cfg: dict, output: str, federate: Optional[Callable[..., Any]]
     groups = sorted({SETTING_GROUPS[s] for s in cfg["settings"]}, key=["clean", "shuffled"].index)
     jobs = [(row, g) for row in prepared.rows for g in groups]
     quiet_flower(_logger.isEnabledFor(logging.DEBUG))
-    new_rows = failed = federations = 0
+    new_rows = failed = federations = errors = 0
     bar = tqdm(jobs, desc="federations", unit="fed", disable=not progress)
     for row, group in bar:
         bar.set_postfix_str(f"{row.name} ({group})")
@@ -250,11 +283,22 @@ def run_benchmark(cfg: dict, output: str, federate: Optional[Callable[..., Any]]
         attacker.run(federate)
         new_rows += attacker.new_rows
         failed += attacker.failed_rows
+        errors += attacker.error_rows
     _shutdown_ray()
     tables = write_tables(run)
     grids = write_grids(run, cfg["settings"], cfg["report"]["grid_images"], cfg["report"]["tile"])
-    return RunSummary(str(run.folder), new_rows, kept, failed, federations, time.perf_counter() - t0,
+    grids += write_distributions(run, cfg["settings"])
+    return RunSummary(str(run.folder), new_rows, kept, failed, federations, errors, time.perf_counter() - t0,
                       tables, [str(g) for g in grids])
+
+
+def raise_for_errors(summary: RunSummary) -> None:
+    """After a finished run: :class:`AttackErrors` (exit status 8) if any attack raised an
+    unexpected error; its rows are stored as failures and the tracebacks are in ``errors/``."""
+    if summary.error_rows:
+        raise AttackErrors(f"{summary.error_rows} row(s) failed on an unexpected attack error (a bug, not a "
+                           f"condition failure); tracebacks: {summary.folder}/errors/. The tables were written "
+                           "but count these rows as failures: fix the attack and re-run into a new folder")
 
 
 def _shutdown_ray() -> None:
@@ -287,9 +331,10 @@ class GroupAttacker:
         self.run_config = client_run_config(self.cfg, row, group)
         self.wanted = set(expected_updates(self.cfg))
         self.model = copy.deepcopy(row.model)  # the server's copy; the row's model stays pristine
+        self.acc_model = copy.deepcopy(row.acc_model) if row.acc_model is not None else None
         self.grid_ids = grid_image_ids(self.cfg, self.run_config)
         self.index_of = {name: i for i, name in enumerate(prepared.image_names)}
-        self.new_rows = self.failed_rows = 0
+        self.new_rows = self.failed_rows = self.error_rows = 0
         self.seen: set[tuple[int, int]] = set()  # (round, partition) pairs tapped
         self.error: Optional[BaseException] = None
         self.bar = tqdm(total=len(self.wanted), desc=f"attack {row.name} [{group}]", unit="upd",
@@ -325,7 +370,8 @@ class GroupAttacker:
 
     # ---------------------------------------------------------------------------------- the tap
     def on_update(self, update: Any) -> None:
-        """Attack one client's update, score it under each setting of the group, append the rows."""
+        """Attack one client's update with every attacker, score each result under each setting of
+        the group, append the rows."""
         from clients.task import private_batch
 
         rnd, part = int(update.server_round), int(update.partition_id)
@@ -333,56 +379,116 @@ class GroupAttacker:
             return
         self.seen.add((rnd, part))
         batch = private_batch(self.run_config, part, rnd, self.cfg["federation"]["clients"])
-        keys = {(s, b): row_key({"model": self.row.name, "setting": s, "round": rnd, "partition_id": part,
-                                 "batch_index": b, "image_id": image_id})
-                for s in self.settings for b, image_id in enumerate(batch.image_ids)}
+        keys = {(a.label, s, b): row_key({"model": self.row.name, "attack": a.label, "setting": s, "round": rnd,
+                                          "partition_id": part, "batch_index": b, "image_id": image_id})
+                for a in self.p.attackers for s in self.settings for b, image_id in enumerate(batch.image_ids)}
         if all(k in self.done for k in keys.values()):
             self.bar.update(1)
             return
+        state = {k: v.to(self.p.device) for k, v in update.global_state.items()}
         model = self.model
-        model.load_state_dict({k: v.to(self.p.device) for k, v in update.global_state.items()}, strict=True)
+        model.load_state_dict(state, strict=True)
         model.eval()
+        correct, pred = scoring.top1(self.acc_model_at(state), batch, self.p.device)
+        correct_attacked = correct if self.acc_model is None else scoring.top1(model, batch, self.p.device)[0]
         metadata = self.attack_metadata(batch, update)
-        t_attack = time.perf_counter()
-        result = self.p.attack.reconstruct(model, dict(update.arrays), metadata)
-        t_attack = time.perf_counter() - t_attack
-        correct, pred = scoring.top1(model, batch, self.p.device)
         rows = []
-        for s in self.settings:
-            t_score = time.perf_counter()
-            scores = self.p.scorer.score(s, result.images, batch.images, batch.shuffled)
-            t_score = time.perf_counter() - t_score
-            for b, image_id in enumerate(batch.image_ids):
-                if keys[(s, b)] in self.done:
-                    continue
-                stats = dict(result.stats[b]) if b < len(result.stats) else {}
-                attack_failed = bool(result.failed or stats.get("failed", False))
-                metric_row = scores[b]
-                failed = bool(attack_failed or metric_row["failed"])
-                reason = (result.reason or stats.get("reason")) if attack_failed else metric_row["failure"]
-                row = {
-                    "model": self.row.name, "label": self.row.label, "trained": self.row.trained,
-                    "arch": self.row.spec["arch"], "variant": self.row.spec["variant"],
-                    "setting": s, "group": self.group, "round": rnd, "partition_id": part,
-                    "node_id": int(update.node_id), "batch_index": b, "image_id": image_id,
-                    "image_index": self.index_of.get(image_id, int(batch.indices[b])),
-                    "class": int(batch.labels[b]), "pred": int(pred[b]), "correct": float(correct[b]),
-                    "gamma": float(batch.gamma), "attack": self.cfg["attack"]["name"], "seed": self.cfg["seed"],
-                    **{k: v for k, v in metric_row.items() if k not in ("failed", "failure")},
-                    "failed": failed, "reason": reason,
-                    "attack_stats": {k: v for k, v in stats.items() if k not in ("failed", "reason")},
-                    "time_attack_s": t_attack / max(len(batch.image_ids), 1),
-                    "time_score_s": t_score / max(len(batch.image_ids), 1),
-                    "image_stored": image_id in self.grid_ids,
-                }
-                if row["image_stored"]:
-                    self.store_images(row, batch, b, result.images[b])
-                rows.append(row)
+        for attacker in self.p.attackers:
+            if all(keys[(attacker.label, s, b)] in self.done for s in self.settings
+                   for b in range(len(batch.image_ids))):
+                continue
+            t_attack = time.perf_counter()
+            result = attacker.attack.reconstruct(model, dict(update.arrays), metadata)
+            t_attack = time.perf_counter() - t_attack
+            if result.error is not None:
+                self.record_error(attacker.label, rnd, part, result.error)
+            for s in self.settings:
+                rows += self.score_rows(attacker, result, s, batch, update, keys, correct, pred, correct_attacked,
+                                        t_attack)
         self.run_folder.append(rows)
         self.done.update(keys.values())
         self.new_rows += len(rows)
         self.failed_rows += sum(bool(r["failed"]) for r in rows)
+        self.error_rows += sum(bool(r.get("error")) for r in rows)
         self.bar.update(1)
+
+    def acc_model_at(self, state: dict) -> nn.Module:
+        """The model as trained at the global weights ``state``: the row's unmodified model with the
+        federation's weights (block 0's norm1, which the surgery removed, keeps its checkpoint or
+        seeded values), or the attacked model when it has no surgery."""
+        if self.acc_model is None:
+            return self.model
+        result = self.acc_model.load_state_dict(state, strict=False)
+        removed = [k for k in result.missing_keys if not k.startswith("blocks.0.norm1.")]
+        if removed or result.unexpected_keys:
+            raise RuntimeError(f"model row {self.row.name!r}: the unmodified model does not take the federation's "
+                               f"weights (missing {removed}, unexpected {result.unexpected_keys})")
+        return self.acc_model.eval()
+
+    def score_rows(self, attacker: Attacker, result: Any, s: str, batch: Any, update: Any, keys: dict,
+                   correct: torch.Tensor, pred: torch.Tensor, correct_attacked: torch.Tensor,
+                   t_attack: float) -> list[dict]:
+        """Rows of one attack result under setting ``s``: pair reconstructions with the true images,
+        score them (and the MJP regions), one row per image not stored yet."""
+        from metrics.regions import region_scores
+
+        rnd, part, n = int(update.server_round), int(update.partition_id), len(batch.image_ids)
+        estimate = "unshuffled" if (s == "c" and result.unshuffled is not None) else "images"
+        recon = result.unshuffled if estimate == "unshuffled" else result.images
+        reference = batch.shuffled if s == "b" else batch.images
+        order = scoring.pair_reconstructions(recon, reference) if n > 1 else [0]
+        recon = recon[order]
+        t_score = time.perf_counter()
+        scores = self.p.scorer.score(s, recon, batch.images, batch.shuffled)
+        mask = batch.unk_mask
+        regions = None
+        if s in ("b", "c") and mask is not None and bool(mask.any()):
+            patch = int(self.model.patch_embed.patch_size[0])
+            regions = region_scores(recon.float().cpu(), reference.float().cpu(), mask.cpu(), patch)
+        t_score = time.perf_counter() - t_score
+        rows = []
+        for b, image_id in enumerate(batch.image_ids):
+            if keys[(attacker.label, s, b)] in self.done:
+                continue
+            j = order[b]  # the reconstruction paired with image b
+            stats = dict(result.stats[j]) if j < len(result.stats) else {}
+            attack_failed = bool(result.failed or stats.get("failed", False))
+            metric_row = scores[b]
+            failed = bool(attack_failed or metric_row["failed"])
+            reason = (result.reason or stats.get("reason")) if attack_failed else metric_row["failure"]
+            row = {
+                "model": self.row.name, "label": self.row.label, "trained": self.row.trained,
+                "arch": self.row.spec["arch"], "variant": self.row.spec["variant"], "april": self.row.spec["april"],
+                "setting": s, "group": self.group, "round": rnd, "partition_id": part,
+                "node_id": int(update.node_id), "batch_index": b, "image_id": image_id,
+                "image_index": self.index_of.get(image_id, int(batch.indices[b])),
+                "class": int(batch.labels[b]), "pred": int(pred[b]), "correct": float(correct[b]),
+                "correct_attacked_model": float(correct_attacked[b]),
+                "gamma": float(batch.gamma), "attack": attacker.label, "attack_name": attacker.name,
+                "seed": self.cfg["seed"], "recon_index": int(j), "scored_estimate": estimate,
+                **{k: v for k, v in metric_row.items() if k not in ("failed", "failure")},
+                **({k: float(v[b]) for k, v in regions.items()} if regions is not None else {}),
+                "failed": failed, "reason": reason, "error": attack_failed and result.error is not None,
+                "attack_stats": {k: v for k, v in stats.items() if k not in ("failed", "reason")},
+                "time_attack_s": t_attack / max(n, 1),
+                "time_score_s": t_score / max(n, 1),
+                "image_stored": image_id in self.grid_ids,
+            }
+            if row["image_stored"]:
+                self.store_images(row, batch, b, recon[b])
+            rows.append(row)
+        return rows
+
+    def record_error(self, attack: str, rnd: int, part: int, text: str) -> None:
+        """Write an unexpected attack error's traceback to ``errors/`` of the run folder."""
+        from .store import slug
+
+        folder = self.run_folder.folder / "errors"
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{slug(self.row.name)}__{self.group}__{slug(attack)}__r{rnd}-p{part}.txt"
+        path.write_text(text)
+        _logger.error("%s/%s: attack %s raised an unexpected error (round %d, partition %d); traceback in %s",
+                      self.row.name, self.group, attack, rnd, part, path)
 
     def attack_metadata(self, batch: Any, update: Any) -> dict:
         """What the server knows besides the update: batch size, input normalisation, image size,
@@ -405,7 +511,8 @@ class GroupAttacker:
         rf.save_image(rf.image_path(name, self.group, row["image_id"], "x", rnd, part), batch.images[b])
         if batch.shuffled is not None:
             rf.save_image(rf.image_path(name, self.group, row["image_id"], "xs", rnd, part), batch.shuffled[b])
-        rf.save_image(rf.image_path(name, self.group, row["image_id"], "rec", rnd, part), reconstruction)
+        rf.save_image(rf.image_path(name, self.group, row["image_id"], rec_kind(row["attack"], row["setting"]),
+                                    rnd, part), reconstruction)
 
     def record_client_failures(self, result: Any) -> None:
         """Updates that never reached the attacker (a client raised, timed out or sent a malformed
@@ -424,7 +531,7 @@ class GroupAttacker:
             reasons = sorted({f.reason for f in failures if f.server_round == rnd
                               and f.partition_id in (None, part)}) or ["no update from this client"]
             batch = private_batch(self.run_config, part, rnd, self.cfg["federation"]["clients"])
-            for s in self.settings:
+            for s, attacker in ((s, a) for s in self.settings for a in self.p.attackers):
                 for b, image_id in enumerate(batch.image_ids):
                     row = {"model": self.row.name, "label": self.row.label, "trained": self.row.trained,
                            "arch": self.row.spec["arch"], "variant": self.row.spec["variant"], "setting": s,
@@ -432,7 +539,8 @@ class GroupAttacker:
                            "batch_index": b, "image_id": image_id,
                            "image_index": self.index_of.get(image_id, int(batch.indices[b])),
                            "class": int(batch.labels[b]), "gamma": float(batch.gamma),
-                           "attack": self.cfg["attack"]["name"], "seed": self.cfg["seed"], "failed": True,
+                           "attack": attacker.label, "attack_name": attacker.name, "seed": self.cfg["seed"],
+                           "failed": True,
                            "reason": " ".join(("client failed: " + " | ".join(reasons)).split())[:300],
                            "image_stored": False}
                     if row_key(row) not in self.done:

@@ -3,7 +3,11 @@ PNGs and ``config.yaml``), never from in-memory state: re-running this on a fold
 
 Tables follow the paper's Table 5: one row per model and setting, columns Acc., MSE, FFT2D, PSNR,
 SSIM, LPIPS, with an arrow for the direction that means *more private* (higher MSE/FFT2D/LPIPS,
-lower PSNR/SSIM). ``table_full.csv`` adds standard deviations, counts and failures.
+lower PSNR/SSIM); with several attackers, one row per model, attacker and setting (an ``Attack``
+column appears). ``table_full.csv`` adds standard deviations, counts and failures, and for the shape
+of each row's distribution: the median, a seeded 95% bootstrap interval of the mean, and the share
+of images recovered recognisably (SSIM >= 0.5; LPIPS <= 0.3), plus the per-region means of MJP rows.
+``dist_<setting>.png`` shows the per-image PSNR and LPIPS distributions as box plots.
 """
 from __future__ import annotations
 
@@ -20,8 +24,10 @@ from PIL import Image, ImageDraw, ImageFont
 import metrics
 
 from .config import SETTING_GROUPS, SETTINGS
+from metrics.regions import REGION_COLUMNS
+
 from .scoring import ROW_METRICS
-from .store import RunFolder, load_png
+from .store import RunFolder, load_png, slug
 
 _logger = logging.getLogger(__name__)
 
@@ -29,6 +35,17 @@ _logger = logging.getLogger(__name__)
 METRIC_COLUMNS = tuple((m, metrics.PAPER_COLUMN_LABELS[m], d)
                        for m, d in zip(metrics.PAPER_METRICS, (4, 4, 2, 4, 4)))
 ACC_HEADER = "Acc. (%) ↑"
+#: A reconstruction counts as recognisable at SSIM >= this, or (separately) at LPIPS <= that.
+RECOGNISABLE_SSIM = 0.5
+RECOGNISABLE_LPIPS = 0.3
+BOOTSTRAP_RESAMPLES = 2000
+BOOTSTRAP_SEED = 0
+#: Columns of table_full.csv that get a median and a bootstrap interval.
+SHAPE_METRICS = ("mse", "psnr", "ssim", "lpips")
+ACC_NOTE = ("Acc.: top-1 of the model as trained (block 0 unmodified) on the setting's input (x for a, "
+            "x~ for b/c). Rows with `april: surgery` were attacked on a copy whose block 0 had its norm1 and "
+            "attention residual removed (APRIL design A); column `correct_attacked_model` of results.jsonl "
+            "holds the top-1 of that modified model.")
 UNTRAINED = " (untrained)"
 _TEX = {"↑": r"$\uparrow$", "↓": r"$\downarrow$", "%": r"\%", "&": r"\&", "_": r"\_", "#": r"\#",
         "~": r"\textasciitilde{}"}
@@ -45,34 +62,86 @@ class Tables:
 def rows_frame(rows: Sequence[dict]) -> pd.DataFrame:
     """results.jsonl rows -> DataFrame with every metric column present and numeric (missing -> NaN)."""
     df = pd.DataFrame(list(rows))
-    for col in ("model", "label", "setting", "trained", "failed", "correct", *ROW_METRICS):
+    for col in ("model", "label", "setting", "trained", "failed", "correct", "attack", *ROW_METRICS,
+                *REGION_COLUMNS):
         if col not in df.columns:
             df[col] = np.nan
-    for col in ("correct", *ROW_METRICS):
+    for col in ("correct", *ROW_METRICS, *REGION_COLUMNS):
         df[col] = pd.to_numeric(df[col], errors="coerce").astype(float)
     df["failed"] = df["failed"].fillna(False).astype(bool)
+    df["attack"] = df["attack"].fillna("").astype(str)
     return df
 
 
+def bootstrap_ci(values: np.ndarray, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED,
+                 level: float = 0.95) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean (seeded: the same values give the same interval);
+    (NaN, NaN) for no values."""
+    values = np.asarray(values, dtype=float)
+    values = values[np.isfinite(values)]
+    if values.size == 0:
+        return math.nan, math.nan
+    rng = np.random.default_rng(seed)
+    means = rng.choice(values, size=(resamples, values.size), replace=True).mean(axis=1)
+    alpha = (1.0 - level) / 2.0
+    return float(np.quantile(means, alpha)), float(np.quantile(means, 1.0 - alpha))
+
+
+def shape_stats(df: pd.DataFrame, by: Sequence[str]) -> pd.DataFrame:
+    """Per group, over non-failed rows: ``<m>_median``, ``<m>_ci_low``/``<m>_ci_high`` (95% bootstrap
+    interval of the mean; PSNR capped as in the means), the recognisable shares ``recognisable_ssim``
+    (SSIM >= 0.5) and ``recognisable_lpips`` (LPIPS <= 0.3) over the rows where the metric exists,
+    and the means of the per-region columns."""
+    ok = df[~df["failed"]].copy()
+    ok["psnr"] = ok["psnr"].clip(upper=metrics.PSNR_CAP_DB)
+    records = []
+    for key, g in ok.groupby(list(by), dropna=False, sort=False):
+        rec = dict(zip(by, key if isinstance(key, tuple) else (key,)))
+        for m in SHAPE_METRICS:
+            v = g[m].to_numpy(dtype=float)
+            v = v[np.isfinite(v)]
+            rec[f"{m}_median"] = float(np.median(v)) if v.size else math.nan
+            rec[f"{m}_ci_low"], rec[f"{m}_ci_high"] = bootstrap_ci(v)
+        ssim, lp = g["ssim"].dropna(), g["lpips"].dropna()
+        rec["recognisable_ssim"] = float((ssim >= RECOGNISABLE_SSIM).mean()) if len(ssim) else math.nan
+        rec["recognisable_lpips"] = float((lp <= RECOGNISABLE_LPIPS).mean()) if len(lp) else math.nan
+        for col in REGION_COLUMNS:
+            v = g[col].clip(upper=metrics.PSNR_CAP_DB) if col.startswith("psnr") else g[col]
+            rec[f"{col}_mean"] = float(v.mean()) if v.notna().any() else math.nan
+        records.append(rec)
+    return pd.DataFrame(records, columns=[*by, *[f"{m}_{k}" for m in SHAPE_METRICS for k in ("median", "ci_low", "ci_high")],
+                                          "recognisable_ssim", "recognisable_lpips",
+                                          *[f"{c}_mean" for c in REGION_COLUMNS]])
+
+
 def aggregate(rows: Sequence[dict], model_order: Optional[Sequence[str]] = None) -> pd.DataFrame:
-    """Per (model, setting): ``n`` rows, ``n_failed``, and mean/std/count of each metric
-    (:func:`metrics.aggregate`: failed rows left out, PSNR capped at ``metrics.PSNR_CAP_DB``), plus
-    ``acc_mean``/``acc_count``: top-1 over every attacked image (an attack failure does not change
-    what the model predicted). Ordered as the config's model rows, then settings a, b, c.
+    """Per (model, attack, setting): ``n`` rows, ``n_failed``, ``n_error`` (failures from an
+    unexpected attack error), mean/std/count of each metric (:func:`metrics.aggregate`: failed rows
+    left out, PSNR capped at ``metrics.PSNR_CAP_DB``), ``acc_mean``/``acc_count``: top-1 of the model
+    as trained over every attacked image (an attack failure does not change what the model
+    predicted), and :func:`shape_stats`. Ordered as the config's model rows, attackers in order of
+    appearance, then settings a, b, c.
     """
     df = rows_frame(rows)
     if df.empty:
         return pd.DataFrame()
-    full = metrics.aggregate(df, by=["model", "setting"], metrics=list(ROW_METRICS))
-    acc = df.groupby(["model", "setting"])["correct"].agg(acc_mean="mean", acc_count="count").reset_index()
+    by = ["model", "attack", "setting"]
+    full = metrics.aggregate(df, by=by, metrics=list(ROW_METRICS))
+    acc = df.groupby(by)["correct"].agg(acc_mean="mean", acc_count="count").reset_index()
+    errors = (df["error"].fillna(False).astype(bool) if "error" in df.columns
+              else pd.Series(False, index=df.index))
+    n_error = errors.groupby([df[c] for c in by]).sum().astype(int).rename("n_error").reset_index()
     info = df.groupby("model")[["label", "trained"]].first().reset_index()
-    full = full.merge(acc, on=["model", "setting"]).merge(info, on="model")
+    full = (full.merge(acc, on=by).merge(n_error, on=by).merge(info, on="model")
+            .merge(shape_stats(df, by), on=by, how="left"))
     full["trained"] = full["trained"].fillna(False).astype(bool)
     order = list(dict.fromkeys(list(model_order or []) + list(full["model"])))
+    attacks = list(dict.fromkeys(df["attack"]))
     full["_m"] = full["model"].map({m: i for i, m in enumerate(order)})
+    full["_a"] = full["attack"].map({a: i for i, a in enumerate(attacks)})
     full["_s"] = full["setting"].map({s: i for i, s in enumerate(SETTINGS)})
-    full = full.sort_values(["_m", "_s"]).drop(columns=["_m", "_s"]).reset_index(drop=True)
-    first = ["model", "label", "trained", "setting", "n", "n_failed", "acc_mean", "acc_count"]
+    full = full.sort_values(["_m", "_a", "_s"]).drop(columns=["_m", "_a", "_s"]).reset_index(drop=True)
+    first = ["model", "label", "trained", "attack", "setting", "n", "n_failed", "n_error", "acc_mean", "acc_count"]
     return full[first + [c for c in full.columns if c not in first]]
 
 
@@ -83,9 +152,12 @@ def _fmt(value: float, decimals: int) -> str:
 def paper_table(full: pd.DataFrame) -> pd.DataFrame:
     """The paper's Table 5 layout from :func:`aggregate`'s output (strings)."""
     records = []
+    several = full["attack"].nunique() > 1 if "attack" in full.columns else False
     for _, r in full.iterrows():
-        rec = {"Model": f"{r['label']}{'' if r['trained'] else UNTRAINED}", "Setting": f"({r['setting']})",
-               ACC_HEADER: _fmt(100.0 * r["acc_mean"], 1)}
+        rec = {"Model": f"{r['label']}{'' if r['trained'] else UNTRAINED}"}
+        if several:
+            rec["Attack"] = str(r["attack"])
+        rec.update({"Setting": f"({r['setting']})", ACC_HEADER: _fmt(100.0 * r["acc_mean"], 1)})
         for col, header, dec in METRIC_COLUMNS:
             rec[header] = _fmt(r[f"{col}_mean"], dec)
         rec["n"] = f"{int(r['n'])}" + (f" ({int(r['n_failed'])} failed)" if r["n_failed"] else "")
@@ -95,7 +167,8 @@ def paper_table(full: pd.DataFrame) -> pd.DataFrame:
 
 def to_markdown(table: pd.DataFrame) -> str:
     """Markdown table keeping the formatted strings as they are (no re-parsing into numbers)."""
-    align = ("left", "left") + ("right",) * (len(table.columns) - 2)
+    n_left = 3 if "Attack" in table.columns else 2
+    align = ("left",) * n_left + ("right",) * (len(table.columns) - n_left)
     return table.to_markdown(index=False, disable_numparse=True, colalign=align)
 
 
@@ -106,7 +179,8 @@ def _tex_escape(text: str) -> str:
 def to_latex(table: pd.DataFrame) -> str:
     """A booktabs tabular (no jinja2 needed)."""
     cols = list(table.columns)
-    lines = [r"\begin{tabular}{ll" + "r" * (len(cols) - 2) + "}", r"\toprule",
+    n_left = 3 if "Attack" in cols else 2
+    lines = [r"\begin{tabular}{" + "l" * n_left + "r" * (len(cols) - n_left) + "}", r"\toprule",
              " & ".join(_tex_escape(c) for c in cols) + r" \\", r"\midrule"]
     for _, r in table.iterrows():
         lines.append(" & ".join(_tex_escape(r[c]) for c in cols) + r" \\")
@@ -127,7 +201,8 @@ def failure_notes(rows: Sequence[dict]) -> list[str]:
     counts: dict[tuple[str, str, str], int] = {}
     for r in rows:
         if r.get("failed"):
-            key = (str(r.get("label") or r.get("model")), str(r.get("setting")), str(r.get("reason")))
+            who = str(r.get("label") or r.get("model")) + (f" / {r['attack']}" if r.get("attack") else "")
+            key = (who, str(r.get("setting")), str(r.get("reason")))
             counts[key] = counts.get(key, 0) + 1
     return [f"{m} ({s}): {n} x {reason}" for (m, s, reason), n in counts.items()]
 
@@ -139,12 +214,53 @@ def write_tables(run: RunFolder) -> Tables:
     tables.table.to_csv(folder / "table.csv", index=False)
     tables.full.to_csv(folder / "table_full.csv", index=False)
     md = to_markdown(tables.table) if not tables.table.empty else "(no results)"
-    notes = failure_notes(run.rows())
+    rows = run.rows()
+    if any(r.get("april") == "surgery" for r in rows):
+        md += "\n\n" + ACC_NOTE
+    notes = failure_notes(rows)
     if notes:
         md += "\n\nFailed rows (left out of the means):\n" + "\n".join(f"- {n}" for n in notes)
     (folder / "table.md").write_text(md + "\n")
     (folder / "table.tex").write_text(to_latex(tables.table) if not tables.table.empty else "")
     return tables
+
+
+def write_distributions(run: RunFolder, settings: Sequence[str]) -> list[Path]:
+    """``dist_<setting>.png``: per (model, attack) box plots of per-image PSNR (capped) and LPIPS over
+    the non-failed rows, the shape that a mean hides. Built from results.jsonl (matplotlib, Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    df = rows_frame(run.rows())
+    out = []
+    if df.empty:
+        return out
+    df = df[~df["failed"]]
+    for setting in settings:
+        sub = df[df["setting"] == setting]
+        if sub.empty:
+            continue
+        groups = list(dict.fromkeys(zip(sub["model"], sub["attack"])))
+        names = [f"{m}\n{a}" if sub["attack"].nunique() > 1 else str(m) for m, a in groups]
+        fig, axes = plt.subplots(1, 2, figsize=(max(6.0, 1.6 * len(groups) * 2), 3.6))
+        for ax, col, title in ((axes[0], "psnr", f"PSNR (dB, capped at {metrics.PSNR_CAP_DB:g}) ↓ private"),
+                               (axes[1], "lpips", "LPIPS ↑ private")):
+            data = [sub[(sub["model"] == m) & (sub["attack"] == a)][col].clip(upper=metrics.PSNR_CAP_DB)
+                    .dropna().to_numpy() for m, a in groups]
+            ax.boxplot(data, showmeans=True)
+            ax.set_xticks(range(1, len(groups) + 1), names, fontsize=7)
+            ax.set_title(title, fontsize=9)
+            if col == "lpips":
+                ax.axhline(RECOGNISABLE_LPIPS, ls="--", lw=0.8, color="grey")
+        fig.suptitle(f"setting ({setting}): per-image distributions (triangle = mean)", fontsize=10)
+        fig.tight_layout()
+        path = run.folder / f"dist_{setting}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        out.append(path)
+    return out
 
 
 # ------------------------------------------------------------------------------------------ grids
@@ -223,10 +339,12 @@ def build_grid(run: RunFolder, setting: str, k: int, tile: int) -> Optional[Path
     if not chosen:
         return None
     cfg = run.load_config()
-    models = [r["name"] for r in cfg["models"] if r["name"] in set(df["model"])]
+    attacks = list(dict.fromkeys(df["attack"]))
+    present = set(zip(df["model"], df["attack"]))
+    pairs = [(r["name"], a) for r in cfg["models"] for a in attacks if (r["name"], a) in present]
     labels = {r["name"]: r.get("label") or r["name"] for r in cfg["models"]}
     kinds = grid_columns(setting)
-    layout = GridLayout(len(models), len(chosen) * len(kinds), tile)
+    layout = GridLayout(len(pairs), len(chosen) * len(kinds), tile)
     canvas = Image.new("RGB", layout.size, (255, 255, 255))
     draw = ImageDraw.Draw(canvas)
     small, big = _font(11), _font(13)
@@ -238,17 +356,19 @@ def build_grid(run: RunFolder, setting: str, k: int, tile: int) -> Optional[Path
             title = f"{str(image_id)[:14]}" if c == 0 else ""
             draw.text((x0, 2), title, fill=(0, 0, 0), font=small)
             draw.text((x0, 17), _KIND_TITLE[kind], fill=(60, 60, 60), font=small)
-    for i, model in enumerate(models):
+    for i, (model, attack) in enumerate(pairs):
         trained = bool(df[df["model"] == model]["trained"].fillna(False).iloc[0])
         _, y0 = layout.origin(i, 0)
         draw.text((6, y0 + tile // 2 - 14), str(labels[model])[:22], fill=(0, 0, 0), font=big)
-        if not trained:
-            draw.text((6, y0 + tile // 2 + 2), "untrained", fill=(110, 110, 110), font=small)
+        sub_label = ("" if trained else "untrained ") + (attack[:18] if len(attacks) > 1 else "")
+        if sub_label.strip():
+            draw.text((6, y0 + tile // 2 + 2), sub_label.strip(), fill=(110, 110, 110), font=small)
         for j, (image_id, rnd, part, bidx) in enumerate(chosen):
-            match = df[(df["model"] == model) & (df["setting"] == setting) & (df["image_id"] == image_id)
-                       & (df["round"] == rnd) & (df["partition_id"] == part)]
+            match = df[(df["model"] == model) & (df["attack"] == attack) & (df["setting"] == setting)
+                       & (df["image_id"] == image_id) & (df["round"] == rnd) & (df["partition_id"] == part)]
             for c, kind in enumerate(kinds):
-                path = run.image_path(model, group, image_id, kind, rnd, part)
+                stored = f"rec-{slug(attack)}-{setting}" if kind == "rec" else kind
+                path = run.image_path(model, group, image_id, stored, rnd, part)
                 x0, y0 = layout.origin(i, j * len(kinds) + c)
                 canvas.paste(_tile(path, tile), (x0, y0))
                 if kind == "rec" and not match.empty:

@@ -54,6 +54,31 @@ class Scorer:
         return [{k: v for k, v in r.items() if k in keep} for r in rows]
 
 
+def pair_reconstructions(reconstruction: torch.Tensor, reference: torch.Tensor) -> list[int]:
+    """Which reconstruction belongs to which true image of a batch.
+
+    An attack need not return its batch in the client's order (breaching's adapter sorts by label,
+    optimisation attacks have no order at all). As breaching's ``order_batch`` does, solve a minimum
+    total pixel-MSE assignment (``scipy.optimize.linear_sum_assignment``) between reconstructions and
+    references; non-finite reconstructions cost the most.
+
+    Args:
+        reconstruction, reference: [B, 3, H, W].
+    Returns:
+        ``order`` of length B: reconstruction ``order[b]`` is scored against reference ``b``.
+    """
+    from scipy.optimize import linear_sum_assignment
+
+    rec = torch.nan_to_num(reconstruction.detach().double().cpu().flatten(1), nan=1e3, posinf=1e3, neginf=-1e3)
+    ref = reference.detach().double().cpu().flatten(1)
+    if rec.shape != ref.shape:
+        raise ValueError(f"{rec.shape[0]} reconstructions of {rec.shape[1]} values for {ref.shape[0]} references "
+                         f"of {ref.shape[1]}: an attack must return one image per image of the batch")
+    cost = torch.cdist(ref, rec).pow(2) / ref.shape[1]  # cost[b, j]: reference b vs reconstruction j
+    rows, cols = linear_sum_assignment(cost.numpy())
+    return [int(c) for c in cols[rows.argsort()]]
+
+
 @torch.no_grad()
 def top1(model: nn.Module, batch: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-1 correctness of ``model`` on the batch's model input (x, or x~ with E_unk at the

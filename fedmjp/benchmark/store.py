@@ -29,7 +29,7 @@ CONFIG = "config.yaml"
 IMAGES = "images"
 
 #: Fields that identify an attacked image; a resumed run skips rows whose key is stored.
-ROW_KEY = ("model", "setting", "round", "partition_id", "batch_index", "image_id")
+ROW_KEY = ("model", "attack", "setting", "round", "partition_id", "batch_index", "image_id")
 
 
 def row_key(row: Mapping[str, Any]) -> tuple:
