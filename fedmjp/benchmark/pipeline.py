@@ -261,7 +261,18 @@ def run_benchmark(cfg: dict, output: str, federate: Optional[Callable[..., Any]]
     run = RunFolder(output)
     run.check(cfg)  # a conflicting folder fails before any loading
     prepared = prepare(cfg)  # every bad input fails here, before the folder is touched
-    run.init(cfg)
+    from .provenance import collect
+
+    run.init(cfg, collect(cfg, prepared.device))
+    try:
+        return _run_locked(cfg, run, prepared, federate, progress, t0)
+    finally:
+        run.unlock()
+
+
+def _run_locked(cfg: dict, run: RunFolder, prepared: Prepared, federate: Optional[Callable[..., Any]],
+                progress: bool, t0: float) -> RunSummary:
+    """The body of :func:`run_benchmark`, with the folder locked."""
     done = run.done_keys()
     kept = len(done)
     if kept:

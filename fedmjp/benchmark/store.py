@@ -2,10 +2,14 @@
 the stored images under ``images/``.
 
 Rows are appended and flushed as they are produced, so a killed run loses at most the row being
-written; a torn last line is dropped on the next start. Tables and grids read only this folder.
+written. An unreadable line (a torn last line of a killed write, or a corrupt line anywhere) is
+moved to ``results.quarantine.jsonl`` with its line number when a run resumes; the rows after it
+are kept. A lock file (``.lock``, ``fcntl.flock``) stops two runs writing one folder. Tables and
+grids read only this folder.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import math
@@ -20,11 +24,13 @@ import yaml
 from PIL import Image
 
 from .config import diff_configs, result_view, save_config
-from .errors import OutputConflictError
+from .errors import OutputConflictError, OutputLockedError
 
 _logger = logging.getLogger(__name__)
 
 RESULTS = "results.jsonl"
+QUARANTINE = "results.quarantine.jsonl"
+LOCK = ".lock"
 CONFIG = "config.yaml"
 IMAGES = "images"
 
@@ -63,26 +69,50 @@ def jsonable(value: Any) -> Any:
     return str(value)
 
 
+def _parse_line(raw: bytes) -> Optional[dict]:
+    """A JSON object of one complete line, or None (torn, not JSON, not an object)."""
+    if not raw.endswith(b"\n"):
+        return None
+    try:
+        row = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return row if isinstance(row, dict) else None
+
+
 def read_jsonl(path: Path, repair: bool = False) -> list[dict]:
-    """Rows of a JSON-lines file. A torn last line (a killed write) is dropped, and with ``repair``
-    cut from the file so that appends continue cleanly."""
+    """Rows of a JSON-lines file; unreadable lines are skipped, never the rows after them.
+
+    With ``repair`` the unreadable lines (a torn last line of a killed write, a corrupt line
+    anywhere) are moved to ``<name>.quarantine.jsonl`` beside the file, one JSON object per line
+    with ``line`` (1-based number in the file as it was), ``text`` and ``quarantined_at``, and the
+    file is rewritten atomically without them so that appends continue cleanly.
+    """
     if not path.is_file():
         return []
-    rows, good_bytes = [], 0
+    rows, good, bad = [], [], []
     with path.open("rb") as fh:
-        for raw in fh:
-            if not raw.endswith(b"\n"):
-                _logger.warning("dropping a torn last line of %s (a killed write)", path)
-                break
-            try:
-                rows.append(json.loads(raw))
-            except json.JSONDecodeError:
-                _logger.warning("dropping an unreadable line of %s and everything after it", path)
-                break
-            good_bytes += len(raw)
-    if repair and path.stat().st_size > good_bytes:
-        with path.open("r+b") as fh:
-            fh.truncate(good_bytes)
+        for number, raw in enumerate(fh, start=1):
+            row = _parse_line(raw)
+            if row is None:
+                bad.append((number, raw))
+            else:
+                rows.append(row)
+                good.append(raw)
+    for number, raw in bad:
+        _logger.warning("%s line %d is unreadable%s; %s", path, number, " (a torn last write)"
+                        if not raw.endswith(b"\n") else "", "moved to the quarantine file" if repair else "skipped")
+    if repair and bad:
+        import time
+
+        quarantine = path.with_name(path.name.replace(".jsonl", "") + ".quarantine.jsonl")
+        with quarantine.open("a") as fh:
+            for number, raw in bad:
+                fh.write(json.dumps({"line": number, "text": raw.decode("utf-8", errors="replace"),
+                                     "quarantined_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}) + "\n")
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp.write_bytes(b"".join(good))
+        os.replace(tmp, path)
     return rows
 
 
@@ -98,6 +128,37 @@ class RunFolder:
         self.results_path = self.folder / RESULTS
         self.config_path = self.folder / CONFIG
         self.images_dir = self.folder / IMAGES
+        self._lock_fh: Optional[Any] = None
+
+    # ---------------------------------------------------------------------------------- lock
+    def lock(self) -> None:
+        """Take the folder's lock (created with the folder); held until :meth:`unlock` or exit.
+
+        Raises:
+            OutputLockedError: another run holds it.
+        """
+        if self._lock_fh is not None:
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        fh = (self.folder / LOCK).open("a+")
+        try:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.close()
+            raise OutputLockedError(f"output folder {self.folder} is in use by another run (its {LOCK} is locked); "
+                                    "wait for that run to end or use another --output folder") from None
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"pid {os.getpid()}\n")
+        fh.flush()
+        self._lock_fh = fh
+
+    def unlock(self) -> None:
+        """Release the lock (the OS releases it too when the process ends)."""
+        if self._lock_fh is not None:
+            fcntl.flock(self._lock_fh.fileno(), fcntl.LOCK_UN)
+            self._lock_fh.close()
+            self._lock_fh = None
 
     # ---------------------------------------------------------------------------------- config
     def check(self, cfg: dict) -> bool:
@@ -122,12 +183,25 @@ class RunFolder:
                                       "refusing to mix results of an unknown config; use a new --output folder")
         return False
 
-    def init(self, cfg: dict) -> None:
-        """Create the folder and save the resolved ``config.yaml`` (kept as is when resuming)."""
-        if self.check(cfg):
-            return
-        self.folder.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, self.config_path)
+    def init(self, cfg: dict, provenance: Optional[Mapping[str, Any]] = None) -> None:
+        """Lock the folder, save the resolved ``config.yaml`` (kept as is when resuming) and write or
+        check ``provenance.json`` (:mod:`fedmjp.benchmark.provenance`).
+
+        Raises:
+            OutputLockedError: another run holds the folder.
+            OutputConflictError: different config or provenance.
+        """
+        from .provenance import check_or_write
+
+        self.lock()
+        try:
+            if not self.check(cfg):  # checked again under the lock
+                save_config(cfg, self.config_path)
+            if provenance is not None:
+                check_or_write(self.folder, provenance)
+        except BaseException:
+            self.unlock()
+            raise
 
     def load_config(self) -> dict:
         return yaml.safe_load(self.config_path.read_text())

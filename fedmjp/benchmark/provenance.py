@@ -1,0 +1,126 @@
+"""What produced a run: code version, library versions, device and checkpoint hashes
+(``provenance.json`` in the run folder), and the resume check against it.
+
+A resume refuses (:class:`~fedmjp.benchmark.errors.OutputConflictError`, exit status 6) when the git
+commit, a library version, the device or a checkpoint's sha256 differs from the stored record:
+rows computed by different code or weights are never mixed in one table. A change of the *dirty*
+flag alone (uncommitted edits appeared or were committed away) only warns, because editing a
+README or a test must not lock a long run out of resuming; the record cannot tell which files
+changed, so a dirty run is as trustworthy as its author's note.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import subprocess
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from .config import PROJECT_ROOT
+from .errors import OutputConflictError
+
+_logger = logging.getLogger(__name__)
+
+PROVENANCE = "provenance.json"
+#: Distributions whose versions are recorded (import name differs for scikit-image).
+LIBRARIES = ("torch", "timm", "flwr", "lpips", "scikit-image", "breaching", "numpy", "scipy")
+#: Keys whose change only warns on resume.
+WARN_ONLY = ("code.dirty",)
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    """Hex sha256 of a file's bytes."""
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def code_version(root: Path = PROJECT_ROOT) -> dict[str, Any]:
+    """``{"commit": sha or "unknown", "dirty": bool or None}``: untracked files do not count as dirty."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                                timeout=30, check=True).stdout.strip()
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                                capture_output=True, text=True, timeout=60, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": "unknown", "dirty": None}
+    return {"commit": commit or "unknown", "dirty": bool(status.strip())}
+
+
+def library_versions() -> dict[str, str]:
+    """Installed versions of :data:`LIBRARIES` ("not installed" where absent)."""
+    out = {}
+    for name in LIBRARIES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+def device_record(device: torch.device) -> str:
+    """The device in words: ``cpu`` or ``cuda:N (<name>)``."""
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return str(device)
+
+
+def collect(cfg: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
+    """The provenance record of a run of ``cfg`` on ``device``."""
+    checkpoints = {}
+    for row in cfg["models"]:
+        if row.get("checkpoint"):
+            checkpoints[str(row["name"])] = sha256_file(row["checkpoint"])
+    backbone = (cfg.get("metrics") or {}).get("lpips_backbone")
+    files = {"lpips_backbone": sha256_file(backbone)} if backbone and Path(backbone).is_file() else {}
+    return {"code": code_version(), "libraries": library_versions(), "device": device_record(device),
+            "python": platform.python_version(), "checkpoints": checkpoints, "files": files}
+
+
+def _flatten(data: Any, where: str = "") -> dict[str, Any]:
+    if isinstance(data, Mapping):
+        out: dict[str, Any] = {}
+        for k, v in data.items():
+            out.update(_flatten(v, f"{where}{k}."))
+        return out
+    return {where.rstrip("."): data}
+
+
+def differences(stored: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """``"key: stored -> current"`` for every differing leaf (dotted keys)."""
+    a, b = _flatten(stored), _flatten(current)
+    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+
+
+def check_or_write(folder: Path, record: Mapping[str, Any]) -> None:
+    """Write ``provenance.json`` for a new run; on resume compare with the stored one.
+
+    Raises:
+        OutputConflictError: anything but the dirty flag differs (the message lists every difference).
+    """
+    path = folder / PROVENANCE
+    if not path.is_file():
+        if (folder / "results.jsonl").is_file():
+            _logger.warning("%s has no %s (an older run): resuming without a provenance check", folder, PROVENANCE)
+        tmp = path.with_name(f".{PROVENANCE}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+        return
+    stored = json.loads(path.read_text())
+    diffs = differences(stored, record)
+    refuse = [d for d in diffs if not d.startswith(WARN_ONLY)]
+    if refuse:
+        raise OutputConflictError(
+            f"output folder {folder} holds rows produced by different code, libraries, device or checkpoints; "
+            f"results are never mixed. Differences (stored -> now): {'; '.join(refuse)}. "
+            "Use a new --output folder, or restore what produced the stored rows to resume.")
+    for d in diffs:
+        _logger.warning("resuming %s although %s (uncommitted edits; see %s)", folder, d, PROVENANCE)
