@@ -1,0 +1,313 @@
+"""Numbers a reviewer can trust (issue 12), end to end on tiny configs (in-process Flower engine,
+32 px, depth-2 models): Acc. on the model as trained, failure semantics and exit status, batch
+pairing, several attackers, per-region columns, distribution statistics, provenance, quarantine,
+lock, and a server that never evaluates on private images."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+
+import attacks
+from attacks.base import Attack, AttackFailure, register_attack
+from clients import task
+from fedmjp.benchmark import scoring
+from fedmjp.benchmark.errors import OutputLockedError
+from fedmjp.benchmark.report import bootstrap_ci
+from fedmjp.benchmark.store import RunFolder, read_jsonl
+from fedmjp.data import load_images
+from fedmjp.factory import build_model
+from run_benchmark import main
+
+ROOT = Path(__file__).resolve().parents[1]
+LPIPS = ROOT.parent / "shared" / "data" / "lpips" / "alexnet_features.pth"
+ARCH = "mjp_vit_cifar_patch4_32"
+
+
+@register_attack("test_buggy")
+class BuggyAttack(Attack):
+    """An attack with a bug (raises ZeroDivisionError): must not make rows look private silently."""
+
+    name = "test_buggy"
+
+    def _reconstruct(self, model, update, meta):
+        return 1 / 0
+
+
+@register_attack("test_condition")
+class ConditionAttack(Attack):
+    """An attack whose condition never holds: an expected failure (AttackFailure)."""
+
+    name = "test_condition"
+
+    def _reconstruct(self, model, update, meta):
+        raise AttackFailure("condition not met (test)")
+
+
+def _config(tmp: Path, **changes) -> Path:
+    cfg = {
+        "name": "review", "seed": 0, "device": "cpu", "settings": ["c"], "gamma": 0.27,
+        "data": {"source": "embedded", "image_size": 32, "num_images": 4, "num_classes": 10},
+        "federation": {"engine": "inprocess", "rounds": 1, "clients": 2, "precision": "float64", "lr": 0.01},
+        "models": [{"name": "MJP", "arch": ARCH, "variant": "mjp", "kwargs": {"depth": 2}, "april": "surgery"}],
+        "attack": {"name": "april_analytic"},
+        "metrics": {"lpips_backbone": str(LPIPS)},
+        "report": {"grid_images": 1, "tile": 32},
+    }
+    for key, value in changes.items():
+        node = cfg
+        *path, last = key.split(".")
+        for part in path:
+            node = node[part]
+        node[last] = value
+    tmp.mkdir(parents=True, exist_ok=True)
+    path = tmp / "review.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _run(config: Path, output: Path, *extra: str) -> int:
+    return main(["--config", str(config), "--output", str(output), "--no-progress", *extra])
+
+
+# ------------------------------------------------------------------ 1. Acc. on the model as trained
+@pytest.fixture(scope="module")
+def trained_checkpoint(tmp_path_factory) -> Path:
+    """A depth-2 plain ViT fitted to 16 embedded images (100% top-1): a trained-looking model whose
+    block-0 norm1 matters."""
+    torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # 2 shared cores: intra-op threads only oversubscribe
+    data = load_images("embedded", 32, 16, 10)
+    model = build_model({"name": "t", "arch": ARCH, "variant": "plain", "kwargs": {"depth": 2}, "seed": 0})
+    model.train()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for _ in range(60):
+        opt.zero_grad()
+        F.cross_entropy(model(task._normalize(model, data.images)), data.labels).backward()
+        opt.step()
+    torch.set_num_threads(threads)
+    path = tmp_path_factory.mktemp("ckpt") / "plain.pt"
+    torch.save(model.state_dict(), path)
+    return path
+
+
+def test_acc_is_measured_on_the_unmodified_model(trained_checkpoint: Path, tmp_path: Path) -> None:
+    spec = {"name": "t", "arch": ARCH, "variant": "plain", "kwargs": {"depth": 2}, "seed": 0,
+            "checkpoint": str(trained_checkpoint)}
+    data = load_images("embedded", 32, 16, 10)
+    plain, cut = build_model(spec), build_model({**spec, "april": "surgery"})
+    with torch.no_grad():
+        acc_plain = (plain(task._normalize(plain, data.images)).argmax(-1) == data.labels).float().mean()
+        acc_cut = (cut(task._normalize(cut, data.images)).argmax(-1) == data.labels).float().mean()
+    assert acc_plain == 1.0 and acc_cut < 0.8  # the surgery changes what the model predicts
+
+    # 2 clients x batch 8 x 1 round: all 16 images, attacked at the checkpoint's weights (round 1)
+    cfg = _config(tmp_path, **{"data.num_images": 16, "federation.batch_size": 8, "settings": ["a"],
+                               "models": [{"name": "Plain", "arch": ARCH, "variant": "plain", "kwargs": {"depth": 2},
+                                           "april": "surgery", "checkpoint": str(trained_checkpoint)}]})
+    out = tmp_path / "out"
+    assert _run(cfg, out) == 0
+    rows = read_jsonl(out / "results.jsonl")
+    assert len(rows) == 16 and all(r["failed"] for r in rows)  # APRIL's closed form needs batch size 1
+    assert all("batch size 1" in r["reason"] and not r["error"] for r in rows)
+    assert [r["correct"] for r in rows] == [1.0] * 16  # the model as trained
+    assert math.isclose(np.mean([r["correct_attacked_model"] for r in rows]), float(acc_cut))  # what the attack saw
+    table = (out / "table.md").read_text()
+    assert pd.read_csv(out / "table.csv")["Acc. (%) ↑"].tolist() == [100.0]
+    assert "norm1 and attention residual removed" in table
+
+
+# ------------------------------------------------------------------ 2. failures and exit status
+def test_unexpected_attack_error_is_recorded_and_fails_the_run(tmp_path: Path, capsys) -> None:
+    cfg = _config(tmp_path, attacks=[{"name": "april_analytic"}, {"name": "test_buggy"},
+                                     {"name": "test_condition"}])
+    out = tmp_path / "out"
+    assert _run(cfg, out) == 8
+    assert "unexpected attack error" in capsys.readouterr().err
+    rows = pd.DataFrame(read_jsonl(out / "results.jsonl"))
+    assert sorted(rows["attack"].unique()) == ["april_analytic", "test_buggy", "test_condition"]
+    buggy = rows[rows["attack"] == "test_buggy"]
+    assert buggy["failed"].all() and buggy["error"].all()
+    assert buggy["reason"].str.contains("ZeroDivisionError").all()
+    cond = rows[rows["attack"] == "test_condition"]
+    assert cond["failed"].all() and not cond["error"].any()
+    assert not rows[rows["attack"] == "april_analytic"]["failed"].any()
+    tracebacks = list((out / "errors").glob("*.txt"))
+    assert len(tracebacks) == 2 and all("ZeroDivisionError" in p.read_text() for p in tracebacks)
+    # the tables were still written, one row per attacker, with the failure share
+    full = pd.read_csv(out / "table_full.csv")
+    assert list(full["attack"]) == ["april_analytic", "test_buggy", "test_condition"]
+    assert list(full["n_error"]) == [0, 2, 0] and list(full["n_failed"]) == [0, 2, 2]
+    table = pd.read_csv(out / "table.csv")
+    assert "Attack" in table.columns and table["n"].str.contains("2 failed").sum() == 2
+
+
+def test_condition_failures_alone_keep_exit_status_zero(tmp_path: Path) -> None:
+    assert _run(_config(tmp_path, **{"attack.name": "test_condition"}), tmp_path / "out", "--dry-run") == 0
+
+
+# ------------------------------------------------------------------ 3. batch pairing
+def test_pairing_undoes_a_label_sort() -> None:
+    data = load_images("embedded", 32, 8, 10)
+    x = data.images[[3, 0, 2, 1]]
+    labels = torch.tensor([7, 2, 9, 4])
+    sort = labels.argsort()  # breaching's adapter returns the batch in label order
+    g = torch.Generator().manual_seed(0)
+    recon = (x[sort] + 0.1 * torch.randn(x.shape, generator=g)).clamp(0, 1)
+    order = scoring.pair_reconstructions(recon, x)
+    assert torch.equal(sort[torch.tensor(order)], torch.arange(4))
+    assert order != [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="one image per image"):
+        scoring.pair_reconstructions(recon[:3], x)
+
+
+def test_batch_of_four_rows_record_their_pairing(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, **{"data.num_images": 8, "federation.batch_size": 4, "federation.precision": "float32",
+                               "attack.name": "invertinggradients", "attack.options": {"iterations": 2}})
+    out = tmp_path / "out"
+    assert _run(cfg, out) == 0
+    rows = pd.DataFrame(read_jsonl(out / "results.jsonl"))
+    assert len(rows) == 8
+    for _, update in rows.groupby(["round", "partition_id"]):
+        assert sorted(update["recon_index"]) == [0, 1, 2, 3]
+        assert sorted(update["batch_index"]) == [0, 1, 2, 3]
+
+
+# ------------------------------------------------------------------ 4-6. regions, several attackers, shape
+def test_mjp_rows_carry_region_scores_and_shape_statistics(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, settings=["a", "b", "c"])
+    out = tmp_path / "out"
+    assert _run(cfg, out) == 0
+    rows = pd.DataFrame(read_jsonl(out / "results.jsonl"))
+    shuffled = rows[rows["setting"].isin(["b", "c"])]
+    for col in ("psnr_unshuffled", "psnr_shuffled", "mse_unshuffled", "ssim_shuffled"):
+        assert shuffled[col].notna().all(), col
+    assert rows[rows["setting"] == "a"].get("psnr_shuffled", pd.Series(dtype=float)).isna().all()
+    # x and x~ agree outside S and hold the same patch set on S: the region scores of one
+    # reconstruction are the same against x~ (b) and x (c), while the whole-image scores differ
+    b = shuffled[shuffled["setting"] == "b"].set_index("image_id")
+    c = shuffled[shuffled["setting"] == "c"].set_index("image_id")
+    for image_id, r in b.iterrows():
+        for col in ("mse_unshuffled", "mse_shuffled"):
+            assert math.isclose(r[col], c.loc[image_id, col], rel_tol=1e-6, abs_tol=1e-12), col
+    assert not np.allclose(b["fft2d"], c.loc[b.index, "fft2d"])
+    full = pd.read_csv(out / "table_full.csv")
+    for col in ("psnr_median", "psnr_ci_low", "psnr_ci_high", "recognisable_ssim", "recognisable_lpips",
+                "psnr_unshuffled_mean", "mse_shuffled_mean"):
+        assert col in full.columns, col
+    assert (full["psnr_ci_low"] <= full["psnr_mean"] + 1e-9).all()
+    assert (full["psnr_mean"] <= full["psnr_ci_high"] + 1e-9).all()
+    paper = pd.read_csv(out / "table.csv")
+    assert list(paper.columns)[:3] == ["Model", "Setting", "Acc. (%) ↑"]  # one attacker: no Attack column
+    for s in "abc":
+        assert (out / f"dist_{s}.png").is_file()
+
+
+def test_bootstrap_interval_is_seeded_and_brackets_the_mean() -> None:
+    v = np.array([1.0, 2.0, 3.0, 10.0, 4.0])
+    lo, hi = bootstrap_ci(v)
+    assert (lo, hi) == bootstrap_ci(v) and lo < v.mean() < hi
+    assert all(math.isnan(t) for t in bootstrap_ci(np.array([])))
+
+
+@register_attack("test_constant")
+class ConstantAttack(Attack):
+    """Returns grey 0.25 as the client's input and grey 0.75 as its estimate of x (``unshuffled``)."""
+
+    name = "test_constant"
+
+    def _reconstruct(self, model, update, meta):
+        n, size = meta.num_images, meta.image_size
+        return attacks.AttackResult(torch.full((n, *size), 0.25), [{} for _ in range(n)],
+                                    unshuffled=torch.full((n, *size), 0.75))
+
+
+def test_unshuffled_estimate_scores_setting_c(tmp_path: Path) -> None:
+    """Setting (c) is scored on AttackResult.unshuffled, (b) on images."""
+    out = tmp_path / "out"
+    assert _run(_config(tmp_path, settings=["b", "c"], **{"attack.name": "test_constant"}), out, "--dry-run") == 0
+    rows = {r["setting"]: r for r in read_jsonl(out / "results.jsonl")}
+    data = load_images("embedded", 32, 4, 10)
+    x = data.images[data.names.index(rows["c"]["image_id"])].double()
+    # x~ permutes x's patches, so a constant image is as far from x~ as from x
+    assert math.isclose(rows["b"]["mse"], float(((x - 0.25) ** 2).mean()), rel_tol=1e-5)
+    assert math.isclose(rows["c"]["mse"], float(((x - 0.75) ** 2).mean()), rel_tol=1e-5)
+    assert rows["b"]["scored_estimate"] == "images" and rows["c"]["scored_estimate"] == "unshuffled"
+
+
+# ------------------------------------------------------------------ 7. provenance, quarantine, lock
+def test_provenance_difference_refuses_resume(tmp_path: Path, capsys) -> None:
+    cfg, out = _config(tmp_path), tmp_path / "out"
+    assert _run(cfg, out, "--dry-run") == 0
+    record = json.loads((out / "provenance.json").read_text())
+    assert set(record) >= {"code", "libraries", "device", "checkpoints"}
+    record["code"]["dirty"] = not record["code"]["dirty"]  # only warns
+    (out / "provenance.json").write_text(json.dumps(record))
+    assert _run(cfg, out, "--dry-run") == 0
+    record["libraries"]["timm"] = "0.0.1"
+    record["device"] = "cuda:0 (elsewhere)"
+    (out / "provenance.json").write_text(json.dumps(record))
+    capsys.readouterr()
+    assert _run(cfg, out, "--dry-run") == 6
+    err = capsys.readouterr().err
+    assert "libraries.timm: '0.0.1'" in err and "device:" in err
+
+
+def test_corrupt_middle_line_is_quarantined_not_truncating(tmp_path: Path) -> None:
+    path = tmp_path / "results.jsonl"
+    path.write_text('{"a": 1}\n{"a": 2\n{"a": 3}\n{"a": 4')  # corrupt line 2, torn line 4
+    assert read_jsonl(path) == [{"a": 1}, {"a": 3}]
+    assert read_jsonl(path, repair=True) == [{"a": 1}, {"a": 3}]
+    assert path.read_text() == '{"a": 1}\n{"a": 3}\n'
+    quarantined = [json.loads(line) for line in (tmp_path / "results.quarantine.jsonl").read_text().splitlines()]
+    assert [(q["line"], q["text"]) for q in quarantined] == [(2, '{"a": 2\n'), (4, '{"a": 4')]
+
+
+def test_lock_stops_a_second_writer(tmp_path: Path, capsys) -> None:
+    held = RunFolder(tmp_path / "out")
+    held.lock()
+    try:
+        with pytest.raises(OutputLockedError, match=str(tmp_path / "out")):
+            RunFolder(tmp_path / "out").lock()
+        code = subprocess.run([sys.executable, "-c", (
+            "import sys; from fedmjp.benchmark.store import RunFolder\n"
+            "from fedmjp.benchmark.errors import OutputLockedError\n"
+            f"try: RunFolder({str(tmp_path / 'out')!r}).lock()\n"
+            "except OutputLockedError: sys.exit(9)\n")], cwd=ROOT).returncode
+        assert code == 9  # another process too
+    finally:
+        held.unlock()
+    RunFolder(tmp_path / "out").lock()  # released
+
+
+# ------------------------------------------------------------------ 8-9. server eval, device
+def test_server_eval_uses_a_public_split() -> None:
+    cfg = {"num-images": 8, "image-size": 32}
+    private = task.private_image_set(cfg)
+    public = task.public_eval_set(cfg)
+    assert len(public) > 0 and not set(public.names) & set(private.names)
+    assert task.DEFAULTS["server-eval"] is False and task.DEFAULTS["device"] == "auto"
+    with pytest.raises(ValueError, match="public split"):
+        task.public_eval_set({"num-images": 0, "image-size": 32})
+
+
+def test_benchmark_device_reaches_the_clients() -> None:
+    from fedmjp.benchmark import config as C
+    from fedmjp.benchmark.pipeline import ModelRow, client_run_config
+
+    cfg = C.validate(C.apply_overrides(C.load_config(), ["device=cpu"]))
+    row = ModelRow(0, "x", "x", C.model_spec(cfg, 0), torch.nn.Identity(), False)
+    run_config = client_run_config(cfg, row, "shuffled")
+    assert run_config["device"] == "cpu" and task.resolve_config(run_config)["device"] == "cpu"
+    with pytest.raises(ValueError, match="cuda"):
+        task.pick_device("cuda:99" if torch.cuda.is_available() else "cuda")
