@@ -311,3 +311,13 @@ def test_benchmark_device_reaches_the_clients() -> None:
     assert run_config["device"] == "cpu" and task.resolve_config(run_config)["device"] == "cpu"
     with pytest.raises(ValueError, match="cuda"):
         task.pick_device("cuda:99" if torch.cuda.is_available() else "cuda")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks that a CUDA request fails on a CPU-only machine")
+def test_local_update_reads_the_device_key() -> None:
+    cfg = {"num-images": 4, "image-size": 32, "model-kwargs": {"depth": 1}}
+    state = task.load_global_model(task.resolve_config(cfg)).state_dict()
+    _, _, batch = task.local_update({**cfg, "device": "cpu"}, state, 0, 1)
+    assert batch.images.shape[0] == 1
+    with pytest.raises(ValueError, match="cuda"):
+        task.local_update({**cfg, "device": "cuda"}, state, 0, 1)  # 'auto' would have run on the CPU
