@@ -149,7 +149,12 @@ def test_unexpected_attack_error_is_recorded_and_fails_the_run(tmp_path: Path, c
     assert list(full["attack"]) == ["april_analytic", "test_buggy", "test_condition"]
     assert list(full["n_error"]) == [0, 2, 0] and list(full["n_failed"]) == [0, 2, 2]
     table = pd.read_csv(out / "table.csv")
-    assert "Attack" in table.columns and table["n"].str.contains("2 failed").sum() == 2
+    assert "Attack" in table.columns and list(table["n"]) == ["2", "2 (2 failed, 2 on errors)", "2 (2 failed)"]
+    # the grid has one row per model and attacker
+    from PIL import Image
+    from fedmjp.benchmark.report import GridLayout, grid_columns
+
+    assert Image.open(out / "grid_c.png").size == GridLayout(3, len(grid_columns("c")), 32).size
 
 
 def test_condition_failures_alone_keep_exit_status_zero(tmp_path: Path) -> None:
@@ -167,6 +172,12 @@ def test_pairing_undoes_a_label_sort() -> None:
     order = scoring.pair_reconstructions(recon, x)
     assert torch.equal(sort[torch.tensor(order)], torch.arange(4))
     assert order != [0, 1, 2, 3]
+    # a failed (zeroed) reconstruction never takes a reference from a usable one
+    failed_recon = recon.clone()
+    failed_recon[0] = 0.0
+    flags = [True, False, False, False]
+    order = scoring.pair_reconstructions(failed_recon, x, flags)
+    assert all(sort[order[b]] == b for b in range(4) if not flags[order[b]])
     with pytest.raises(ValueError, match="one image per image"):
         scoring.pair_reconstructions(recon[:3], x)
 

@@ -447,7 +447,7 @@ class GroupAttacker:
         estimate = "unshuffled" if (s == "c" and result.unshuffled is not None) else "images"
         recon = result.unshuffled if estimate == "unshuffled" else result.images
         reference = batch.shuffled if s == "b" else batch.images
-        order = scoring.pair_reconstructions(recon, reference) if n > 1 else [0]
+        order = scoring.pair_reconstructions(recon, reference, result.failed_images) if n > 1 else [0]
         recon = recon[order]
         t_score = time.perf_counter()
         scores = self.p.scorer.score(s, recon, batch.images, batch.shuffled)

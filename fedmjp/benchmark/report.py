@@ -160,7 +160,9 @@ def paper_table(full: pd.DataFrame) -> pd.DataFrame:
         rec.update({"Setting": f"({r['setting']})", ACC_HEADER: _fmt(100.0 * r["acc_mean"], 1)})
         for col, header, dec in METRIC_COLUMNS:
             rec[header] = _fmt(r[f"{col}_mean"], dec)
-        rec["n"] = f"{int(r['n'])}" + (f" ({int(r['n_failed'])} failed)" if r["n_failed"] else "")
+        errors = int(r.get("n_error", 0) or 0)
+        rec["n"] = f"{int(r['n'])}" + (f" ({int(r['n_failed'])} failed{f', {errors} on errors' if errors else ''})"
+                                       if r["n_failed"] else "")
         records.append(rec)
     return pd.DataFrame(records)
 

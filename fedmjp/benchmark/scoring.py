@@ -54,16 +54,19 @@ class Scorer:
         return [{k: v for k, v in r.items() if k in keep} for r in rows]
 
 
-def pair_reconstructions(reconstruction: torch.Tensor, reference: torch.Tensor) -> list[int]:
+def pair_reconstructions(reconstruction: torch.Tensor, reference: torch.Tensor,
+                         failed: Optional[list[bool]] = None) -> list[int]:
     """Which reconstruction belongs to which true image of a batch.
 
     An attack need not return its batch in the client's order (breaching's adapter sorts by label,
     optimisation attacks have no order at all). As breaching's ``order_batch`` does, solve a minimum
     total pixel-MSE assignment (``scipy.optimize.linear_sum_assignment``) between reconstructions and
-    references; non-finite reconstructions cost the most.
+    references; non-finite and failed reconstructions cost the most, so they take the references
+    that no usable reconstruction is paired with.
 
     Args:
         reconstruction, reference: [B, 3, H, W].
+        failed: per-reconstruction failure flags (the attack's), or None.
     Returns:
         ``order`` of length B: reconstruction ``order[b]`` is scored against reference ``b``.
     """
@@ -75,6 +78,9 @@ def pair_reconstructions(reconstruction: torch.Tensor, reference: torch.Tensor) 
         raise ValueError(f"{rec.shape[0]} reconstructions of {rec.shape[1]} values for {ref.shape[0]} references "
                          f"of {ref.shape[1]}: an attack must return one image per image of the batch")
     cost = torch.cdist(ref, rec).pow(2) / ref.shape[1]  # cost[b, j]: reference b vs reconstruction j
+    if failed is not None:
+        # a flat cost above any pixel MSE of images in [0, 1]: failed ones get the leftovers
+        cost[:, torch.tensor([bool(f) for f in failed], dtype=torch.bool)] = 1e6
     rows, cols = linear_sum_assignment(cost.numpy())
     return [int(c) for c in cols[rows.argsort()]]
 

@@ -29,7 +29,6 @@ from .errors import OutputConflictError, OutputLockedError
 _logger = logging.getLogger(__name__)
 
 RESULTS = "results.jsonl"
-QUARANTINE = "results.quarantine.jsonl"
 LOCK = ".lock"
 CONFIG = "config.yaml"
 IMAGES = "images"
