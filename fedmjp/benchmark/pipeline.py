@@ -113,7 +113,7 @@ def build_rows(cfg: dict, device: torch.device) -> list[ModelRow]:
             model = build_model(spec, device=device)
         except CheckpointError as err:
             raise ModelCheckpointError(f"model row {row['name']!r}: {err}") from err
-        except ValueError as err:
+        except (TypeError, ValueError) as err:  # timm: unknown or ill-typed constructor kwargs
             raise ConfigError(f"model row {row['name']!r}: {err}") from err
         size = tuple(model.patch_embed.img_size)
         if size != (cfg["data"]["image_size"],) * 2:
@@ -135,10 +135,22 @@ def prepare(cfg: dict) -> Prepared:
     rows = build_rows(cfg, device)
     try:
         attack = attacks.create_attack(cfg["attack"]["name"], **dict(cfg["attack"]["options"] or {}))
-    except ValueError as err:
-        raise ConfigError(str(err)) from err
+    except (TypeError, ValueError) as err:  # unknown or ill-typed attack.options
+        raise ConfigError(f"attack {cfg['attack']['name']!r}: {err} (attack.options)") from err
     scorer = scoring.Scorer(device, cfg["metrics"])
+    check_partitions(cfg, rows[0])
     return Prepared(cfg, device, images.names, rows, attack, scorer)
+
+
+def check_partitions(cfg: dict, row: ModelRow) -> None:
+    """The clients' partitioning works for this image set (a Dirichlet split of too few images per
+    class fails): found here, before the output folder is written, not inside a client."""
+    from clients.task import private_batch
+
+    try:
+        private_batch(client_run_config(cfg, row, "clean"), 0, 1, cfg["federation"]["clients"])
+    except ValueError as err:
+        raise ConfigError(f"federation.partition={cfg['federation']['partition']!r}: {err}") from err
 
 
 # ------------------------------------------------------------------------------------ federation
