@@ -31,7 +31,7 @@ SETTINGS = ("a", "b", "c")
 SETTING_GROUPS = {"a": "clean", "b": "shuffled", "c": "shuffled"}
 ENGINES = ("inprocess", "simulation")
 LABEL_MODES = ("known", "none")
-MODEL_ROW_KEYS = ("name", "label", "arch", "variant", "kwargs", "checkpoint", "april", "seed")
+MODEL_ROW_KEYS = ("name", "label", "arch", "variant", "kwargs", "checkpoint", "april", "seed", "recipe")
 
 #: Every key a config may hold, with its default. ``models`` has no default rows.
 DEFAULTS: dict[str, Any] = {
@@ -42,6 +42,7 @@ DEFAULTS: dict[str, Any] = {
     "gamma": 0.27,  # share of patches the client's MJP shuffle selects in settings (b)/(c)
     "dry_run": False,
     "output": None,  # output folder (--output); None: runs/<time>-setting-<s>
+    "train_data": None,  # training data of the model rows' recipes (--train-missing); None: none
     "data": {
         "source": "embedded",  # "embedded" (scikit-image's bundled images) or an image folder
         "image_size": 32,
@@ -78,7 +79,7 @@ DEFAULTS: dict[str, Any] = {
 }
 
 #: Keys that do not change any result; a resumed run may differ in them.
-NON_RESULT_KEYS = ("output",)
+NON_RESULT_KEYS = ("output", "train_data")
 
 
 def _merge(base: dict, update: Mapping, where: str = "") -> dict:
@@ -133,9 +134,11 @@ def _resolve_path(value: Any, base: Path) -> Any:
 def _resolve_paths(cfg: dict, base: Path) -> dict:
     cfg["data"]["source"] = _resolve_path(cfg["data"]["source"], base)
     cfg["metrics"]["lpips_backbone"] = _resolve_path(cfg["metrics"]["lpips_backbone"], base)
+    cfg["train_data"] = _resolve_path(cfg["train_data"], base)
     for row in cfg["models"] if isinstance(cfg["models"], list) else ():  # validate() names a non-list
-        if isinstance(row, dict) and isinstance(row.get("checkpoint"), str):
-            row["checkpoint"] = _resolve_path(row["checkpoint"], base)
+        for key in ("checkpoint", "recipe"):
+            if isinstance(row, dict) and isinstance(row.get(key), str):
+                row[key] = _resolve_path(row[key], base)
     return cfg
 
 
@@ -212,15 +215,15 @@ def _check_int(value: Any, what: str, minimum: int = 1, allow_none: bool = False
 
 
 #: Keys whose default is None (or whose values may be None): the types they take besides None.
-NULLABLE: dict[str, tuple[type, ...]] = {"output": (str,), "data.num_images": (int,),
+NULLABLE: dict[str, tuple[type, ...]] = {"output": (str,), "train_data": (str,), "data.num_images": (int,),
                                          "metrics.lpips_backbone": (str,)}
 #: Mappings whose content is free-form here and checked elsewhere (attack constructor, client keys).
 FREE_MAPPINGS = ("options",)
 #: Model row keys and the types they take (None allowed where listed in MODEL_ROW_NULLABLE).
 MODEL_ROW_TYPES: dict[str, tuple[type, ...]] = {
     "name": (str,), "label": (str,), "arch": (str,), "variant": (str,), "kwargs": (dict,),
-    "checkpoint": (str,), "april": (str,), "seed": (int,)}
-MODEL_ROW_NULLABLE = ("label", "kwargs", "checkpoint", "april", "seed")
+    "checkpoint": (str,), "april": (str,), "seed": (int,), "recipe": (str,)}
+MODEL_ROW_NULLABLE = ("label", "kwargs", "checkpoint", "april", "seed", "recipe")
 
 _KIND = {bool: "true or false", int: "an integer", float: "a number", str: "a string", list: "a list",
          dict: "a mapping"}
@@ -333,6 +336,8 @@ def _validate_models(cfg: dict) -> None:
             raise ConfigError(f"model row {row['name']!r}: unknown keys {sorted(unknown)}; valid: {', '.join(MODEL_ROW_KEYS)}")
         for key, value in row.items():
             _check_type(value, MODEL_ROW_TYPES[key], f"models.{index}.{key}", nullable=key in MODEL_ROW_NULLABLE)
+        if row.get("recipe") and not Path(row["recipe"]).is_file():
+            raise ConfigError(f"model row {row['name']!r}: training recipe {row['recipe']} does not exist")
         names.append(str(row["name"]))
         try:
             validate_spec(model_spec(cfg, index))
@@ -359,7 +364,7 @@ def available_attacks() -> list[str]:
 def model_spec(cfg: dict, index: int) -> dict:
     """The factory spec of model row ``index`` (label dropped; seed defaults to seed + index)."""
     row = cfg["models"][index]
-    spec = {k: copy.deepcopy(v) for k, v in row.items() if k != "label"}
+    spec = {k: copy.deepcopy(v) for k, v in row.items() if k not in ("label", "recipe")}
     spec.setdefault("variant", "plain")
     spec.setdefault("kwargs", {})
     spec.setdefault("checkpoint", None)
