@@ -34,8 +34,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         output = args.output or cfg["output"] or default_output(cfg)
         cfg["output"] = str(Path(output).resolve())
         from fedmjp.benchmark.pipeline import raise_for_errors, run_benchmark
+        from fedmjp.benchmark.training import train_missing
 
         with logging_redirect_tqdm():  # log lines above the progress bars, not through them
+            if args.train_missing:
+                from fedmjp.benchmark.store import RunFolder
+
+                RunFolder(output).check(cfg)  # a conflicting output folder fails before any training
+                trained = train_missing(cfg, progress=not args.no_progress)
+                print(f"trained: {', '.join(job.row for job in trained) or 'nothing (all checkpoints finished)'}")
             summary = run_benchmark(cfg, output, progress=not args.no_progress)
     except BenchmarkError as err:
         print(f"error: {err}", file=sys.stderr)

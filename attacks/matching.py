@@ -235,7 +235,7 @@ class GradientMatching(Attack):
         failed = torch.zeros(K, dtype=torch.bool, device=self.device)
         trace = torch.full((its, K), float("nan"))
         lo5, hi5 = lo.unsqueeze(0), hi.unsqueeze(0)
-        for it in tqdm(range(its), disable=not self.progress, desc=self.name, leave=False):
+        for it in tqdm(range(its), disable=None if self.progress else True, desc=self.name, leave=False):
             opt.zero_grad(set_to_none=False)
             obj, _ = self._objective(per_group, targets, y, x, lo)
             finite = torch.isfinite(obj.detach())

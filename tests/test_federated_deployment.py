@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from proc_utils import free_port, kill_tree, wait_for_port
 
 from server.rounds import ServerOutcome
 from server.tap import load_tapped_updates
@@ -25,61 +23,11 @@ OFFLINE = {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _descendants(pid: int) -> list[int]:
-    """pid and all its descendants, from /proc (SuperLink and SuperNodes spawn SuperExec,
-    flwr-serverapp and flwr-clientapp processes, some in sessions of their own)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-    out, stack = [], [pid]
-    while stack:
-        p = stack.pop()
-        out.append(p)
-        stack.extend(children.get(p, []))
-    return out
-
-
-def _kill_tree(procs: list[subprocess.Popen]) -> None:
-    pids = [p for proc in procs for p in _descendants(proc.pid)]
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.time() + 5
-        while sig == signal.SIGTERM and time.time() < deadline and any(p.poll() is None for p in procs):
-            time.sleep(0.2)
-    for proc in procs:
-        proc.wait(timeout=10)
-
-
-def _wait_for_port(port: int, timeout: float) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.3)
-    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout} s")
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("flower-superlink") is None, reason="Flower CLI not installed")
 def test_deployment_engine_superlink_two_supernodes(tmp_path):
     env = {**os.environ, **OFFLINE, "FLWR_HOME": str(tmp_path / "flwr-home")}
-    link, node0, node1 = _free_port(), _free_port(), _free_port()
+    link, node0, node1 = free_port(), free_port(), free_port()
     (tmp_path / "flwr-home").mkdir()
     (tmp_path / "flwr-home" / "config.toml").write_text(
         f'[superlink]\ndefault = "e2e"\n\n[superlink.e2e]\naddress = "127.0.0.1:{link}"\ninsecure = true\n')
@@ -95,9 +43,9 @@ def test_deployment_engine_superlink_two_supernodes(tmp_path):
 
     try:
         # A file database: the in-memory one hit "cannot commit transaction" under concurrent pushes.
-        start("superlink", ["flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(link),
+        start("superlink", ["flower-superlink", "--insecure", "--disable-runtime-dependency-installation", "--host", "127.0.0.1", "--port", str(link),
                             "--database", str(tmp_path / "state.db")])
-        _wait_for_port(link, 60)
+        wait_for_port(link, 60)
         for pid, port in ((0, node0), (1, node1)):
             start(f"supernode{pid}", ["flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{link}",
                                       "--host", "127.0.0.1", "--port", str(port),
@@ -117,6 +65,6 @@ def test_deployment_engine_superlink_two_supernodes(tmp_path):
                                capture_output=True, text=True, timeout=60)
         assert check.returncode == 0, check.stderr[-2000:]
     finally:
-        _kill_tree(procs)
+        kill_tree(procs)
         for log in logs:
             log.close()

@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", metavar="DEV", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--engine", choices=C.ENGINES, help="Flower simulation (Ray) or the in-process engine")
     p.add_argument("--on-corrupt", choices=("skip", "fail"), help="corrupt image files: skip (listed) or stop")
+    p.add_argument("--train-missing", action="store_true",
+                   help="first train the checkpoints of model rows that name a recipe and whose checkpoint is "
+                        "missing or unfinished (resumable), then attack them")
     p.add_argument("--dry-run", action="store_true", help="run every stage once (1 round, 1 update per federation)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config value (dotted key, YAML value), e.g. --set federation.lr=0.05")

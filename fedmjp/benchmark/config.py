@@ -31,7 +31,7 @@ SETTINGS = ("a", "b", "c")
 SETTING_GROUPS = {"a": "clean", "b": "shuffled", "c": "shuffled"}
 ENGINES = ("inprocess", "simulation")
 LABEL_MODES = ("known", "none")
-MODEL_ROW_KEYS = ("name", "label", "arch", "variant", "kwargs", "checkpoint", "april", "seed")
+MODEL_ROW_KEYS = ("name", "label", "arch", "variant", "kwargs", "checkpoint", "april", "seed", "recipe")
 
 #: Every key a config may hold, with its default. ``models`` has no default rows.
 DEFAULTS: dict[str, Any] = {
@@ -42,6 +42,7 @@ DEFAULTS: dict[str, Any] = {
     "gamma": 0.27,  # share of patches the client's MJP shuffle selects in settings (b)/(c)
     "dry_run": False,
     "output": None,  # output folder (--output); None: runs/<time>-setting-<s>
+    "train_data": None,  # training data of the model rows' recipes (--train-missing); None: none
     "data": {
         "source": "embedded",  # "embedded" (scikit-image's bundled images) or an image folder
         "image_size": 32,
@@ -81,7 +82,7 @@ DEFAULTS: dict[str, Any] = {
 }
 
 #: Keys that do not change any result; a resumed run may differ in them.
-NON_RESULT_KEYS = ("output",)
+NON_RESULT_KEYS = ("output", "train_data")
 
 
 def _merge(base: dict, update: Mapping, where: str = "") -> dict:
@@ -136,9 +137,11 @@ def _resolve_path(value: Any, base: Path) -> Any:
 def _resolve_paths(cfg: dict, base: Path) -> dict:
     cfg["data"]["source"] = _resolve_path(cfg["data"]["source"], base)
     cfg["metrics"]["lpips_backbone"] = _resolve_path(cfg["metrics"]["lpips_backbone"], base)
-    for row in cfg["models"]:
-        if isinstance(row, dict) and row.get("checkpoint"):
-            row["checkpoint"] = _resolve_path(row["checkpoint"], base)
+    cfg["train_data"] = _resolve_path(cfg["train_data"], base)
+    for row in cfg["models"] if isinstance(cfg["models"], list) else ():  # validate() names a non-list
+        for key in ("checkpoint", "recipe"):
+            if isinstance(row, dict) and isinstance(row.get(key), str):
+                row[key] = _resolve_path(row[key], base)
     return cfg
 
 
@@ -191,6 +194,8 @@ def select_models(cfg: dict, names: Optional[Sequence[str]]) -> dict:
     if not names:
         return cfg
     wanted = [n for item in names for n in str(item).split(",") if n]
+    if not isinstance(cfg["models"], list) or not all(isinstance(row, dict) for row in cfg["models"]):
+        raise ConfigError(f"models must be a list of mappings (model rows), got {cfg['models']!r}")
     valid = [row.get("name") for row in cfg["models"]]
     unknown = [n for n in wanted if n not in valid]
     if unknown:
@@ -212,12 +217,77 @@ def _check_int(value: Any, what: str, minimum: int = 1, allow_none: bool = False
         raise ConfigError(f"{what} must be an integer >= {minimum}, got {value!r}")
 
 
-def validate(cfg: dict) -> dict:
-    """Check names and values; normalises ``settings`` (``all`` -> a, b, c). Returns the config.
+#: Keys whose default is None (or whose values may be None): the types they take besides None.
+NULLABLE: dict[str, tuple[type, ...]] = {"output": (str,), "train_data": (str,), "data.num_images": (int,),
+                                         "metrics.lpips_backbone": (str,)}
+#: Mappings whose content is free-form here and checked elsewhere (attack constructor, client keys).
+FREE_MAPPINGS = ("options",)
+#: Model row keys and the types they take (None allowed where listed in MODEL_ROW_NULLABLE).
+MODEL_ROW_TYPES: dict[str, tuple[type, ...]] = {
+    "name": (str,), "label": (str,), "arch": (str,), "variant": (str,), "kwargs": (dict,),
+    "checkpoint": (str,), "april": (str,), "seed": (int,), "recipe": (str,)}
+MODEL_ROW_NULLABLE = ("label", "kwargs", "checkpoint", "april", "seed", "recipe")
 
-    Model rows are checked against the factory (arch, variant, april mode) and the attack name
-    against the attack registry, so that a bad name fails before any work starts.
+_KIND = {bool: "true or false", int: "an integer", float: "a number", str: "a string", list: "a list",
+         dict: "a mapping"}
+
+
+def _is_a(value: Any, types: tuple[type, ...]) -> bool:
+    """``isinstance`` with YAML's view of numbers: bool is not a number, an int is a float."""
+    if isinstance(value, bool):
+        return bool in types
+    if isinstance(value, int) and float in types:
+        return True
+    return isinstance(value, types)
+
+
+def _check_type(value: Any, types: tuple[type, ...], what: str, nullable: bool = False) -> None:
+    if (value is None and nullable) or _is_a(value, types):
+        return
+    kinds = " or ".join(_KIND.get(t, t.__name__) for t in types) + (" or null" if nullable else "")
+    raise ConfigError(f"config key {what!r} must be {kinds}, got {value!r}")
+
+
+def check_types(cfg: Mapping[str, Any], defaults: Mapping[str, Any] = DEFAULTS, where: str = "") -> None:
+    """Every leaf of ``cfg`` has the type of its default (or a type in :data:`NULLABLE`).
+
+    The types come from :data:`DEFAULTS` itself, so a key added there is checked without more code.
     """
+    for key, default in defaults.items():
+        path, value = f"{where}{key}", cfg.get(key)
+        if path in NULLABLE:
+            _check_type(value, NULLABLE[path], path, nullable=True)
+        elif key == "models":
+            _check_type(value, (list,), path)
+        elif isinstance(default, dict):
+            _check_type(value, (dict,), path)
+            if key not in FREE_MAPPINGS:
+                check_types(value, default, f"{path}.")
+        elif path == "settings":
+            _check_type(value, (list, str), path)
+        else:
+            _check_type(value, (type(default),), path)
+
+
+def _validate_client_options(options: Mapping[str, Any]) -> None:
+    """``federation.options`` go into the clients' Flower run config: known keys, default types."""
+    from clients.task import DEFAULTS as CLIENT_DEFAULTS
+
+    for key, value in options.items():
+        if key not in CLIENT_DEFAULTS:
+            raise ConfigError(f"unknown key {key!r} in federation.options; valid: {', '.join(CLIENT_DEFAULTS)}")
+        _check_type(value, (type(CLIENT_DEFAULTS[key]),), f"federation.options.{key}")
+
+
+def validate(cfg: dict) -> dict:
+    """Check names, types and values; normalises ``settings`` (``all`` -> a, b, c). Returns the config.
+
+    Every value a user can type is checked here, before anything is written: types against
+    :data:`DEFAULTS`, names against their registries (model factory, attacks), ranges by hand.
+    """
+    from clients.task import PARTITIONERS
+
+    check_types(cfg)
     settings = cfg["settings"]
     if isinstance(settings, str):
         settings = list(SETTINGS) if settings == "all" else [settings]
@@ -240,6 +310,12 @@ def validate(cfg: dict) -> dict:
     _check_choice(fed["precision"], ("float32", "float64"), "federation.precision")
     for key in ("rounds", "clients", "batch_size", "local_steps"):
         _check_int(fed[key], f"federation.{key}")
+    _check_choice(fed["partition"], PARTITIONERS, "federation.partition")
+    if not 0.0 <= fed["lr"] < float("inf"):
+        raise ConfigError(f"federation.lr must be a finite number >= 0, got {fed['lr']!r}")
+    _validate_client_options(fed["options"])
+    if not cfg["device"].strip():
+        raise ConfigError("device must be auto, cpu, cuda or cuda:N, got an empty string")
     _check_choice(cfg["attack"]["labels"], LABEL_MODES, "attack.labels")
     _check_int(cfg["report"]["grid_images"], "report.grid_images", minimum=0)
     _check_int(cfg["report"]["tile"], "report.tile", minimum=8)
@@ -262,6 +338,10 @@ def _validate_models(cfg: dict) -> None:
         unknown = set(row) - set(MODEL_ROW_KEYS)
         if unknown:
             raise ConfigError(f"model row {row['name']!r}: unknown keys {sorted(unknown)}; valid: {', '.join(MODEL_ROW_KEYS)}")
+        for key, value in row.items():
+            _check_type(value, MODEL_ROW_TYPES[key], f"models.{index}.{key}", nullable=key in MODEL_ROW_NULLABLE)
+        if row.get("recipe") and not Path(row["recipe"]).is_file():
+            raise ConfigError(f"model row {row['name']!r}: training recipe {row['recipe']} does not exist")
         names.append(str(row["name"]))
         try:
             validate_spec(model_spec(cfg, index))
@@ -321,7 +401,7 @@ def available_attacks() -> list[str]:
 def model_spec(cfg: dict, index: int) -> dict:
     """The factory spec of model row ``index`` (label dropped; seed defaults to seed + index)."""
     row = cfg["models"][index]
-    spec = {k: copy.deepcopy(v) for k, v in row.items() if k != "label"}
+    spec = {k: copy.deepcopy(v) for k, v in row.items() if k not in ("label", "recipe")}
     spec.setdefault("variant", "plain")
     spec.setdefault("kwargs", {})
     spec.setdefault("checkpoint", None)

@@ -136,8 +136,10 @@ def build_rows(cfg: dict, device: torch.device) -> list[ModelRow]:
         try:
             model = build_model(spec, device=device)
         except CheckpointError as err:
-            raise ModelCheckpointError(f"model row {row['name']!r}: {err}") from err
-        except ValueError as err:
+            hint = (f"; run_benchmark.py --train-missing trains it with {row['recipe']}" if row.get("recipe")
+                    else "")
+            raise ModelCheckpointError(f"model row {row['name']!r}: {err}{hint}") from err
+        except (TypeError, ValueError) as err:  # timm: unknown or ill-typed constructor kwargs
             raise ConfigError(f"model row {row['name']!r}: {err}") from err
         size = tuple(model.patch_embed.img_size)
         if size != (cfg["data"]["image_size"],) * 2:
@@ -158,7 +160,14 @@ def prepare(cfg: dict) -> Prepared:
     """Load data, build models and attack and metrics: every input problem surfaces here."""
     import attacks
 
+    from .training import train_jobs
+
     device = pick_device(str(cfg["device"]))
+    for job in train_jobs(cfg):
+        if 0 < job.epochs_done < job.epochs_wanted:  # a stopped training run: never attack half a model
+            raise ModelCheckpointError(f"model row {job.row!r}: {job.checkpoint} holds {job.epochs_done} of the "
+                                       f"{job.epochs_wanted} epochs of {job.recipe}; run_benchmark.py "
+                                       "--train-missing finishes it")
     images = load_attack_images(cfg)
     rows = build_rows(cfg, device)
     attackers = []
@@ -166,10 +175,22 @@ def prepare(cfg: dict) -> Prepared:
         try:
             attackers.append(Attacker(entry["label"], entry["name"],
                                       attacks.create_attack(entry["name"], **entry["options"])))
-        except ValueError as err:
-            raise ConfigError(f"attack {entry['label']!r}: {err}") from err
+        except (TypeError, ValueError) as err:  # unknown or ill-typed options
+            raise ConfigError(f"attack {entry['label']!r}: {err} (attack options)") from err
     scorer = scoring.Scorer(device, cfg["metrics"])
+    check_partitions(cfg, rows[0])
     return Prepared(cfg, device, images.names, rows, attackers, scorer)
+
+
+def check_partitions(cfg: dict, row: ModelRow) -> None:
+    """The clients' partitioning works for this image set (a Dirichlet split of too few images per
+    class fails): found here, before the output folder is written, not inside a client."""
+    from clients.task import private_batch
+
+    try:
+        private_batch(client_run_config(cfg, row, "clean"), 0, 1, cfg["federation"]["clients"])
+    except ValueError as err:
+        raise ConfigError(f"federation.partition={cfg['federation']['partition']!r}: {err}") from err
 
 
 # ------------------------------------------------------------------------------------ federation
@@ -281,7 +302,7 @@ def _run_locked(cfg: dict, run: RunFolder, prepared: Prepared, federate: Optiona
     jobs = [(row, g) for row in prepared.rows for g in groups]
     quiet_flower(_logger.isEnabledFor(logging.DEBUG))
     new_rows = failed = federations = errors = 0
-    bar = tqdm(jobs, desc="federations", unit="fed", disable=not progress)
+    bar = tqdm(jobs, desc="federations", unit="fed", disable=None if progress else True)  # None: off a terminal
     for row, group in bar:
         bar.set_postfix_str(f"{row.name} ({group})")
         settings = [s for s in cfg["settings"] if SETTING_GROUPS[s] == group]
@@ -349,7 +370,7 @@ class GroupAttacker:
         self.seen: set[tuple[int, int]] = set()  # (round, partition) pairs tapped
         self.error: Optional[BaseException] = None
         self.bar = tqdm(total=len(self.wanted), desc=f"attack {row.name} [{group}]", unit="upd",
-                        leave=False, disable=not progress)
+                        leave=False, disable=None if progress else True)  # None: off a terminal
 
     def run(self, federate: Optional[Callable[..., Any]]) -> None:
         from server.federation import run_federation

@@ -1,0 +1,94 @@
+"""Checkpoints a benchmark needs, trained on demand (``run_benchmark.py --train-missing``).
+
+A model row may name the training recipe that produces its checkpoint (``recipe:
+configs/train/cifar_vit.yaml``). With ``--train-missing`` every such row whose checkpoint is missing,
+or holds fewer epochs than its recipe asks for (a training run that was stopped), is trained first
+with :func:`fedmjp.train.run_training` into the checkpoint's folder. Training resumes from that
+folder's ``last.pth``, so an interrupted ``--train-missing`` run continues where it stopped, and a
+finished checkpoint is never trained again.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from .errors import ConfigError, ModelCheckpointError
+
+_logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainJob:
+    """One model row's checkpoint and how far its training got."""
+
+    row: str
+    recipe: Path
+    checkpoint: Path
+    epochs_done: int
+    epochs_wanted: int
+
+    @property
+    def done(self) -> bool:
+        return self.epochs_done >= self.epochs_wanted
+
+
+def checkpoint_epochs(path: Path) -> int:
+    """Epochs a fedmjp.train checkpoint holds (0 when absent); other formats count as finished."""
+    from fedmjp.trainutils import load_checkpoint_state
+
+    if not path.is_file():
+        return 0
+    try:
+        state = load_checkpoint_state(path)
+    except (ValueError, RuntimeError, OSError) as err:
+        raise ModelCheckpointError(f"checkpoint {path} cannot be read ({err}); delete it to train it again") from err
+    return int(state.get("epoch", 10 ** 9))
+
+
+def train_jobs(cfg: dict) -> list[TrainJob]:
+    """A job for every model row with a ``recipe`` (validated: recipe loads, checkpoint is last.pth)."""
+    from fedmjp.trainconfig import load_config
+
+    jobs = []
+    for row in cfg["models"]:
+        if not row.get("recipe"):
+            continue
+        recipe, ckpt = Path(row["recipe"]), row.get("checkpoint")
+        if not ckpt or Path(ckpt).name != "last.pth":
+            raise ConfigError(f"model row {row['name']!r} names a recipe, so its checkpoint must be "
+                              f"<folder>/last.pth (where fedmjp.train writes), got {ckpt!r}")
+        try:
+            epochs = load_config(recipe).epochs
+        except (OSError, ValueError, TypeError) as err:
+            raise ConfigError(f"model row {row['name']!r}: training recipe {recipe}: {err}") from err
+        jobs.append(TrainJob(str(row["name"]), recipe, Path(ckpt), checkpoint_epochs(Path(ckpt)), int(epochs)))
+    return jobs
+
+
+def train_missing(cfg: dict, progress: bool = True) -> list[TrainJob]:
+    """Train every recipe row whose checkpoint is missing or unfinished; returns the jobs trained.
+
+    Raises:
+        ConfigError: no ``train_data`` for the recipes, or a bad recipe.
+    """
+    from fedmjp.train import run_training
+    from fedmjp.trainconfig import load_config
+
+    todo = [job for job in train_jobs(cfg) if not job.done]
+    if not todo:
+        return []
+    data: Optional[str] = cfg.get("train_data")
+    if not data or not Path(data).exists():
+        raise ConfigError(f"--train-missing needs the training data of the recipes: train_data={data!r} does not "
+                          "exist (set train_data in the config or --set train_data=PATH to an ImageFolder or "
+                          ".tar.gz with train/ and val/)")
+    for i, job in enumerate(todo, 1):
+        _logger.info("training %s (%d/%d) with %s into %s%s", job.row, i, len(todo), job.recipe,
+                     job.checkpoint.parent,
+                     f", resuming at epoch {job.epochs_done}" if job.epochs_done else "")
+        train_cfg = load_config(job.recipe, {"data_path": str(data), "output_dir": str(job.checkpoint.parent)})
+        run_training(train_cfg, progress=progress)
+        job.epochs_done = checkpoint_epochs(job.checkpoint)
+    return todo

@@ -1,0 +1,79 @@
+"""README's `flwr run .` lines work as written: read from README.md, pasted into a shell that has no
+FLWR_* variable of the test suite (only PATH, HOME and a temporary FLWR_HOME), in this environment.
+
+The local SuperLink that `flwr run` starts keeps running after it returns; it is found by the
+temporary FLWR_HOME in its command line and killed. Its two ports are moved to free ones so that a
+SuperLink someone left running on the defaults (started without the variable) cannot answer instead.
+"""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from proc_utils import free_port, kill_pids, pids_with_argument
+
+from server.rounds import ServerOutcome
+from server.tap import load_tapped_updates
+
+ROOT = Path(__file__).resolve().parents[1]
+#: the same pattern as ../shared/tools/fresh-clone-check: `flwr run .` on the local default federation
+FLWR_LINE = re.compile(r"^\s*([A-Z_]+=[^ ]+ )*flwr run \. (--|-c|$)")
+
+
+def readme_flwr_lines() -> list[str]:
+    """Every `flwr run .` line of README.md, continuation lines (trailing backslash) joined."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    found = []
+    for i, line in enumerate(lines):
+        if FLWR_LINE.match(line):
+            cmd = line.strip()
+            j = i
+            while cmd.endswith("\\"):
+                j += 1
+                cmd = cmd[:-1] + " " + lines[j].strip()
+            found.append(cmd)
+    return found
+
+
+def test_readme_has_a_self_contained_flwr_line() -> None:
+    lines = readme_flwr_lines()
+    assert lines, "README.md lost its `flwr run .` line"
+    for cmd in lines:
+        # the line itself carries the switch: pasted alone it must not build a second environment
+        assert "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1" in cmd.split("flwr run")[0], cmd
+        assert "out-dir=" in cmd, cmd
+
+
+def test_requires_python_admits_only_what_flwr_supports() -> None:
+    import tomllib
+
+    spec = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    assert spec.replace(" ", "") == ">=3.11"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("flwr", path=str(Path(sys.executable).parent)) is None,
+                    reason="Flower CLI not installed next to this Python")
+@pytest.mark.parametrize("cmd", readme_flwr_lines())
+def test_readme_flwr_line_runs_as_written(cmd: str, tmp_path: Path) -> None:
+    out = tmp_path / "fl-out"
+    cmd = re.sub(r"out-dir='[^']*'", f"out-dir='{out}'", cmd)
+    home = tmp_path / "flwr-home"
+    env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": str(tmp_path),
+           "FLWR_HOME": str(home),
+           "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(free_port()), "FLWR_LOCAL_CONTROL_API_PORT": str(free_port())}
+    try:
+        done = subprocess.run(["bash", "-c", cmd], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        kill_pids(pids_with_argument(str(home)))
+    log = done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 0, log
+    assert "608" not in log and "uv" not in done.stderr.lower(), log
+    outcome = ServerOutcome.load(out)  # flwr run exits 0 on a failed run: check what the server wrote
+    assert outcome.ok and outcome.failures == [], log
+    updates = load_tapped_updates(out / "updates")
+    assert len(updates) >= 2 and {u.partition_id for u in updates} == {0, 1}
