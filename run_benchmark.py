@@ -35,6 +35,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cfg["output"] = str(Path(output).resolve())
         from fedmjp.benchmark.pipeline import run_benchmark
 
+        if cfg["sweep"]:
+            from fedmjp.benchmark.sweep import run_sweep
+
+            with logging_redirect_tqdm():
+                swept = run_sweep(cfg, output, progress=not args.no_progress)
+            print(Path(swept["csv"]).read_text())
+            print(f"output: {swept['folder']} (results.jsonl with a sweep column, sweep.csv, "
+                  f"{', '.join(Path(p).name for p in swept['plots'])}; one run folder per point under points/)")
+            return 0
         with logging_redirect_tqdm():  # log lines above the progress bars, not through them
             summary = run_benchmark(cfg, output, progress=not args.no_progress)
     except BenchmarkError as err:

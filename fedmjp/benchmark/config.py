@@ -31,7 +31,7 @@ SETTINGS = ("a", "b", "c")
 SETTING_GROUPS = {"a": "clean", "b": "shuffled", "c": "shuffled"}
 ENGINES = ("inprocess", "simulation")
 LABEL_MODES = ("known", "none")
-MODEL_ROW_KEYS = ("name", "label", "arch", "variant", "kwargs", "checkpoint", "april", "seed")
+MODEL_ROW_KEYS = ("name", "label", "arch", "variant", "kwargs", "checkpoint", "april", "seed", "defence")
 
 #: Every key a config may hold, with its default. ``models`` has no default rows.
 DEFAULTS: dict[str, Any] = {
@@ -42,6 +42,10 @@ DEFAULTS: dict[str, Any] = {
     "gamma": 0.27,  # share of patches the client's MJP shuffle selects in settings (b)/(c)
     "dry_run": False,
     "output": None,  # output folder (--output); None: runs/<time>-setting-<s>
+    # client-side defence of every model row (a row's own ``defence:`` replaces it); keys: defences/spec.py
+    "defence": {"name": "none"},
+    # strength sweep: dotted key -> list of values (e.g. {defence.sigma: [0, 0.01, 0.1]}); see sweep.py
+    "sweep": {},
     "data": {
         "source": "embedded",  # "embedded" (scikit-image's bundled images) or an image folder
         "image_size": 32,
@@ -88,7 +92,7 @@ def _merge(base: dict, update: Mapping, where: str = "") -> dict:
         path = f"{where}{key}"
         if key not in base:
             raise ConfigError(f"unknown config key {path!r}; valid keys here: {', '.join(sorted(base))}")
-        if isinstance(base[key], dict) and key != "options":
+        if isinstance(base[key], dict) and key not in ("options", "defence", "sweep"):
             if not isinstance(value, Mapping):
                 raise ConfigError(f"config key {path!r} must be a mapping, got {value!r}")
             out[key] = _merge(base[key], value, f"{path}.")
@@ -242,7 +246,35 @@ def validate(cfg: dict) -> dict:
     _check_int(cfg["report"]["tile"], "report.tile", minimum=8)
     _validate_models(cfg)
     _validate_attack(cfg["attack"]["name"])
+    _validate_defences(cfg)
     return cfg
+
+
+def _validate_defences(cfg: dict) -> None:
+    """The top-level defence, every row's own, and the sweep grid (defences/spec.py)."""
+    from .sweep import validate_sweep
+
+    cfg["defence"] = _checked_defence(cfg["defence"], "defence")
+    for index, row in enumerate(cfg["models"]):
+        if row.get("defence") is not None:
+            row["defence"] = _checked_defence(row["defence"], f"model row {row['name']!r}: defence")
+    validate_sweep(cfg)
+
+
+def _checked_defence(spec: Any, where: str) -> dict:
+    from defences import validate_defence
+
+    try:
+        return validate_defence(spec)
+    except ValueError as err:
+        raise ConfigError(f"{where}: {err}") from err
+
+
+def row_defence(cfg: dict, index: int) -> dict:
+    """The defence of model row ``index``: its own ``defence:`` or else the top-level one."""
+    row = cfg["models"][index]
+    return _checked_defence(row.get("defence") if row.get("defence") is not None else cfg["defence"],
+                            f"model row {row['name']!r}: defence")
 
 
 def _validate_models(cfg: dict) -> None:
@@ -284,7 +316,7 @@ def available_attacks() -> list[str]:
 def model_spec(cfg: dict, index: int) -> dict:
     """The factory spec of model row ``index`` (label dropped; seed defaults to seed + index)."""
     row = cfg["models"][index]
-    spec = {k: copy.deepcopy(v) for k, v in row.items() if k != "label"}
+    spec = {k: copy.deepcopy(v) for k, v in row.items() if k not in ("label", "defence")}
     spec.setdefault("variant", "plain")
     spec.setdefault("kwargs", {})
     spec.setdefault("checkpoint", None)

@@ -1,0 +1,216 @@
+"""Strength sweeps: one benchmark per grid point, gathered into one run folder with a ``sweep`` column.
+
+``sweep:`` in a config (or ``--sweep defence.sigma=0,0.01,0.1`` on the command line) maps dotted
+config keys to lists of values; the grid is their Cartesian product, in the order given. Every grid
+point is a complete benchmark run (resumable on its own) in ``<output>/points/<NN>-<slug>/``; the
+run folder itself holds:
+
+* ``results.jsonl``: every point's rows with ``sweep`` (``"defence.sigma=0.01"``), ``sweep_index``
+  and one ``sweep.<key>`` column per swept key (rebuilt from the points' stores at the end);
+* ``sweep.csv``: means per (grid point, model, setting, attack): PSNR, SSIM, MSE, LPIPS, FFT2D,
+  top-1 (``correct``), ``defence_cos`` (cosine of the sent update to the clean one), ``dp_epsilon``;
+* ``sweep_<metric>.png`` (metric against the grid point, one curve per model and setting) and
+  ``privacy_utility.png`` (PSNR and LPIPS of the strongest attack against utility, one curve per
+  model row and defence, so an MJP row swept over gamma is a curve beside the defences).
+
+Utility on the x axis of ``privacy_utility.png``: the mean cosine similarity of the sent update to
+the clean update (computed by every client for every row). It is a proxy, stated on the axis.
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import logging
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import pandas as pd
+
+from .errors import ConfigError
+
+_logger = logging.getLogger(__name__)
+
+SWEEP_METRICS = ("psnr", "ssim", "mse", "lpips", "fft2d", "correct", "defence_cos", "dp_epsilon")
+
+
+def parse_sweep_flag(text: str) -> tuple[str, list[Any]]:
+    """``"defence.sigma=0,0.01,0.1"`` -> ("defence.sigma", [0, 0.01, 0.1]) (values: YAML scalars)."""
+    import yaml
+
+    if "=" not in text:
+        raise ConfigError(f"--sweep {text!r} must look like key=v1,v2,... (e.g. defence.sigma=0,0.01,0.1)")
+    key, raw = text.split("=", 1)
+    try:
+        values = [yaml.safe_load(v) for v in raw.split(",") if v.strip()]
+    except yaml.YAMLError as err:
+        raise ConfigError(f"--sweep {text!r}: a value is not a YAML scalar: {err}") from err
+    if not key.strip() or not values:
+        raise ConfigError(f"--sweep {text!r} needs a key and at least one value")
+    return key.strip(), values
+
+
+def grid_points(cfg: dict) -> list[dict[str, Any]]:
+    """The grid as a list of {dotted key: value} (Cartesian product in the order given)."""
+    sweep = cfg.get("sweep") or {}
+    keys = list(sweep)
+    return [dict(zip(keys, combo)) for combo in itertools.product(*(sweep[k] for k in keys))]
+
+
+def point_label(point: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in point.items())
+
+
+def point_config(cfg: dict, point: dict[str, Any]) -> dict:
+    """The validated config of one grid point (no sweep; the point's values set)."""
+    from . import config as C
+
+    base = copy.deepcopy(cfg)
+    base["sweep"] = {}
+    out = C.apply_overrides(base, [f"{k}={json.dumps(v)}" for k, v in point.items()])
+    return C.validate(out)
+
+
+def validate_sweep(cfg: dict) -> None:
+    """Every swept key must be a list of values and every grid point a valid config (names, ranges,
+    defence keys), checked before anything is written. Raises ConfigError."""
+    sweep = cfg.get("sweep") or {}
+    if not isinstance(sweep, dict):
+        raise ConfigError(f"sweep must be a mapping of dotted key -> list of values, got {sweep!r}")
+    for key, values in sweep.items():
+        if key in ("sweep", "output") or key.startswith("sweep."):
+            raise ConfigError(f"sweep key {key!r} cannot be swept")
+        if not isinstance(values, list) or not values:
+            raise ConfigError(f"sweep.{key} must be a non-empty list of values, got {values!r}")
+    for point in grid_points(cfg) if sweep else []:
+        try:
+            point_config(cfg, point)
+        except ConfigError as err:
+            raise ConfigError(f"sweep point {point_label(point)}: {err}") from err
+
+
+def run_sweep(cfg: dict, output: str, federate: Optional[Callable[..., Any]] = None,
+              progress: bool = True) -> dict[str, Any]:
+    """Run every grid point into ``output/points/`` (each resumable), then gather rows, write
+    ``results.jsonl``, ``sweep.csv`` and the plots in ``output``.
+
+    Returns:
+        {"folder", "points": [point folders], "csv", "plots": [paths], "rows"}.
+    """
+    from .pipeline import run_benchmark
+    from .store import RunFolder, slug
+
+    points = grid_points(cfg)
+    if not points:
+        raise ConfigError("run_sweep needs a non-empty sweep (sweep: {key: [values]} or --sweep key=v1,v2)")
+    configs = [point_config(cfg, p) for p in points]  # every bad point fails before any work
+    top = RunFolder(output)
+    top.init(cfg)
+    folders = []
+    for i, (point, pcfg) in enumerate(zip(points, configs)):
+        folder = top.folder / "points" / f"{i:02d}-{slug(point_label(point))}"
+        pcfg["output"] = str(folder)
+        _logger.info("sweep point %d/%d: %s", i + 1, len(points), point_label(point))
+        run_benchmark(pcfg, str(folder), federate=federate, progress=progress)
+        folders.append(folder)
+    rows = gather_rows(points, folders)
+    top.results_path.write_text("")  # derived from the points' stores: rebuilt on every run
+    top.append(rows)
+    frame = sweep_table(rows)
+    csv = top.folder / "sweep.csv"
+    frame.to_csv(csv, index=False)
+    plots = write_sweep_plots(frame, top.folder, list(points[0]))
+    return {"folder": str(top.folder), "points": [str(f) for f in folders], "csv": str(csv),
+            "plots": [str(p) for p in plots], "rows": len(rows)}
+
+
+def gather_rows(points: list[dict[str, Any]], folders: list[Path]) -> list[dict]:
+    """Every point's stored rows with the sweep columns added."""
+    from .store import RunFolder
+
+    rows = []
+    for i, (point, folder) in enumerate(zip(points, folders)):
+        for row in RunFolder(folder).rows(repair=True):
+            row = {**row, "sweep": point_label(point), "sweep_index": i}
+            row.update({f"sweep.{k}": v for k, v in point.items()})
+            rows.append(row)
+    return rows
+
+
+def sweep_table(rows: list[dict]) -> pd.DataFrame:
+    """Means over scored images per (grid point, model, setting, attack); failed rows counted apart."""
+    df = pd.DataFrame(rows)
+    if df.empty:
+        return df
+    if "defence" not in df:
+        df["defence"] = "none"
+    keys = ["sweep_index", "sweep", "model", "label", "defence", "setting", "attack"]
+    keys = [k for k in keys if k in df] + sorted(c for c in df if c.startswith("sweep."))
+    ok = df[~df["failed"].astype(bool)] if "failed" in df else df
+    metrics = [m for m in SWEEP_METRICS if m in df]
+    table = ok.groupby(keys, dropna=False)[metrics].mean(numeric_only=True).reset_index()
+    counts = df.groupby(keys, dropna=False).agg(n=("failed", "size"), failed=("failed", "sum")).reset_index()
+    return counts.merge(table, on=keys, how="left").sort_values(["sweep_index", "model", "setting"])
+
+
+def write_sweep_plots(frame: pd.DataFrame, folder: Path, keys: list[str]) -> list[Path]:
+    """``sweep_<metric>.png`` per metric present and ``privacy_utility.png`` (matplotlib Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if frame.empty:
+        return []
+    out = []
+    numeric_x = len(keys) == 1 and pd.api.types.is_numeric_dtype(frame[f"sweep.{keys[0]}"])
+    xcol = f"sweep.{keys[0]}" if numeric_x else "sweep_index"
+    for metric in [m for m in SWEEP_METRICS if m in frame and frame[m].notna().any()]:
+        fig, ax = plt.subplots(figsize=(5.5, 3.8))
+        for (model, setting, attack), g in frame.groupby(["model", "setting", "attack"]):
+            g = g.sort_values(xcol)
+            ax.plot(g[xcol], g[metric], marker="o", label=f"{model} ({setting}, {attack})")
+        ax.set_xlabel(keys[0] if numeric_x else "grid point")
+        if not numeric_x:
+            labels = frame.drop_duplicates("sweep_index").sort_values("sweep_index")
+            ax.set_xticks(labels["sweep_index"], labels["sweep"], rotation=30, ha="right", fontsize=7)
+        ax.set_ylabel(metric)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = folder / f"sweep_{metric}.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        out.append(path)
+    out.append(privacy_utility_plot(frame, folder / "privacy_utility.png"))
+    return out
+
+
+def strongest(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per (grid point, model, setting): the attack with the highest mean PSNR."""
+    keys = ["sweep_index", "model", "setting"]
+    idx = frame.dropna(subset=["psnr"]).groupby(keys)["psnr"].idxmax()
+    return frame.loc[idx.values]
+
+
+def privacy_utility_plot(frame: pd.DataFrame, path: Path) -> Path:
+    """PSNR and LPIPS of the strongest attack against utility, one curve per model row and defence."""
+    import matplotlib.pyplot as plt
+
+    best = strongest(frame)
+    utility = "defence_cos"
+    panels = [m for m in ("psnr", "lpips") if m in best and best[m].notna().any()]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 3.9), squeeze=False)
+    for ax, metric in zip(axes[0], panels):
+        for (label, defence, setting), g in best.groupby(["label", "defence", "setting"]):
+            g = g.sort_values(utility)
+            ax.plot(g[utility], g[metric], marker="o", label=f"{label} / {defence} ({setting})")
+            for _, r in g.iterrows():
+                ax.annotate(str(r["sweep"]).split("=")[-1], (r[utility], r[metric]), fontsize=6,
+                            textcoords="offset points", xytext=(3, 3))
+        ax.set_xlabel("utility: cosine(sent update, clean update)")
+        ax.set_ylabel(f"{metric.upper()} of the strongest attack")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
