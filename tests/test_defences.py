@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 
@@ -205,3 +207,61 @@ def test_central_dp_leaves_the_tapped_update_unchanged():
     # ... while Flower's wrapper did clip and noise what it aggregated (the global model differs)
     diff = max(float((final_a[k] - final_b[k]).abs().max()) for k in final_a)
     assert diff > 1e-3
+
+
+# ------------------------------------------------------------------------------------- benchmark config + sweep
+def _bench_cfg(tmp_path, **top) -> dict:
+    """One design-A MJP row (surgery), 4 embedded images, 2 clients x 1 round, float64, no LPIPS."""
+    from fedmjp.benchmark import config as C
+
+    cfg = C._merge(C.DEFAULTS, {
+        "name": "tiny", "device": "cpu", "settings": ["c"], "gamma": 0.27,
+        "data": {"source": "embedded", "image_size": 32, "num_images": 4, "num_classes": 10},
+        "federation": {"engine": "inprocess", "rounds": 1, "clients": 2, "precision": "float64", "lr": 0.01},
+        "models": [{"name": "DeiT+MJP", "arch": "mjp_vit_cifar_patch4_32", "variant": "mjp",
+                    "kwargs": {"depth": 2}, "april": "surgery"}],
+        "attack": {"name": "april_analytic"}, "metrics": {"lpips": False}, "report": {"grid_images": 0},
+        **top})
+    return C.validate(cfg)
+
+
+def test_benchmark_defence_key_row_override_and_errors(tmp_path):
+    from fedmjp.benchmark import cli
+    from fedmjp.benchmark import config as C
+    from fedmjp.benchmark.errors import ConfigError
+    from fedmjp.benchmark.pipeline import ModelRow, client_run_config
+
+    args = cli.build_parser().parse_args(["--set", "defence={name: local_dp, clip: 1.0, sigma: 0.5}",
+                                          "--set", "defence.clip=2.0", "--output", str(tmp_path / "out")])
+    cfg = cli.resolve(args)
+    assert cfg["defence"] == {"name": "local_dp", "clip": 2.0, "sigma": 0.5, "noise": "gaussian"}
+    cfg["models"][0]["defence"] = {"name": "prune", "keep": 0.2}  # a row's own defence replaces the top one
+    cfg = C.validate(cfg)
+    row = ModelRow(0, cfg["models"][0]["name"], "x", C.model_spec(cfg, 0), None, False)
+    assert json.loads(client_run_config(cfg, row, "shuffled")["defence"]) == {"name": "prune", "keep": 0.2}
+    row1 = ModelRow(1, cfg["models"][1]["name"], "x", C.model_spec(cfg, 1), None, False)
+    assert json.loads(client_run_config(cfg, row1, "shuffled")["defence"])["name"] == "local_dp"
+    for bad, pattern in (("defence={name: dpp}", "valid: none, local_dp"), ("defence.sgima=1", "valid: name, clip"),
+                         ("sweep={defence.sigma: [0, -1]}", "sweep point defence.sigma=-1")):
+        with pytest.raises(ConfigError, match=pattern):
+            cli.resolve(cli.build_parser().parse_args(["--set", "defence={name: local_dp}", "--set", bad,
+                                                       "--output", str(tmp_path / "bad")]))
+    assert not (tmp_path / "bad").exists() and not (tmp_path / "out").exists()
+
+
+def test_sweep_writes_one_row_per_grid_point_and_the_plots(tmp_path):
+    from fedmjp.benchmark.sweep import run_sweep
+
+    cfg = _bench_cfg(tmp_path, defence={"name": "local_dp", "clip": 1.0},
+                     sweep={"defence.sigma": [0.0, 0.1], "gamma": [0.0, 0.5]})
+    out = run_sweep(cfg, str(tmp_path / "sweep"), progress=False)
+    table = pd.read_csv(out["csv"])
+    assert len(table) == 4 and list(table["sweep_index"]) == [0, 1, 2, 3]
+    assert set(table["sweep.defence.sigma"]) == {0.0, 0.1} and set(table["sweep.gamma"]) == {0.0, 0.5}
+    assert (table["n"] == 2).all()  # 2 clients x 1 round x batch 1 per point
+    rows = [json.loads(line) for line in open(Path(out["folder"]) / "results.jsonl")]
+    assert len(rows) == 8 and all("sweep" in r and "defence_cos" in r for r in rows)
+    noisy = table[table["sweep.defence.sigma"] == 0.1]
+    assert (noisy["defence_cos"] < 0.5).all() and (table[table["sweep.defence.sigma"] == 0.0]["defence_cos"] > 0.999).all()
+    for name in ("privacy_utility.png", "sweep_psnr.png", "sweep_defence_cos.png"):
+        assert (Path(out["folder"]) / name).stat().st_size > 1000
