@@ -46,6 +46,10 @@ DEFAULTS: dict[str, Any] = {
     "defence": {"name": "none"},
     # strength sweep: dotted key -> list of values (e.g. {defence.sigma: [0, 0.01, 0.1]}); see sweep.py
     "sweep": {},
+    # utility of each sweep point: top-1 after `rounds` FedAvg rounds with the defence on (0: off);
+    # keys and meaning: fedmjp/benchmark/utility.py
+    "utility": {"rounds": 0, "source": "../shared/data/cifar10.tar.gz", "num_train": 64, "num_eval": 200,
+                "clients": 2, "local_steps": 2, "batch_size": 8, "lr": 0.05},
     "data": {
         "source": "embedded",  # "embedded" (scikit-image's bundled images) or an image folder
         "image_size": 32,
@@ -137,6 +141,7 @@ def _resolve_path(value: Any, base: Path) -> Any:
 def _resolve_paths(cfg: dict, base: Path) -> dict:
     cfg["data"]["source"] = _resolve_path(cfg["data"]["source"], base)
     cfg["metrics"]["lpips_backbone"] = _resolve_path(cfg["metrics"]["lpips_backbone"], base)
+    cfg["utility"]["source"] = _resolve_path(cfg["utility"]["source"], base)
     for row in cfg["models"]:
         if isinstance(row, dict) and row.get("checkpoint"):
             row["checkpoint"] = _resolve_path(row["checkpoint"], base)
@@ -255,6 +260,13 @@ def _validate_defences(cfg: dict) -> None:
     from .sweep import validate_sweep
 
     cfg["defence"] = _checked_defence(cfg["defence"], "defence")
+    u = cfg["utility"]
+    for key in ("rounds", "num_train"):
+        _check_int(u[key], f"utility.{key}", minimum=0)
+    for key in ("num_eval", "clients", "local_steps", "batch_size"):
+        _check_int(u[key], f"utility.{key}")
+    if isinstance(u["lr"], bool) or not isinstance(u["lr"], (int, float)) or u["lr"] <= 0:
+        raise ConfigError(f"utility.lr must be a number > 0, got {u['lr']!r}")
     for index, row in enumerate(cfg["models"]):
         if row.get("defence") is not None:
             row["defence"] = _checked_defence(row["defence"], f"model row {row['name']!r}: defence")

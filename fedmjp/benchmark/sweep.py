@@ -13,8 +13,10 @@ run folder itself holds:
   ``privacy_utility.png`` (PSNR and LPIPS of the strongest attack against utility, one curve per
   model row and defence, so an MJP row swept over gamma is a curve beside the defences).
 
-Utility on the x axis of ``privacy_utility.png``: the mean cosine similarity of the sent update to
-the clean update (computed by every client for every row). It is a proxy, stated on the axis.
+Utility on the x axis of ``privacy_utility.png``: top-1 after ``utility.rounds`` FedAvg rounds with
+the defence on (:mod:`fedmjp.benchmark.utility`, ``utility.jsonl`` in each point folder) when
+``utility.rounds`` > 0; otherwise the mean cosine similarity of the sent update to the clean update
+(computed by every client for every row), a proxy; the axis label says which.
 """
 from __future__ import annotations
 
@@ -31,7 +33,8 @@ from .errors import ConfigError
 
 _logger = logging.getLogger(__name__)
 
-SWEEP_METRICS = ("psnr", "ssim", "mse", "lpips", "fft2d", "correct", "defence_cos", "dp_epsilon")
+SWEEP_METRICS = ("psnr", "ssim", "mse", "lpips", "fft2d", "correct", "defence_cos", "dp_epsilon", "utility_top1",
+                 "utility_top1_start")
 
 
 def parse_sweep_flag(text: str) -> tuple[str, list[Any]]:
@@ -112,6 +115,8 @@ def run_sweep(cfg: dict, output: str, federate: Optional[Callable[..., Any]] = N
         pcfg["output"] = str(folder)
         _logger.info("sweep point %d/%d: %s", i + 1, len(points), point_label(point))
         run_benchmark(pcfg, str(folder), federate=federate, progress=progress)
+        if int(pcfg["utility"]["rounds"]) > 0:
+            point_utility(pcfg, folder, federate)
         folders.append(folder)
     rows = gather_rows(points, folders)
     top.results_path.write_text("")  # derived from the points' stores: rebuilt on every run
@@ -124,14 +129,38 @@ def run_sweep(cfg: dict, output: str, federate: Optional[Callable[..., Any]] = N
             "plots": [str(p) for p in plots], "rows": len(rows)}
 
 
+def point_utility(cfg: dict, folder: Path, federate: Optional[Callable[..., Any]] = None) -> list[dict]:
+    """Utility of every model row of one grid point, stored in ``utility.jsonl`` (kept when present:
+    same folder, same config, same seeded result)."""
+    from .pipeline import build_rows, pick_device
+    from .store import read_jsonl
+    from .utility import defence_utility
+
+    path = folder / "utility.jsonl"
+    stored = {r["model"]: r for r in read_jsonl(path)} if path.is_file() else {}
+    out = []
+    for row in build_rows(cfg, pick_device("cpu")):
+        if row.name not in stored:
+            record = {"model": row.name, **defence_utility(cfg, row, federate)}
+            with path.open("a") as fh:
+                fh.write(json.dumps(record) + "\n")
+            stored[row.name] = record
+        out.append(stored[row.name])
+    return out
+
+
 def gather_rows(points: list[dict[str, Any]], folders: list[Path]) -> list[dict]:
     """Every point's stored rows with the sweep columns added."""
-    from .store import RunFolder
+    from .store import RunFolder, read_jsonl
 
     rows = []
     for i, (point, folder) in enumerate(zip(points, folders)):
+        utility = {}
+        if (folder / "utility.jsonl").is_file():
+            utility = {r["model"]: r for r in read_jsonl(folder / "utility.jsonl")}
         for row in RunFolder(folder).rows(repair=True):
-            row = {**row, "sweep": point_label(point), "sweep_index": i}
+            row = {**row, **{k: v for k, v in utility.get(row["model"], {}).items() if k != "model"},
+                   "sweep": point_label(point), "sweep_index": i}
             row.update({f"sweep.{k}": v for k, v in point.items()})
             rows.append(row)
     return rows
@@ -197,7 +226,8 @@ def privacy_utility_plot(frame: pd.DataFrame, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     best = strongest(frame)
-    utility = "defence_cos"
+    measured = "utility_top1" in best and best["utility_top1"].notna().any()
+    utility = "utility_top1" if measured else "defence_cos"
     panels = [m for m in ("psnr", "lpips") if m in best and best[m].notna().any()]
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 3.9), squeeze=False)
     for ax, metric in zip(axes[0], panels):
@@ -207,7 +237,8 @@ def privacy_utility_plot(frame: pd.DataFrame, path: Path) -> Path:
             for _, r in g.iterrows():
                 ax.annotate(str(r["sweep"]).split("=")[-1], (r[utility], r[metric]), fontsize=6,
                             textcoords="offset points", xytext=(3, 3))
-        ax.set_xlabel("utility: cosine(sent update, clean update)")
+        ax.set_xlabel("utility: top-1 after FedAvg with the defence" if measured
+                      else "utility: cosine(sent update, clean update)")
         ax.set_ylabel(f"{metric.upper()} of the strongest attack")
         ax.legend(fontsize=7)
     fig.tight_layout()
