@@ -265,3 +265,34 @@ def test_sweep_writes_one_row_per_grid_point_and_the_plots(tmp_path):
     assert (noisy["defence_cos"] < 0.5).all() and (table[table["sweep.defence.sigma"] == 0.0]["defence_cos"] > 0.999).all()
     for name in ("privacy_utility.png", "sweep_psnr.png", "sweep_defence_cos.png"):
         assert (Path(out["folder"]) / name).stat().st_size > 1000
+
+
+def test_sweep_point_list_keeps_values_typed_and_checks_each_point(tmp_path):
+    from fedmjp.benchmark.errors import ConfigError
+    from fedmjp.benchmark.sweep import grid_points, point_config
+
+    points = [{"defence": {"name": "local_dp", "sigma": 1e-6}}, {"gamma": 0.5}]
+    cfg = _bench_cfg(tmp_path, sweep=points)
+    assert grid_points(cfg) == points
+    first = point_config(cfg, points[0])
+    assert first["defence"]["sigma"] == 1e-6 and first["sweep"] == {}
+    assert point_config(cfg, points[1])["gamma"] == 0.5
+    with pytest.raises(ConfigError, match="sweep point gamma=2"):
+        _bench_cfg(tmp_path, sweep=[{"gamma": 2}])
+    with pytest.raises(ConfigError, match="unknown config key 'gama'"):
+        _bench_cfg(tmp_path, sweep=[{"gama": 0.1}])
+
+
+def test_utility_measures_held_out_top1_after_fedavg(tmp_path):
+    from fedmjp.benchmark.pipeline import build_rows
+    from fedmjp.benchmark.utility import defence_utility
+
+    cfg = _bench_cfg(tmp_path, utility={"rounds": 1, "source": "embedded", "num_train": 4, "num_eval": 6,
+                                        "clients": 2, "local_steps": 1, "batch_size": 2, "lr": 0.0})
+    row = build_rows(cfg, torch.device("cpu"))[0]
+    frozen = defence_utility(cfg, row)  # lr 0 and no defence: the global model does not move
+    assert frozen["utility_start"] == "fresh" and frozen["utility_num_eval"] == 6
+    assert frozen["utility_top1"] == frozen["utility_top1_start"]
+    cfg["utility"]["num_train"] = 1000
+    with pytest.raises(ValueError, match="none left"):
+        defence_utility(cfg, row)

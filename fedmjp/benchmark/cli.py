@@ -75,6 +75,9 @@ def resolve(args: argparse.Namespace) -> dict:
     if getattr(args, "sweeps", None):
         from .sweep import parse_sweep_flag
 
+        if isinstance(cfg.get("sweep"), list) and cfg["sweep"]:
+            raise C.ConfigError("--sweep adds grid keys, but the config's sweep is a list of points; "
+                                "put the values into that list instead")
         cfg["sweep"] = {**(cfg.get("sweep") or {}), **dict(parse_sweep_flag(t) for t in args.sweeps)}
     cfg = C.select_models(cfg, args.models)
     return C.validate(cfg)

@@ -265,8 +265,8 @@ def _validate_defences(cfg: dict) -> None:
         _check_int(u[key], f"utility.{key}", minimum=0)
     for key in ("num_eval", "clients", "local_steps", "batch_size"):
         _check_int(u[key], f"utility.{key}")
-    if isinstance(u["lr"], bool) or not isinstance(u["lr"], (int, float)) or u["lr"] <= 0:
-        raise ConfigError(f"utility.lr must be a number > 0, got {u['lr']!r}")
+    if isinstance(u["lr"], bool) or not isinstance(u["lr"], (int, float)) or u["lr"] < 0:
+        raise ConfigError(f"utility.lr must be a number >= 0, got {u['lr']!r}")
     for index, row in enumerate(cfg["models"]):
         if row.get("defence") is not None:
             row["defence"] = _checked_defence(row["defence"], f"model row {row['name']!r}: defence")

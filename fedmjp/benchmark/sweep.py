@@ -1,7 +1,9 @@
 """Strength sweeps: one benchmark per grid point, gathered into one run folder with a ``sweep`` column.
 
 ``sweep:`` in a config (or ``--sweep defence.sigma=0,0.01,0.1`` on the command line) maps dotted
-config keys to lists of values; the grid is their Cartesian product, in the order given. Every grid
+config keys to lists of values; the grid is their Cartesian product, in the order given. A list of
+mappings instead is an explicit list of points (``[{defence: {name: prune, keep: 0.1}}, {gamma: 0.5}]``),
+for one table of several defences and MJP's gamma series. Every grid
 point is a complete benchmark run (resumable on its own) in ``<output>/points/<NN>-<slug>/``; the
 run folder itself holds:
 
@@ -54,8 +56,12 @@ def parse_sweep_flag(text: str) -> tuple[str, list[Any]]:
 
 
 def grid_points(cfg: dict) -> list[dict[str, Any]]:
-    """The grid as a list of {dotted key: value} (Cartesian product in the order given)."""
+    """The grid as a list of {dotted key: value}: the Cartesian product in the order given for a
+    mapping, the points themselves for a list of mappings (an explicit grid, e.g. several defences
+    and an MJP gamma series side by side)."""
     sweep = cfg.get("sweep") or {}
+    if isinstance(sweep, list):
+        return [dict(point) for point in sweep]
     keys = list(sweep)
     return [dict(zip(keys, combo)) for combo in itertools.product(*(sweep[k] for k in keys))]
 
@@ -70,7 +76,16 @@ def point_config(cfg: dict, point: dict[str, Any]) -> dict:
 
     base = copy.deepcopy(cfg)
     base["sweep"] = {}
-    out = C.apply_overrides(base, [f"{k}={json.dumps(v)}" for k, v in point.items()])
+    # the override machinery checks each dotted key (unknown keys list the valid ones); the value is
+    # then set as the Python object itself (a text round trip would turn 1e-06 into a YAML string)
+    out = C.apply_overrides(base, [f"{k}=null" for k in point])
+    for key, value in point.items():
+        node: Any = out
+        *path, last = key.split(".")
+        for part in path:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        node[int(last) if isinstance(node, list) else last] = copy.deepcopy(value)
+    out = C.apply_overrides(out, [])  # re-merge onto DEFAULTS, resolve paths
     return C.validate(out)
 
 
@@ -78,13 +93,21 @@ def validate_sweep(cfg: dict) -> None:
     """Every swept key must be a list of values and every grid point a valid config (names, ranges,
     defence keys), checked before anything is written. Raises ConfigError."""
     sweep = cfg.get("sweep") or {}
-    if not isinstance(sweep, dict):
-        raise ConfigError(f"sweep must be a mapping of dotted key -> list of values, got {sweep!r}")
-    for key, values in sweep.items():
-        if key in ("sweep", "output") or key.startswith("sweep."):
+    if isinstance(sweep, list):
+        if not all(isinstance(p, dict) and p for p in sweep):
+            raise ConfigError(f"a sweep list must hold non-empty mappings of dotted key -> value, got {sweep!r}")
+        keys = [k for p in sweep for k in p]
+    elif isinstance(sweep, dict):
+        keys = list(sweep)
+        for key, values in sweep.items():
+            if not isinstance(values, list) or not values:
+                raise ConfigError(f"sweep.{key} must be a non-empty list of values, got {values!r}")
+    else:
+        raise ConfigError("sweep must be a mapping of dotted key -> list of values (a grid) or a list of "
+                          f"mappings of dotted key -> value (explicit points), got {sweep!r}")
+    for key in keys:
+        if key in ("sweep", "output") or str(key).startswith("sweep."):
             raise ConfigError(f"sweep key {key!r} cannot be swept")
-        if not isinstance(values, list) or not values:
-            raise ConfigError(f"sweep.{key} must be a non-empty list of values, got {values!r}")
     for point in grid_points(cfg) if sweep else []:
         try:
             point_config(cfg, point)
@@ -124,7 +147,8 @@ def run_sweep(cfg: dict, output: str, federate: Optional[Callable[..., Any]] = N
     frame = sweep_table(rows)
     csv = top.folder / "sweep.csv"
     frame.to_csv(csv, index=False)
-    plots = write_sweep_plots(frame, top.folder, list(points[0]))
+    keys = list(dict.fromkeys(k for p in points for k in p))
+    plots = write_sweep_plots(frame, top.folder, keys if isinstance(cfg["sweep"], dict) else keys + ["(points)"])
     return {"folder": str(top.folder), "points": [str(f) for f in folders], "csv": str(csv),
             "plots": [str(p) for p in plots], "rows": len(rows)}
 
@@ -161,7 +185,8 @@ def gather_rows(points: list[dict[str, Any]], folders: list[Path]) -> list[dict]
         for row in RunFolder(folder).rows(repair=True):
             row = {**row, **{k: v for k, v in utility.get(row["model"], {}).items() if k != "model"},
                    "sweep": point_label(point), "sweep_index": i}
-            row.update({f"sweep.{k}": v for k, v in point.items()})
+            row.update({f"sweep.{k}": (json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else v)
+                        for k, v in point.items()})
             rows.append(row)
     return rows
 
@@ -192,7 +217,8 @@ def write_sweep_plots(frame: pd.DataFrame, folder: Path, keys: list[str]) -> lis
     if frame.empty:
         return []
     out = []
-    numeric_x = len(keys) == 1 and pd.api.types.is_numeric_dtype(frame[f"sweep.{keys[0]}"])
+    numeric_x = (len(keys) == 1 and f"sweep.{keys[0]}" in frame
+                 and pd.api.types.is_numeric_dtype(frame[f"sweep.{keys[0]}"]))
     xcol = f"sweep.{keys[0]}" if numeric_x else "sweep_index"
     for metric in [m for m in SWEEP_METRICS if m in frame and frame[m].notna().any()]:
         fig, ax = plt.subplots(figsize=(5.5, 3.8))
