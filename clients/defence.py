@@ -9,7 +9,8 @@ Where each defence acts (:mod:`defences.spec` has the keys):
 * local_dp, prune, quantize: on the finished update (FedSGD gradients or FedAvg delta).
 * dp_sgd: in every local step (per-sample clipping, Gaussian noise); FedSGD sends the one noisy
   gradient. The RDP accountant's epsilon after this round's steps is reported (``dp-epsilon``).
-* mixup: on the inputs of local training (mixed images, soft targets).
+* mixup: on the inputs of local training (mixed images, soft targets). In settings b/c the private
+  image is x~ and its partners are unshuffled images of the partition, under the same E_unk mask.
 * central_dp: nowhere on the client (the server's Flower wrapper, server/central_dp.py).
 * fedavg: the run config's mode/local-steps (set by :func:`clients.task.resolve_config`).
 Randomness is seeded by (seed, partition, round), so a defended update is reproducible.

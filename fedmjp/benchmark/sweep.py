@@ -192,10 +192,19 @@ def gather_rows(points: list[dict[str, Any]], folders: list[Path]) -> list[dict]
 
 
 def sweep_table(rows: list[dict]) -> pd.DataFrame:
-    """Means over scored images per (grid point, model, setting, attack); failed rows counted apart."""
-    df = pd.DataFrame(rows)
+    """Means over scored images per (grid point, model, setting, attack); failed rows counted apart;
+    PSNR capped at ``metrics.PSNR_CAP_DB`` before averaging, as in the benchmark's table."""
+    import metrics as M
+
+    from .report import rows_frame
+
+    df = rows_frame(rows)  # metric columns numeric ("inf" strings of the store -> inf)
     if df.empty:
         return df
+    for col in ("defence_cos", "dp_epsilon", "utility_top1", "utility_top1_start"):
+        if col in df:
+            df[col] = pd.to_numeric(df[col], errors="coerce").astype(float)
+    df["psnr"] = df["psnr"].clip(upper=M.PSNR_CAP_DB)  # exact reconstructions (+inf) count as the cap
     if "defence" not in df:
         df["defence"] = "none"
     keys = ["sweep_index", "sweep", "model", "label", "defence", "setting", "attack"]
