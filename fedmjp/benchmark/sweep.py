@@ -257,26 +257,35 @@ def strongest(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def privacy_utility_plot(frame: pd.DataFrame, path: Path) -> Path:
-    """PSNR and LPIPS of the strongest attack against utility, one curve per model row and defence."""
+    """PSNR and LPIPS of the strongest attack (rows) against utility (columns: measured top-1 when
+    present, and the cosine of the sent update to the clean one). One colour per model row and
+    defence, solid for setting a/b and dashed for c; points are numbered by grid index."""
     import matplotlib.pyplot as plt
 
     best = strongest(frame)
-    measured = "utility_top1" in best and best["utility_top1"].notna().any()
-    utility = "utility_top1" if measured else "defence_cos"
-    panels = [m for m in ("psnr", "lpips") if m in best and best[m].notna().any()]
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 3.9), squeeze=False)
-    for ax, metric in zip(axes[0], panels):
-        for (label, defence, setting), g in best.groupby(["label", "defence", "setting"]):
-            g = g.sort_values(utility)
-            ax.plot(g[utility], g[metric], marker="o", label=f"{label} / {defence} ({setting})")
-            for _, r in g.iterrows():
-                ax.annotate(str(r["sweep"]).split("=")[-1], (r[utility], r[metric]), fontsize=6,
-                            textcoords="offset points", xytext=(3, 3))
-        ax.set_xlabel("utility: top-1 after FedAvg with the defence" if measured
-                      else "utility: cosine(sent update, clean update)")
-        ax.set_ylabel(f"{metric.upper()} of the strongest attack")
-        ax.legend(fontsize=7)
+    xs = [x for x in ("utility_top1", "defence_cos") if x in best and best[x].notna().any()]
+    ys = [m for m in ("psnr", "lpips") if m in best and best[m].notna().any()]
+    xlabel = {"utility_top1": "utility: top-1 after FedAvg with the defence",
+              "defence_cos": "utility proxy: cosine(sent update, clean update)"}
+    curves = list(best.groupby(["label", "defence"]).groups)
+    colours = plt.get_cmap("tab20")
+    fig, axes = plt.subplots(len(ys), len(xs), figsize=(5.0 * len(xs) + 3.2, 3.6 * len(ys)), squeeze=False)
+    for r, metric in enumerate(ys):
+        for c, x in enumerate(xs):
+            ax = axes[r][c]
+            for k, key in enumerate(curves):
+                for setting, g in best[(best["label"] == key[0]) & (best["defence"] == key[1])].groupby("setting"):
+                    g = g.sort_values(x)
+                    ax.plot(g[x], g[metric], marker="o", ms=3, color=colours(k % 20),
+                            linestyle="--" if setting == "c" else "-",
+                            label=f"{key[0]} / {key[1]} ({setting})" if (r, c) == (0, len(xs) - 1) else None)
+                    for _, row in g.iterrows():
+                        ax.annotate(str(row["sweep_index"]), (row[x], row[metric]), fontsize=5,
+                                    textcoords="offset points", xytext=(2, 2))
+            ax.set_xlabel(xlabel[x], fontsize=8)
+            ax.set_ylabel(f"{metric.upper()} of the strongest attack", fontsize=8)
+    axes[0][-1].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.02, 1.0), ncol=1 + len(curves) // 16)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=130)
     plt.close(fig)
     return path

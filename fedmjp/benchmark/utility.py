@@ -20,7 +20,6 @@ import json
 import logging
 from typing import Any, Callable, Optional
 
-import torch
 
 _logger = logging.getLogger(__name__)
 
