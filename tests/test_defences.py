@@ -170,7 +170,6 @@ def test_client_reports_cosine_and_epsilon():
     assert info["defence-cos"] < 0.5  # 1 image, sigma 1: noise dominates
 
 
-@pytest.mark.slow
 def test_local_dp_defeats_april_on_a_real_image():
     """Design-A model, float64 client, embedded real photographs: > 100 dB clean, < 20 dB with a
     strong local DP, through the ClientApp and the server's tap (in-process engine)."""
