@@ -36,6 +36,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from fedmjp.benchmark.pipeline import raise_for_errors, run_benchmark
         from fedmjp.benchmark.training import train_missing
 
+        if cfg["sweep"]:
+            from fedmjp.benchmark.sweep import run_sweep
+
+            with logging_redirect_tqdm():
+                swept = run_sweep(cfg, output, progress=not args.no_progress)
+            print(Path(swept["csv"]).read_text())
+            print(f"output: {swept['folder']} (results.jsonl with a sweep column, sweep.csv, "
+                  f"{', '.join(Path(p).name for p in swept['plots'])}; one run folder per point under points/)")
+            return 0
         with logging_redirect_tqdm():  # log lines above the progress bars, not through them
             if args.train_missing:
                 from fedmjp.benchmark.store import RunFolder

@@ -1,7 +1,7 @@
 """Flower ClientApp: one MJP client's round on its private partition.
 
 It receives the global weights (ArrayRecord "arrays") and the round config (ConfigRecord
-"config"), runs :func:`clients.task.local_update` on CUDA when present (else CPU) and replies with
+"config"), runs :func:`clients.defence.defended_local_update` (the run's defence, if any) on CUDA when present (else CPU) and replies with
 the gradients (FedSGD) or the weight delta (FedAvg) plus a MetricRecord "metrics" holding
 num-examples, loss, and the client's self-reported partition-id (used only by the benchmark's
 ground-truth lookup). ``fail-partition`` / ``slow-partition`` in the config inject a raise or a
@@ -17,6 +17,7 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from . import task
+from .defence import defended_local_update
 
 _logger = logging.getLogger(__name__)
 
@@ -43,10 +44,10 @@ def make_client_app(run_config: Optional[Mapping[str, Any]] = None) -> ClientApp
         if partition_id == int(cfg["slow-partition"]):
             time.sleep(float(cfg["slow-seconds"]))
         state = msg.content["arrays"].to_torch_state_dict()
-        update, loss, batch = task.local_update(cfg, state, partition_id, server_round, num_partitions)
+        update, loss, batch, info = defended_local_update(cfg, state, partition_id, server_round, num_partitions)
         metrics = MetricRecord({
             "num-examples": int(batch.labels.numel()), "loss": loss, "partition-id": partition_id,
-            "num-partitions": num_partitions, "server-round": server_round,
+            "num-partitions": num_partitions, "server-round": server_round, **info,
         })
         return Message(RecordDict({"arrays": ArrayRecord(update), "metrics": metrics}), reply_to=msg)
 

@@ -29,6 +29,8 @@ server-eval        false (default): the server evaluates nothing. true: after ev
                    evaluates the global model on the *public split* (:func:`public_eval_set`): the
                    images of the same source after the first ``num-images`` ones, which no client
                    owns; never on the clients' private images
+defence            JSON of a :mod:`defences` spec, e.g. '{"name": "local_dp", "clip": 1.0}';
+                   ``fedavg`` sets mode fedavg and local-steps (see :mod:`clients.defence`)
 =================  ==========================================================================
 """
 from __future__ import annotations
@@ -94,11 +96,12 @@ DEFAULTS: dict[str, Any] = {
     "fail-partition": -1,
     "slow-partition": -1,
     "slow-seconds": 0.0,
+    "defence": '{"name": "none"}',
 }
 
 #: Keys the server sends to clients each round (the rest comes from the client's run config).
 ROUND_KEYS = ("mode", "setting", "gamma", "per-sample", "batch-size", "local-steps", "lr", "dal-weight",
-              "fail-partition", "slow-partition", "slow-seconds")
+              "fail-partition", "slow-partition", "slow-seconds", "defence")
 
 
 @dataclass
@@ -143,6 +146,7 @@ def resolve_config(run_config: Mapping[str, Any]) -> dict[str, Any]:
     cfg = {**DEFAULTS, **dict(run_config)}
     if isinstance(cfg["model-kwargs"], Mapping):
         cfg["model-kwargs"] = json.dumps(dict(cfg["model-kwargs"]), sort_keys=True)
+    cfg["defence"] = _resolve_defence(cfg)
     for key, valid in (("mode", MODES), ("setting", SETTINGS), ("partitioner", PARTITIONERS),
                        ("precision", PRECISIONS)):
         if cfg[key] not in valid:
@@ -153,6 +157,22 @@ def resolve_config(run_config: Mapping[str, Any]) -> dict[str, Any]:
         if int(cfg[key]) < 1:
             raise ValueError(f"{key} must be >= 1, got {cfg[key]}")
     return cfg
+
+
+def _resolve_defence(cfg: dict[str, Any]) -> str:
+    """The checked defence spec as canonical JSON; ``fedavg`` rewrites mode and local-steps."""
+    from defences import validate_defence
+
+    raw = cfg["defence"]
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw) if raw.strip() else None
+        except json.JSONDecodeError as err:
+            raise ValueError(f"defence must be JSON like '{{\"name\": \"local_dp\"}}', got {raw!r}: {err}") from err
+    spec = validate_defence(raw)
+    if spec["name"] == "fedavg":
+        cfg["mode"], cfg["local-steps"] = "fedavg", int(spec["steps"])
+    return json.dumps(spec, sort_keys=True)
 
 
 def model_spec(cfg: Mapping[str, Any]) -> dict[str, Any]:

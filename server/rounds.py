@@ -90,6 +90,17 @@ def server_metadata(cfg: Mapping[str, Any], model: torch.nn.Module) -> dict[str,
     return meta
 
 
+def _with_central_dp(strategy: Any, cfg: Mapping[str, Any]) -> Any:
+    """Flower's server-side DP wrapper around ``strategy`` when the defence is central_dp."""
+    spec = json.loads(cfg["defence"])
+    if spec["name"] != "central_dp":
+        return strategy
+    from .central_dp import TappedCentralDp
+
+    num_sampled = max(1, int(float(cfg["fraction-train"]) * int(cfg["min-nodes"])))
+    return TappedCentralDp(strategy, float(spec["sigma"]), float(spec["clip"]), num_sampled)
+
+
 def run_rounds(grid: Grid, run_config: Mapping[str, Any], tap: Optional[Tap] = None) -> ServerOutcome:
     """Run ``num-server-rounds`` rounds of FedSGD or FedAvg on ``grid``; returns the outcome.
 
@@ -109,7 +120,8 @@ def run_rounds(grid: Grid, run_config: Mapping[str, Any], tap: Optional[Tap] = N
         fraction_train=float(cfg["fraction-train"]), fraction_evaluate=0.0,
         min_train_nodes=1, min_available_nodes=int(cfg["min-nodes"]),
     )
-    strategy = FedSGD(lr=float(cfg["lr"]), **common) if cfg["mode"] == "fedsgd" else TappedFedAvg(**common)
+    tapped = FedSGD(lr=float(cfg["lr"]), **common) if cfg["mode"] == "fedsgd" else TappedFedAvg(**common)
+    strategy = _with_central_dp(tapped, cfg)
     train_config = ConfigRecord({k: cfg[k] for k in task.ROUND_KEYS})
     # The public split (images of the source no client owns), never the clients' private images.
     eval_data = task.public_eval_set(cfg) if cfg["server-eval"] else None
@@ -126,12 +138,12 @@ def run_rounds(grid: Grid, run_config: Mapping[str, Any], tap: Optional[Tap] = N
     )
     history = []
     for r in range(1, int(cfg["num-server-rounds"]) + 1):
-        row = dict(strategy.rounds.get(r, {"round": r, "sampled": 0, "replies": 0, "failures": 0}))
+        row = dict(tapped.rounds.get(r, {"round": r, "sampled": 0, "replies": 0, "failures": 0}))
         if r in result.evaluate_metrics_serverapp:
             row.update({k: float(v) for k, v in result.evaluate_metrics_serverapp[r].items()})
         history.append(row)
     final = result.arrays.to_torch_state_dict() if result.arrays is not None else task.clone_state(model.state_dict())
-    outcome = ServerOutcome(history, list(strategy.failures), final, dict(strategy.node_partitions))
+    outcome = ServerOutcome(history, list(tapped.failures), final, dict(tapped.node_partitions))
     if cfg["out-dir"]:
         outcome.save(cfg["out-dir"])
     for row in history:

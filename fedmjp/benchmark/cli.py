@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="run every stage once (1 round, 1 update per federation)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config value (dotted key, YAML value), e.g. --set federation.lr=0.05")
+    p.add_argument("--sweep", dest="sweeps", action="append", default=[], metavar="KEY=V1,V2,...",
+                   help="run a grid over any dotted key into one folder (sweep.csv, plots), "
+                        "e.g. --sweep defence.sigma=0,0.01,0.1 or --sweep gamma=0,0.27,0.5")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p
@@ -72,6 +75,13 @@ def resolve(args: argparse.Namespace) -> dict:
     if args.dry_run:
         flags.append("dry_run=true")
     cfg = C.apply_overrides(cfg, flags + list(args.overrides))
+    if getattr(args, "sweeps", None):
+        from .sweep import parse_sweep_flag
+
+        if isinstance(cfg.get("sweep"), list) and cfg["sweep"]:
+            raise C.ConfigError("--sweep adds grid keys, but the config's sweep is a list of points; "
+                                "put the values into that list instead")
+        cfg["sweep"] = {**(cfg.get("sweep") or {}), **dict(parse_sweep_flag(t) for t in args.sweeps)}
     cfg = C.select_models(cfg, args.models)
     return C.validate(cfg)
 

@@ -31,7 +31,8 @@ SETTINGS = ("a", "b", "c")
 SETTING_GROUPS = {"a": "clean", "b": "shuffled", "c": "shuffled"}
 ENGINES = ("inprocess", "simulation")
 LABEL_MODES = ("known", "none")
-MODEL_ROW_KEYS = ("name", "label", "arch", "variant", "kwargs", "checkpoint", "april", "seed", "recipe")
+MODEL_ROW_KEYS = ("name", "label", "arch", "variant", "kwargs", "checkpoint", "april", "seed", "recipe",
+                  "defence")
 
 #: Every key a config may hold, with its default. ``models`` has no default rows.
 DEFAULTS: dict[str, Any] = {
@@ -43,6 +44,14 @@ DEFAULTS: dict[str, Any] = {
     "dry_run": False,
     "output": None,  # output folder (--output); None: runs/<time>-setting-<s>
     "train_data": None,  # training data of the model rows' recipes (--train-missing); None: none
+    # client-side defence of every model row (a row's own ``defence:`` replaces it); keys: defences/spec.py
+    "defence": {"name": "none"},
+    # strength sweep: dotted key -> list of values (e.g. {defence.sigma: [0, 0.01, 0.1]}); see sweep.py
+    "sweep": {},
+    # utility of each sweep point: top-1 after `rounds` FedAvg rounds with the defence on (0: off);
+    # keys and meaning: fedmjp/benchmark/utility.py
+    "utility": {"rounds": 0, "source": "../shared/data/cifar10.tar.gz", "num_train": 64, "num_eval": 200,
+                "clients": 2, "local_steps": 2, "batch_size": 8, "lr": 0.05},
     "data": {
         "source": "embedded",  # "embedded" (scikit-image's bundled images) or an image folder
         "image_size": 32,
@@ -92,7 +101,7 @@ def _merge(base: dict, update: Mapping, where: str = "") -> dict:
         path = f"{where}{key}"
         if key not in base:
             raise ConfigError(f"unknown config key {path!r}; valid keys here: {', '.join(sorted(base))}")
-        if isinstance(base[key], dict) and key != "options":
+        if isinstance(base[key], dict) and key not in ("options", "defence", "sweep"):
             if not isinstance(value, Mapping):
                 raise ConfigError(f"config key {path!r} must be a mapping, got {value!r}")
             out[key] = _merge(base[key], value, f"{path}.")
@@ -142,6 +151,7 @@ def _resolve_paths(cfg: dict, base: Path) -> dict:
         for key in ("checkpoint", "recipe"):
             if isinstance(row, dict) and isinstance(row.get(key), str):
                 row[key] = _resolve_path(row[key], base)
+    cfg["utility"]["source"] = _resolve_path(cfg["utility"]["source"], base)
     return cfg
 
 
@@ -322,7 +332,42 @@ def validate(cfg: dict) -> dict:
     _validate_models(cfg)
     _validate_attack(cfg["attack"]["name"])
     _validate_attack_list(cfg)
+    _validate_defences(cfg)
     return cfg
+
+
+def _validate_defences(cfg: dict) -> None:
+    """The top-level defence, every row's own, and the sweep grid (defences/spec.py)."""
+    from .sweep import validate_sweep
+
+    cfg["defence"] = _checked_defence(cfg["defence"], "defence")
+    u = cfg["utility"]
+    for key in ("rounds", "num_train"):
+        _check_int(u[key], f"utility.{key}", minimum=0)
+    for key in ("num_eval", "clients", "local_steps", "batch_size"):
+        _check_int(u[key], f"utility.{key}")
+    if isinstance(u["lr"], bool) or not isinstance(u["lr"], (int, float)) or u["lr"] < 0:
+        raise ConfigError(f"utility.lr must be a number >= 0, got {u['lr']!r}")
+    for index, row in enumerate(cfg["models"]):
+        if row.get("defence") is not None:
+            row["defence"] = _checked_defence(row["defence"], f"model row {row['name']!r}: defence")
+    validate_sweep(cfg)
+
+
+def _checked_defence(spec: Any, where: str) -> dict:
+    from defences import validate_defence
+
+    try:
+        return validate_defence(spec)
+    except ValueError as err:
+        raise ConfigError(f"{where}: {err}") from err
+
+
+def row_defence(cfg: dict, index: int) -> dict:
+    """The defence of model row ``index``: its own ``defence:`` or else the top-level one."""
+    row = cfg["models"][index]
+    return _checked_defence(row.get("defence") if row.get("defence") is not None else cfg["defence"],
+                            f"model row {row['name']!r}: defence")
 
 
 def _validate_models(cfg: dict) -> None:
@@ -401,7 +446,7 @@ def available_attacks() -> list[str]:
 def model_spec(cfg: dict, index: int) -> dict:
     """The factory spec of model row ``index`` (label dropped; seed defaults to seed + index)."""
     row = cfg["models"][index]
-    spec = {k: copy.deepcopy(v) for k, v in row.items() if k not in ("label", "recipe")}
+    spec = {k: copy.deepcopy(v) for k, v in row.items() if k not in ("label", "recipe", "defence")}
     spec.setdefault("variant", "plain")
     spec.setdefault("kwargs", {})
     spec.setdefault("checkpoint", None)

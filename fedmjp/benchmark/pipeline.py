@@ -13,6 +13,7 @@ stored), so an interrupted run resumes where it stopped.
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from fedmjp.data import DataError, ImageSet, load_images
 from fedmjp.devices import resolve_device
 
 from . import scoring
-from .config import SETTING_GROUPS, attack_entries, model_label, model_spec
+from .config import SETTING_GROUPS, attack_entries, model_label, model_spec, row_defence
 from .errors import AttackErrors, ConfigError, FederationFailed, InputDataError, ModelCheckpointError
 from .report import Tables, write_distributions, write_grids, write_tables
 from .store import RunFolder, row_key
@@ -224,6 +225,7 @@ def client_run_config(cfg: dict, row: ModelRow, group: str) -> dict:
         "model-seed": int(spec["seed"]),
         "device": str(cfg["device"]),
     }
+    run_config["defence"] = json.dumps(row_defence(cfg, row.index), sort_keys=True)
     run_config.update(fed.get("options") or {})
     return run_config
 
@@ -352,6 +354,19 @@ def quiet_flower(verbose: bool = False) -> None:
     log.propagate = False
 
 
+def defence_columns(run_config: dict, metrics: dict) -> dict:
+    """Result-row columns of the client's defence: its name and label, and what the client
+    reported (cosine similarity of the sent update to its clean one, DP-SGD's epsilon)."""
+    from defences import defence_label
+
+    spec = json.loads(run_config["defence"])
+    out = {"defence": spec["name"], "defence_label": defence_label(spec),
+           "defence_cos": float(metrics.get("defence-cos", 1.0))}
+    if "dp-epsilon" in metrics:
+        out["dp_epsilon"], out["dp_delta"] = float(metrics["dp-epsilon"]), float(spec["delta"])
+    return out
+
+
 class GroupAttacker:
     """Runs one federation and attacks its tapped updates as they arrive (the tap callback)."""
 
@@ -361,6 +376,9 @@ class GroupAttacker:
         self.cfg = prepared.cfg
         self.done = done
         self.run_config = client_run_config(self.cfg, row, group)
+        from clients.task import resolve_config
+
+        self.resolved = resolve_config(self.run_config)
         self.wanted = set(expected_updates(self.cfg))
         self.model = copy.deepcopy(row.model)  # the server's copy; the row's model stays pristine
         self.acc_model = copy.deepcopy(row.acc_model) if row.acc_model is not None else None
@@ -505,6 +523,7 @@ class GroupAttacker:
                 "time_attack_s": t_attack / max(n, 1),
                 "time_score_s": t_score / max(n, 1),
                 "image_stored": image_id in self.grid_ids,
+                **defence_columns(self.run_config, update.metrics),
             }
             if row["image_stored"]:
                 self.store_images(row, batch, b, recon[b])
@@ -533,6 +552,8 @@ class GroupAttacker:
               "image_size": (3, self.cfg["data"]["image_size"], self.cfg["data"]["image_size"]),
               "update_type": "gradient" if fed["algorithm"] == "fedsgd" else "delta",
               "lr": float(fed["lr"]), "local_steps": fed["local_steps"]}
+        if self.resolved["mode"] != fed["algorithm"]:  # the fedavg defence turns FedSGD into FedAvg
+            md.update(update_type="delta", local_steps=int(self.resolved["local-steps"]))
         if self.cfg["attack"]["labels"] == "known":
             md["labels"] = batch.labels.clone()
         return md

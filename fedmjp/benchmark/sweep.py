@@ -1,0 +1,291 @@
+"""Strength sweeps: one benchmark per grid point, gathered into one run folder with a ``sweep`` column.
+
+``sweep:`` in a config (or ``--sweep defence.sigma=0,0.01,0.1`` on the command line) maps dotted
+config keys to lists of values; the grid is their Cartesian product, in the order given. A list of
+mappings instead is an explicit list of points (``[{defence: {name: prune, keep: 0.1}}, {gamma: 0.5}]``),
+for one table of several defences and MJP's gamma series. Every grid
+point is a complete benchmark run (resumable on its own) in ``<output>/points/<NN>-<slug>/``; the
+run folder itself holds:
+
+* ``results.jsonl``: every point's rows with ``sweep`` (``"defence.sigma=0.01"``), ``sweep_index``
+  and one ``sweep.<key>`` column per swept key (rebuilt from the points' stores at the end);
+* ``sweep.csv``: means per (grid point, model, setting, attack): PSNR, SSIM, MSE, LPIPS, FFT2D,
+  top-1 (``correct``), ``defence_cos`` (cosine of the sent update to the clean one), ``dp_epsilon``;
+* ``sweep_<metric>.png`` (metric against the grid point, one curve per model and setting) and
+  ``privacy_utility.png`` (PSNR and LPIPS of the strongest attack against utility, one curve per
+  model row and defence, so an MJP row swept over gamma is a curve beside the defences).
+
+Utility on the x axis of ``privacy_utility.png``: top-1 after ``utility.rounds`` FedAvg rounds with
+the defence on (:mod:`fedmjp.benchmark.utility`, ``utility.jsonl`` in each point folder) when
+``utility.rounds`` > 0; otherwise the mean cosine similarity of the sent update to the clean update
+(computed by every client for every row), a proxy; the axis label says which.
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import logging
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import pandas as pd
+
+from .errors import ConfigError
+
+_logger = logging.getLogger(__name__)
+
+SWEEP_METRICS = ("psnr", "ssim", "mse", "lpips", "fft2d", "correct", "defence_cos", "dp_epsilon", "utility_top1",
+                 "utility_top1_start")
+
+
+def parse_sweep_flag(text: str) -> tuple[str, list[Any]]:
+    """``"defence.sigma=0,0.01,0.1"`` -> ("defence.sigma", [0, 0.01, 0.1]) (values: YAML scalars)."""
+    import yaml
+
+    if "=" not in text:
+        raise ConfigError(f"--sweep {text!r} must look like key=v1,v2,... (e.g. defence.sigma=0,0.01,0.1)")
+    key, raw = text.split("=", 1)
+    try:
+        values = [yaml.safe_load(v) for v in raw.split(",") if v.strip()]
+    except yaml.YAMLError as err:
+        raise ConfigError(f"--sweep {text!r}: a value is not a YAML scalar: {err}") from err
+    if not key.strip() or not values:
+        raise ConfigError(f"--sweep {text!r} needs a key and at least one value")
+    return key.strip(), values
+
+
+def grid_points(cfg: dict) -> list[dict[str, Any]]:
+    """The grid as a list of {dotted key: value}: the Cartesian product in the order given for a
+    mapping, the points themselves for a list of mappings (an explicit grid, e.g. several defences
+    and an MJP gamma series side by side)."""
+    sweep = cfg.get("sweep") or {}
+    if isinstance(sweep, list):
+        return [dict(point) for point in sweep]
+    keys = list(sweep)
+    return [dict(zip(keys, combo)) for combo in itertools.product(*(sweep[k] for k in keys))]
+
+
+def point_label(point: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in point.items())
+
+
+def point_config(cfg: dict, point: dict[str, Any]) -> dict:
+    """The validated config of one grid point (no sweep; the point's values set)."""
+    from . import config as C
+
+    base = copy.deepcopy(cfg)
+    base["sweep"] = {}
+    # the override machinery checks each dotted key (unknown keys list the valid ones); the value is
+    # then set as the Python object itself (a text round trip would turn 1e-06 into a YAML string)
+    out = C.apply_overrides(base, [f"{k}=null" for k in point])
+    for key, value in point.items():
+        node: Any = out
+        *path, last = key.split(".")
+        for part in path:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        node[int(last) if isinstance(node, list) else last] = copy.deepcopy(value)
+    out = C.apply_overrides(out, [])  # re-merge onto DEFAULTS, resolve paths
+    return C.validate(out)
+
+
+def validate_sweep(cfg: dict) -> None:
+    """Every swept key must be a list of values and every grid point a valid config (names, ranges,
+    defence keys), checked before anything is written. Raises ConfigError."""
+    sweep = cfg.get("sweep") or {}
+    if isinstance(sweep, list):
+        if not all(isinstance(p, dict) and p for p in sweep):
+            raise ConfigError(f"a sweep list must hold non-empty mappings of dotted key -> value, got {sweep!r}")
+        keys = [k for p in sweep for k in p]
+    elif isinstance(sweep, dict):
+        keys = list(sweep)
+        for key, values in sweep.items():
+            if not isinstance(values, list) or not values:
+                raise ConfigError(f"sweep.{key} must be a non-empty list of values, got {values!r}")
+    else:
+        raise ConfigError("sweep must be a mapping of dotted key -> list of values (a grid) or a list of "
+                          f"mappings of dotted key -> value (explicit points), got {sweep!r}")
+    for key in keys:
+        if key in ("sweep", "output") or str(key).startswith("sweep."):
+            raise ConfigError(f"sweep key {key!r} cannot be swept")
+    for point in grid_points(cfg) if sweep else []:
+        try:
+            point_config(cfg, point)
+        except ConfigError as err:
+            raise ConfigError(f"sweep point {point_label(point)}: {err}") from err
+
+
+def run_sweep(cfg: dict, output: str, federate: Optional[Callable[..., Any]] = None,
+              progress: bool = True) -> dict[str, Any]:
+    """Run every grid point into ``output/points/`` (each resumable), then gather rows, write
+    ``results.jsonl``, ``sweep.csv`` and the plots in ``output``.
+
+    Returns:
+        {"folder", "points": [point folders], "csv", "plots": [paths], "rows"}.
+    """
+    from .pipeline import run_benchmark
+    from .store import RunFolder, slug
+
+    points = grid_points(cfg)
+    if not points:
+        raise ConfigError("run_sweep needs a non-empty sweep (sweep: {key: [values]} or --sweep key=v1,v2)")
+    configs = [point_config(cfg, p) for p in points]  # every bad point fails before any work
+    top = RunFolder(output)
+    top.init(cfg)
+    folders = []
+    for i, (point, pcfg) in enumerate(zip(points, configs)):
+        folder = top.folder / "points" / f"{i:02d}-{slug(point_label(point))}"
+        pcfg["output"] = str(folder)
+        _logger.info("sweep point %d/%d: %s", i + 1, len(points), point_label(point))
+        run_benchmark(pcfg, str(folder), federate=federate, progress=progress)
+        if int(pcfg["utility"]["rounds"]) > 0:
+            point_utility(pcfg, folder, federate)
+        folders.append(folder)
+    rows = gather_rows(points, folders)
+    top.results_path.write_text("")  # derived from the points' stores: rebuilt on every run
+    top.append(rows)
+    frame = sweep_table(rows)
+    csv = top.folder / "sweep.csv"
+    frame.to_csv(csv, index=False)
+    keys = list(dict.fromkeys(k for p in points for k in p))
+    plots = write_sweep_plots(frame, top.folder, keys if isinstance(cfg["sweep"], dict) else keys + ["(points)"])
+    return {"folder": str(top.folder), "points": [str(f) for f in folders], "csv": str(csv),
+            "plots": [str(p) for p in plots], "rows": len(rows)}
+
+
+def point_utility(cfg: dict, folder: Path, federate: Optional[Callable[..., Any]] = None) -> list[dict]:
+    """Utility of every model row of one grid point, stored in ``utility.jsonl`` (kept when present:
+    same folder, same config, same seeded result)."""
+    from .pipeline import build_rows, pick_device
+    from .store import read_jsonl
+    from .utility import defence_utility
+
+    path = folder / "utility.jsonl"
+    stored = {r["model"]: r for r in read_jsonl(path)} if path.is_file() else {}
+    out = []
+    for row in build_rows(cfg, pick_device("cpu")):
+        if row.name not in stored:
+            record = {"model": row.name, **defence_utility(cfg, row, federate)}
+            with path.open("a") as fh:
+                fh.write(json.dumps(record) + "\n")
+            stored[row.name] = record
+        out.append(stored[row.name])
+    return out
+
+
+def gather_rows(points: list[dict[str, Any]], folders: list[Path]) -> list[dict]:
+    """Every point's stored rows with the sweep columns added."""
+    from .store import RunFolder, read_jsonl
+
+    rows = []
+    for i, (point, folder) in enumerate(zip(points, folders)):
+        utility = {}
+        if (folder / "utility.jsonl").is_file():
+            utility = {r["model"]: r for r in read_jsonl(folder / "utility.jsonl")}
+        for row in RunFolder(folder).rows(repair=True):
+            row = {**row, **{k: v for k, v in utility.get(row["model"], {}).items() if k != "model"},
+                   "sweep": point_label(point), "sweep_index": i}
+            row.update({f"sweep.{k}": (json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else v)
+                        for k, v in point.items()})
+            rows.append(row)
+    return rows
+
+
+def sweep_table(rows: list[dict]) -> pd.DataFrame:
+    """Means over scored images per (grid point, model, setting, attack); failed rows counted apart;
+    PSNR capped at ``metrics.PSNR_CAP_DB`` before averaging, as in the benchmark's table."""
+    import metrics as M
+
+    from .report import rows_frame
+
+    df = rows_frame(rows)  # metric columns numeric ("inf" strings of the store -> inf)
+    if df.empty:
+        return df
+    for col in ("defence_cos", "dp_epsilon", "utility_top1", "utility_top1_start"):
+        if col in df:
+            df[col] = pd.to_numeric(df[col], errors="coerce").astype(float)
+    df["psnr"] = df["psnr"].clip(upper=M.PSNR_CAP_DB)  # exact reconstructions (+inf) count as the cap
+    if "defence" not in df:
+        df["defence"] = "none"
+    keys = ["sweep_index", "sweep", "model", "label", "defence", "setting", "attack"]
+    keys = [k for k in keys if k in df] + sorted(c for c in df if c.startswith("sweep."))
+    ok = df[~df["failed"].astype(bool)] if "failed" in df else df
+    metrics = [m for m in SWEEP_METRICS if m in df]
+    table = ok.groupby(keys, dropna=False)[metrics].mean(numeric_only=True).reset_index()
+    counts = df.groupby(keys, dropna=False).agg(n=("failed", "size"), failed=("failed", "sum")).reset_index()
+    return counts.merge(table, on=keys, how="left").sort_values(["sweep_index", "model", "setting"])
+
+
+def write_sweep_plots(frame: pd.DataFrame, folder: Path, keys: list[str]) -> list[Path]:
+    """``sweep_<metric>.png`` per metric present and ``privacy_utility.png`` (matplotlib Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if frame.empty:
+        return []
+    out = []
+    numeric_x = (len(keys) == 1 and f"sweep.{keys[0]}" in frame
+                 and pd.api.types.is_numeric_dtype(frame[f"sweep.{keys[0]}"]))
+    xcol = f"sweep.{keys[0]}" if numeric_x else "sweep_index"
+    for metric in [m for m in SWEEP_METRICS if m in frame and frame[m].notna().any()]:
+        fig, ax = plt.subplots(figsize=(5.5, 3.8))
+        for (model, setting, attack), g in frame.groupby(["model", "setting", "attack"]):
+            g = g.sort_values(xcol)
+            ax.plot(g[xcol], g[metric], marker="o", label=f"{model} ({setting}, {attack})")
+        ax.set_xlabel(keys[0] if numeric_x else "grid point")
+        if not numeric_x:
+            labels = frame.drop_duplicates("sweep_index").sort_values("sweep_index")
+            ax.set_xticks(labels["sweep_index"], labels["sweep"], rotation=30, ha="right", fontsize=7)
+        ax.set_ylabel(metric)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = folder / f"sweep_{metric}.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        out.append(path)
+    out.append(privacy_utility_plot(frame, folder / "privacy_utility.png"))
+    return out
+
+
+def strongest(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per (grid point, model, setting): the attack with the highest mean PSNR."""
+    keys = ["sweep_index", "model", "setting"]
+    idx = frame.dropna(subset=["psnr"]).groupby(keys)["psnr"].idxmax()
+    return frame.loc[idx.values]
+
+
+def privacy_utility_plot(frame: pd.DataFrame, path: Path) -> Path:
+    """PSNR and LPIPS of the strongest attack (rows) against utility (columns: measured top-1 when
+    present, and the cosine of the sent update to the clean one). One colour per model row and
+    defence, solid for setting a/b and dashed for c; points are numbered by grid index."""
+    import matplotlib.pyplot as plt
+
+    best = strongest(frame)
+    xs = [x for x in ("utility_top1", "defence_cos") if x in best and best[x].notna().any()]
+    ys = [m for m in ("psnr", "lpips") if m in best and best[m].notna().any()]
+    xlabel = {"utility_top1": "utility: top-1 after FedAvg with the defence",
+              "defence_cos": "utility proxy: cosine(sent update, clean update)"}
+    curves = list(best.groupby(["label", "defence"]).groups)
+    colours = plt.get_cmap("tab20")
+    fig, axes = plt.subplots(len(ys), len(xs), figsize=(5.0 * len(xs) + 3.2, 3.6 * len(ys)), squeeze=False)
+    for r, metric in enumerate(ys):
+        for c, x in enumerate(xs):
+            ax = axes[r][c]
+            for k, key in enumerate(curves):
+                for setting, g in best[(best["label"] == key[0]) & (best["defence"] == key[1])].groupby("setting"):
+                    g = g.sort_values(x)
+                    ax.plot(g[x], g[metric], marker="o", ms=3, color=colours(k % 20),
+                            linestyle="--" if setting == "c" else "-",
+                            label=f"{key[0]} / {key[1]} ({setting})" if (r, c) == (0, len(xs) - 1) else None)
+                    for _, row in g.iterrows():
+                        ax.annotate(str(row["sweep_index"]), (row[x], row[metric]), fontsize=5,
+                                    textcoords="offset points", xytext=(2, 2))
+            ax.set_xlabel(xlabel[x], fontsize=8)
+            ax.set_ylabel(f"{metric.upper()} of the strongest attack", fontsize=8)
+    axes[0][-1].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.02, 1.0), ncol=1 + len(curves) // 16)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path

@@ -1,0 +1,74 @@
+"""Central DP with Flower's server-side wrapper, tapped the way a curious server taps.
+
+:class:`TappedCentralDp` is Flower's :class:`~flwr.serverapp.strategy.DifferentialPrivacyServerSideFixedClipping`
+around our :class:`~server.strategy.TappedFedAvg` / :class:`~server.strategy.FedSGD`, with two
+adaptations, both stated here because they change what the wrapper is given:
+
+* Flower's wrapper clips ``reply - weights sent`` (it expects replies to be full weights). Our
+  clients reply FedSGD gradients or FedAvg deltas, which already are the update, so the reference
+  it subtracts is set to zeros: it clips each reply to L2 norm ``clip`` over all arrays, and adds
+  Gaussian noise of std ``sigma * clip / num_sampled_clients`` to the aggregated weights (Flower's
+  own code). Under FedSGD the noise lands on the weights unscaled by lr (as Flower adds it).
+* The honest-but-curious server reads every reply as it arrives, before its DP code runs: the tap
+  is called with the raw replies first. That is the point of including central DP in the table: it
+  protects the released model against third parties, not the update against the server (expected
+  and measured: the tapped update equals the undefended one).
+
+Flower's wrapper skips the whole aggregation of a round in which any client replied with an error
+(``validate_replies``): such a round leaves the global weights unchanged.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Optional
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping
+
+from .strategy import TappedFedAvg
+
+_logger = logging.getLogger(__name__)
+
+
+class TappedCentralDp(DifferentialPrivacyServerSideFixedClipping):
+    """Flower's server-side fixed-clipping DP around a tapped strategy; the tap sees raw replies.
+
+    Args:
+        strategy: the tapped FedAvg/FedSGD strategy (its tap is moved to this wrapper).
+        noise_multiplier: sigma.
+        clipping_norm: clip, the per-reply L2 bound.
+        num_sampled_clients: clients per round (scales the noise on the mean).
+    """
+
+    def __init__(self, strategy: TappedFedAvg, noise_multiplier: float, clipping_norm: float,
+                 num_sampled_clients: int) -> None:
+        super().__init__(strategy, noise_multiplier, clipping_norm, num_sampled_clients)
+        self.tap, strategy.tap = strategy.tap, None
+        self.inner = strategy
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        messages = super().configure_train(server_round, arrays, config, grid)
+        # Replies are gradients or deltas: the update Flower clips is the reply itself.
+        self.current_arrays = ArrayRecord({k: torch.zeros_like(v) for k, v in arrays.to_torch_state_dict().items()})
+        return messages
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]
+                        ) -> tuple[Optional[ArrayRecord], Optional[MetricRecord]]:
+        """Tap every usable raw reply, then Flower's clip -> inner aggregation -> noise."""
+        replies = list(replies)
+        if self.tap is not None:
+            parsed = []
+            for msg in replies:
+                if msg.has_error():
+                    continue
+                try:
+                    parsed.append(self.inner._parse(server_round, msg.metadata.src_node_id, msg))
+                except (KeyError, ValueError, TypeError) as err:  # the inner strategy records it as a failure
+                    _logger.debug("round %d: reply not tapped: %r", server_round, err)
+            for update in sorted(parsed, key=lambda u: u.node_id):
+                self.tap(update)
+        return super().aggregate_train(server_round, replies)

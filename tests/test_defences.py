@@ -1,0 +1,297 @@
+"""Defences: each transform's arithmetic, DP-SGD and its accountant, input mixing, the client path
+through Flower's in-process engine (local DP against APRIL, central DP against the tap)."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+import attacks
+import defences as D
+import fedmjp  # noqa: F401  (registers the mjp_* models)
+from clients import task
+from clients.defence import defended_local_update
+from server.federation import run_federation
+
+# 32 px design-A ViT (T = 65 <= D = 192): APRIL's closed form is exact on float64 gradients.
+APRIL = {"model-kwargs": {"depth": 2}, "model-april": "trained", "model-variant": "plain", "num-images": 4,
+         "image-size": 32, "num-server-rounds": 1, "precision": "float64", "server-eval": False, "setting": "a"}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """Clients of the in-process engine run in threads: keep torch at one intra-op thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _big_update(seed: int = 0, n: int = 400_000) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"a.weight": torch.randn(n // 2, generator=g).view(-1, 100), "b.bias": 3 * torch.randn(n // 2, generator=g)}
+
+
+def _psnr(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(10 * torch.log10(1 / ((a.double() - b.double()) ** 2).mean()))
+
+
+# ------------------------------------------------------------------------------------- spec
+def test_spec_defaults_and_errors_name_the_valid_choices():
+    assert D.validate_defence(None) == {"name": "none"}
+    assert D.validate_defence({"name": "local_dp", "sigma": 0.5}) == {"name": "local_dp", "clip": 1.0, "sigma": 0.5,
+                                                                       "noise": "gaussian"}
+    with pytest.raises(ValueError, match="local_dp.*prune.*quantize"):
+        D.validate_defence({"name": "dp"})
+    with pytest.raises(ValueError, match="valid: name, clip, sigma, noise"):
+        D.validate_defence({"name": "local_dp", "sgima": 0.1})
+    for bad in ({"name": "prune", "keep": 0}, {"name": "quantize", "bits": 0}, {"name": "local_dp", "clip": -1},
+                {"name": "local_dp", "noise": "uniform"}, {"name": "mixup", "k": 1.5}, {"name": "dp_sgd", "delta": 0}):
+        with pytest.raises(ValueError):
+            D.validate_defence(bad)
+    with pytest.raises(ValueError, match="defence"):
+        task.resolve_config({"defence": '{"name": "nope"}'})
+    assert task.resolve_config({"defence": {"name": "fedavg", "steps": 3}})["local-steps"] == 3
+
+
+# ------------------------------------------------------------------------------------- transforms
+def test_clip_scales_the_whole_update_to_the_bound():
+    u = _big_update()
+    norm = D.update_norm(u)
+    clipped = D.clip_update(u, 1.0)
+    assert D.update_norm(clipped) == pytest.approx(1.0, rel=1e-5)
+    assert D.cosine_similarity(clipped, u) == pytest.approx(1.0, abs=1e-6)
+    small = D.clip_update(u, 10 * norm)  # under the bound: unchanged
+    assert all(torch.equal(small[k], u[k]) for k in u)
+
+
+@pytest.mark.parametrize("noise", ["gaussian", "laplace"])
+def test_noise_scale_matches_sigma_times_clip(noise):
+    zero = {"w": torch.zeros(1_000_000, dtype=torch.float64)}
+    clip, sigma = 2.0, 0.3
+    out = D.local_dp(zero, clip, sigma, torch.Generator().manual_seed(1), noise)["w"]
+    expected = sigma * clip * (1.0 if noise == "gaussian" else math.sqrt(2.0))
+    s = float(out.std())
+    # standard error of the sample std: sd((x - m)^2) / (2 s sqrt(n)), estimated from the sample
+    se = float(((out - out.mean()) ** 2).std()) / (2 * s * math.sqrt(out.numel()))
+    assert abs(s - expected) < 5 * se
+    assert abs(float(out.mean())) < 5 * s / math.sqrt(out.numel())
+
+
+def test_prune_keeps_the_largest_share():
+    u = _big_update()
+    out = D.prune_update(u, 0.05)
+    n = sum(v.numel() for v in u.values())
+    kept = sum(int((v != 0).sum()) for v in out.values())
+    assert kept == math.ceil(0.05 * n)
+    smallest_kept = min(float(v[v != 0].abs().min()) for v in out.values() if (v != 0).any())
+    largest_dropped = max(float(u[k][out[k] == 0].abs().max()) for k in u)
+    assert smallest_kept >= largest_dropped
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_quantize_uses_at_most_2_to_the_k_levels(bits):
+    u = _big_update(n=20_000)
+    out = D.quantize_update(u, bits)
+    for k, v in out.items():
+        levels = torch.unique(v)
+        # <= 2^k levels; all but possibly the outermost level on the side without the max are hit
+        assert 2 ** bits - 1 <= len(levels) <= 2 ** bits
+        if bits == 1:
+            assert torch.allclose(v.abs(), u[k].abs().mean().expand_as(v))
+        else:  # nearest of 2^k levels on [-m, m]: error <= half a step
+            m = float(u[k].abs().max())
+            grid = torch.linspace(-m, m, 2 ** bits)
+            assert bool((levels[:, None] - grid[None]).abs().min(dim=1).values.max() < 1e-5 * m)
+            assert float((v - u[k]).abs().max()) <= m / (2 ** bits - 1) + 1e-6
+
+
+def test_stochastic_quantize_is_unbiased():
+    x = torch.linspace(-1, 1, 101, dtype=torch.float64)
+    g = torch.Generator().manual_seed(0)
+    draws = torch.stack([D.quantize_tensor(x, 2, stochastic=True, generator=g) for _ in range(4000)])
+    assert len(torch.unique(draws)) <= 4
+    se = draws.std(dim=0) / math.sqrt(len(draws))
+    assert bool(((draws.mean(dim=0) - x).abs() <= 5 * se + 1e-12).all())
+
+
+def test_mixup_is_a_convex_combination_with_mixed_labels():
+    g = torch.Generator().manual_seed(0)
+    pool, pool_y = torch.rand(6, 3, 8, 8, generator=g), torch.tensor([0, 1, 2, 3, 4, 5])
+    x, y = pool[:2], pool_y[:2]
+    m = D.mix_batch(x, y, pool, pool_y, 10, k=3, alpha=1.0, sign_flip=False, generator=g)
+    assert torch.allclose(m.weights.sum(1), torch.ones(2, dtype=torch.float64))
+    assert torch.allclose(m.targets.sum(1), torch.ones(2))
+    assert float(m.images.min()) >= 0 and float(m.images.max()) <= 1
+    assert float((m.images - x).abs().max()) > 1e-3  # the client sends something else than x
+    flipped = D.mix_batch(x, y, pool, pool_y, 10, k=3, alpha=1.0, sign_flip=True, generator=g)
+    assert float(flipped.images.min()) < 0
+
+
+# ------------------------------------------------------------------------------------- DP-SGD
+def test_rdp_accountant_reproduces_abadi_et_al_mnist():
+    # Abadi et al. 2016 / TF Privacy: q = 256/60000, sigma = 1.1, 60 epochs, delta 1e-5 -> eps ~ 3
+    # (2.92 with fractional orders; integer orders give a slightly larger, still valid bound).
+    eps = D.dp_sgd_epsilon(256 / 60000, 1.1, 60 * 60000 // 256, 1e-5)
+    assert 2.9 <= eps <= 3.1
+    assert D.dp_sgd_epsilon(0.01, 2.0, 1000, 1e-5) < D.dp_sgd_epsilon(0.01, 1.0, 1000, 1e-5)
+    assert D.dp_sgd_epsilon(1.0, 0.0, 1, 1e-5) == math.inf
+
+
+def test_private_gradient_clips_each_example():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(5, 3).double()
+    x, y = torch.randn(4, 5, dtype=torch.float64) * 10, torch.tensor([0, 1, 2, 0])
+    loss_i = lambda i: torch.nn.functional.cross_entropy(lin(x[i:i + 1]), y[i:i + 1])  # noqa: E731
+    params = list(lin.parameters())
+    g = torch.Generator().manual_seed(0)
+    exact, _ = D.private_gradient(loss_i, params, 4, clip=1e9, sigma=0.0, generator=g)
+    ref = torch.autograd.grad(torch.nn.functional.cross_entropy(lin(x), y), params)
+    assert all(torch.allclose(a, b) for a, b in zip(exact, ref))
+    clipped, _ = D.private_gradient(loss_i, params, 4, clip=0.01, sigma=0.0, generator=g)
+    assert math.sqrt(sum(float(c.pow(2).sum()) for c in clipped)) <= 0.01 + 1e-12
+
+
+# ------------------------------------------------------------------------------------- client path
+def test_client_reports_cosine_and_epsilon():
+    cfg = {**APRIL, "precision": "float32", "defence": {"name": "prune", "keep": 0.1}}
+    state = task.load_global_model(task.resolve_config(cfg)).state_dict()
+    sent, _, _, info = defended_local_update(cfg, state, 0, 1, 2, torch.device("cpu"))
+    n = sum(v.numel() for v in sent.values())
+    assert sum(int((v != 0).sum()) for v in sent.values()) <= math.ceil(0.1 * n)
+    assert 0.3 < info["defence-cos"] < 1.0
+    dp_cfg = {**cfg, "defence": {"name": "dp_sgd", "clip": 0.5, "sigma": 1.0}}
+    sent, _, _, info = defended_local_update(dp_cfg, state, 0, 1, 2, torch.device("cpu"))
+    assert info["dp-epsilon"] == pytest.approx(D.dp_sgd_epsilon(0.5, 1.0, 1, 1e-5))  # 1 of 2 owned images
+    assert info["defence-cos"] < 0.5  # 1 image, sigma 1: noise dominates
+
+
+def test_local_dp_defeats_april_on_a_real_image():
+    """Design-A model, float64 client, embedded real photographs: > 100 dB clean, < 20 dB with a
+    strong local DP, through the ClientApp and the server's tap (in-process engine)."""
+    attack = attacks.create_attack("april_analytic")
+    out = {}
+    for name, defence in (("clean", {"name": "none"}), ("dp", {"name": "local_dp", "clip": 1.0, "sigma": 0.1})):
+        taps = []
+        run_federation({**APRIL, "defence": json.dumps(defence)}, tap=taps.append, engine="inprocess", num_supernodes=2)
+        u = taps[0]
+        cfg = task.resolve_config({**APRIL, "defence": json.dumps(defence)})
+        model = task.load_global_model(cfg).double()
+        batch = task.private_batch(cfg, u.partition_id, 1, 2)
+        md = {"mean": torch.tensor(u.metadata["input-mean"]), "std": torch.tensor(u.metadata["input-std"])}
+        res = attack.reconstruct(model, {k: v.double() for k, v in u.arrays.items()}, md)
+        out[name] = _psnr(res.images, batch.images)
+        out[name + "-cos"] = u.metrics["defence-cos"]
+    assert out["clean"] > 100 and out["clean-cos"] == 1.0
+    assert out["dp"] < 20 and out["dp-cos"] < 0.5
+
+
+def test_central_dp_leaves_the_tapped_update_unchanged():
+    cfg = {**APRIL, "precision": "float32", "num-server-rounds": 1}
+    runs = {}
+    for name, defence in (("none", {"name": "none"}), ("central", {"name": "central_dp", "clip": 0.01, "sigma": 1.0})):
+        taps = []
+        result = run_federation({**cfg, "defence": json.dumps(defence)}, tap=taps.append, engine="inprocess",
+                                num_supernodes=2)
+        runs[name] = (sorted(taps, key=lambda u: u.partition_id), result.final_state)
+    (taps_a, final_a), (taps_b, final_b) = runs["none"], runs["central"]
+    assert len(taps_a) == len(taps_b) == 2
+    for a, b in zip(taps_a, taps_b):
+        assert a.arrays.keys() == b.arrays.keys()
+        assert all(torch.equal(a.arrays[k], b.arrays[k]) for k in a.arrays)  # the server saw the clean update
+    # ... while Flower's wrapper did clip and noise what it aggregated (the global model differs)
+    diff = max(float((final_a[k] - final_b[k]).abs().max()) for k in final_a)
+    assert diff > 1e-3
+
+
+# ------------------------------------------------------------------------------------- benchmark config + sweep
+def _bench_cfg(tmp_path, **top) -> dict:
+    """One design-A MJP row (surgery), 4 embedded images, 2 clients x 1 round, float64, no LPIPS."""
+    from fedmjp.benchmark import config as C
+
+    cfg = C._merge(C.DEFAULTS, {
+        "name": "tiny", "device": "cpu", "settings": ["c"], "gamma": 0.27,
+        "data": {"source": "embedded", "image_size": 32, "num_images": 4, "num_classes": 10},
+        "federation": {"engine": "inprocess", "rounds": 1, "clients": 2, "precision": "float64", "lr": 0.01},
+        "models": [{"name": "DeiT+MJP", "arch": "mjp_vit_cifar_patch4_32", "variant": "mjp",
+                    "kwargs": {"depth": 2}, "april": "surgery"}],
+        "attack": {"name": "april_analytic"}, "metrics": {"lpips": False}, "report": {"grid_images": 0},
+        **top})
+    return C.validate(cfg)
+
+
+def test_benchmark_defence_key_row_override_and_errors(tmp_path):
+    from fedmjp.benchmark import cli
+    from fedmjp.benchmark import config as C
+    from fedmjp.benchmark.errors import ConfigError
+    from fedmjp.benchmark.pipeline import ModelRow, client_run_config
+
+    args = cli.build_parser().parse_args(["--set", "defence={name: local_dp, clip: 1.0, sigma: 0.5}",
+                                          "--set", "defence.clip=2.0", "--output", str(tmp_path / "out")])
+    cfg = cli.resolve(args)
+    assert cfg["defence"] == {"name": "local_dp", "clip": 2.0, "sigma": 0.5, "noise": "gaussian"}
+    cfg["models"][0]["defence"] = {"name": "prune", "keep": 0.2}  # a row's own defence replaces the top one
+    cfg = C.validate(cfg)
+    row = ModelRow(0, cfg["models"][0]["name"], "x", C.model_spec(cfg, 0), None, False)
+    assert json.loads(client_run_config(cfg, row, "shuffled")["defence"]) == {"name": "prune", "keep": 0.2}
+    row1 = ModelRow(1, cfg["models"][1]["name"], "x", C.model_spec(cfg, 1), None, False)
+    assert json.loads(client_run_config(cfg, row1, "shuffled")["defence"])["name"] == "local_dp"
+    for bad, pattern in (("defence={name: dpp}", "valid: none, local_dp"), ("defence.sgima=1", "valid: name, clip"),
+                         ("sweep={defence.sigma: [0, -1]}", "sweep point defence.sigma=-1")):
+        with pytest.raises(ConfigError, match=pattern):
+            cli.resolve(cli.build_parser().parse_args(["--set", "defence={name: local_dp}", "--set", bad,
+                                                       "--output", str(tmp_path / "bad")]))
+    assert not (tmp_path / "bad").exists() and not (tmp_path / "out").exists()
+
+
+def test_sweep_writes_one_row_per_grid_point_and_the_plots(tmp_path):
+    from fedmjp.benchmark.sweep import run_sweep
+
+    cfg = _bench_cfg(tmp_path, defence={"name": "local_dp", "clip": 1.0},
+                     sweep={"defence.sigma": [0.0, 0.1], "gamma": [0.0, 0.5]})
+    out = run_sweep(cfg, str(tmp_path / "sweep"), progress=False)
+    table = pd.read_csv(out["csv"])
+    assert len(table) == 4 and list(table["sweep_index"]) == [0, 1, 2, 3]
+    assert set(table["sweep.defence.sigma"]) == {0.0, 0.1} and set(table["sweep.gamma"]) == {0.0, 0.5}
+    assert (table["n"] == 2).all()  # 2 clients x 1 round x batch 1 per point
+    rows = [json.loads(line) for line in open(Path(out["folder"]) / "results.jsonl")]
+    assert len(rows) == 8 and all("sweep" in r and "defence_cos" in r for r in rows)
+    noisy = table[table["sweep.defence.sigma"] == 0.1]
+    assert (noisy["defence_cos"] < 0.5).all() and (table[table["sweep.defence.sigma"] == 0.0]["defence_cos"] > 0.999).all()
+    for name in ("privacy_utility.png", "sweep_psnr.png", "sweep_defence_cos.png"):
+        assert (Path(out["folder"]) / name).stat().st_size > 1000
+
+
+def test_sweep_point_list_keeps_values_typed_and_checks_each_point(tmp_path):
+    from fedmjp.benchmark.errors import ConfigError
+    from fedmjp.benchmark.sweep import grid_points, point_config
+
+    points = [{"defence": {"name": "local_dp", "sigma": 1e-6}}, {"gamma": 0.5}]
+    cfg = _bench_cfg(tmp_path, sweep=points)
+    assert grid_points(cfg) == points
+    first = point_config(cfg, points[0])
+    assert first["defence"]["sigma"] == 1e-6 and first["sweep"] == {}
+    assert point_config(cfg, points[1])["gamma"] == 0.5
+    with pytest.raises(ConfigError, match="sweep point gamma=2"):
+        _bench_cfg(tmp_path, sweep=[{"gamma": 2}])
+    with pytest.raises(ConfigError, match="unknown config key 'gama'"):
+        _bench_cfg(tmp_path, sweep=[{"gama": 0.1}])
+
+
+def test_utility_measures_held_out_top1_after_fedavg(tmp_path):
+    from fedmjp.benchmark.pipeline import build_rows
+    from fedmjp.benchmark.utility import defence_utility
+
+    cfg = _bench_cfg(tmp_path, utility={"rounds": 1, "source": "embedded", "num_train": 4, "num_eval": 6,
+                                        "clients": 2, "local_steps": 1, "batch_size": 2, "lr": 0.0})
+    row = build_rows(cfg, torch.device("cpu"))[0]
+    frozen = defence_utility(cfg, row)  # lr 0 and no defence: the global model does not move
+    assert frozen["utility_start"] == "fresh" and frozen["utility_num_eval"] == 6
+    assert frozen["utility_top1"] == frozen["utility_top1_start"]
+    cfg["utility"]["num_train"] = 1000
+    with pytest.raises(ValueError, match="none left"):
+        defence_utility(cfg, row)
