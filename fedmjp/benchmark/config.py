@@ -34,6 +34,10 @@ LABEL_MODES = ("known", "none")
 MODEL_ROW_KEYS = ("name", "label", "arch", "variant", "kwargs", "checkpoint", "april", "seed", "recipe",
                   "defence")
 
+#: Mappings whose content is free-form to the merge and type check and validated by their own code
+#: (attack constructor, client run-config keys, defences/spec.py, the sweep's dotted keys).
+FREE_MAPPINGS = ("options", "defence", "sweep")
+
 #: Every key a config may hold, with its default. ``models`` has no default rows.
 DEFAULTS: dict[str, Any] = {
     "name": "benchmark",
@@ -101,7 +105,7 @@ def _merge(base: dict, update: Mapping, where: str = "") -> dict:
         path = f"{where}{key}"
         if key not in base:
             raise ConfigError(f"unknown config key {path!r}; valid keys here: {', '.join(sorted(base))}")
-        if isinstance(base[key], dict) and key not in ("options", "defence", "sweep"):
+        if isinstance(base[key], dict) and key not in FREE_MAPPINGS:
             if not isinstance(value, Mapping):
                 raise ConfigError(f"config key {path!r} must be a mapping, got {value!r}")
             out[key] = _merge(base[key], value, f"{path}.")
@@ -230,13 +234,13 @@ def _check_int(value: Any, what: str, minimum: int = 1, allow_none: bool = False
 #: Keys whose default is None (or whose values may be None): the types they take besides None.
 NULLABLE: dict[str, tuple[type, ...]] = {"output": (str,), "train_data": (str,), "data.num_images": (int,),
                                          "metrics.lpips_backbone": (str,)}
-#: Mappings whose content is free-form here and checked elsewhere (attack constructor, client keys).
-FREE_MAPPINGS = ("options",)
+#: Keys that take another form besides their default's type (``settings: all``; a sweep as a list of points).
+ALTERNATIVE_TYPES: dict[str, tuple[type, ...]] = {"settings": (list, str), "sweep": (dict, list)}
 #: Model row keys and the types they take (None allowed where listed in MODEL_ROW_NULLABLE).
 MODEL_ROW_TYPES: dict[str, tuple[type, ...]] = {
     "name": (str,), "label": (str,), "arch": (str,), "variant": (str,), "kwargs": (dict,),
-    "checkpoint": (str,), "april": (str,), "seed": (int,), "recipe": (str,)}
-MODEL_ROW_NULLABLE = ("label", "kwargs", "checkpoint", "april", "seed", "recipe")
+    "checkpoint": (str,), "april": (str,), "seed": (int,), "recipe": (str,), "defence": (dict,)}
+MODEL_ROW_NULLABLE = ("label", "kwargs", "checkpoint", "april", "seed", "recipe", "defence")
 
 _KIND = {bool: "true or false", int: "an integer", float: "a number", str: "a string", list: "a list",
          dict: "a mapping"}
@@ -269,12 +273,12 @@ def check_types(cfg: Mapping[str, Any], defaults: Mapping[str, Any] = DEFAULTS, 
             _check_type(value, NULLABLE[path], path, nullable=True)
         elif key == "models":
             _check_type(value, (list,), path)
+        elif path in ALTERNATIVE_TYPES:
+            _check_type(value, ALTERNATIVE_TYPES[path], path)
         elif isinstance(default, dict):
             _check_type(value, (dict,), path)
             if key not in FREE_MAPPINGS:
                 check_types(value, default, f"{path}.")
-        elif path == "settings":
-            _check_type(value, (list, str), path)
         else:
             _check_type(value, (type(default),), path)
 
