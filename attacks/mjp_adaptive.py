@@ -162,6 +162,10 @@ def mjp_reduction(vit: nn.Module, G_Z: torch.Tensor, G_W: torch.Tensor, shuffled
                  null_gap=float(s_a[r] / s_a[r - 1]) if 0 < r < len(s_a) else float("nan"))
     if N_basis.shape[1] != max(nS - 1, 0):
         stats["note"] = f"null space has {N_basis.shape[1]} dims, expected |S| - 1 = {nS - 1}"
+    if r_u < G_U.shape[0]:
+        # e.g. a depth-1 model: dL/dZ has rank ~ 2 heads + 1; the closed form is not unique either.
+        stats["note"] = (f"rank(dL/dP known rows) = {r_u} < {G_U.shape[0]}: the unshuffled tokens are not "
+                         "separable; minimum-norm estimates only")
     return Reduction(shuffled.cpu(), Pi, Z_U_perp, x_u, N_basis, x_bar, stats)
 
 
@@ -333,12 +337,14 @@ class MJPAdaptive(Attack):
         # Break the permutation symmetry: distinct random points of the affine hull, spread like the
         # unshuffled patches' own null-space coordinates.
         a = 0.1 * torch.randn(nS, k, generator=gen, dtype=torch.float64)
-        if self.refine in ("prior", "match"):
+        if k == 0:
+            stats.setdefault("note", "no null directions: the reduction leaves nothing to refine")
+        elif self.refine in ("prior", "match"):
             b = smoothness_prior_solve(red, grid, C, p, std)
             coords = (red.x_unshuffled + b @ red.null_basis.T - red.x_bar) @ red.null_basis
             a = coords.std(dim=0, keepdim=True) * torch.randn(nS, k, generator=gen, dtype=torch.float64) \
                 + coords.mean(dim=0, keepdim=True)
-        if self.refine == "match" and self.iterations > 0 and nS > 0:
+        if self.refine == "match" and self.iterations > 0 and nS > 0 and k > 0:
             labels = self._labels(vit, grads, meta)
             b, a, mstats = self._match(vit, grads, red, b, a, labels, grid, C, p, std)
             stats.update(mstats)
