@@ -44,7 +44,7 @@ from .matching import recover_labels
 
 _logger = logging.getLogger(__name__)
 
-REFINE_MODES = ("none", "prior", "match")
+REFINE_MODES = ("none", "prior", "match", "gauss_newton")
 
 
 # ------------------------------------------------------------------------------------ detection
@@ -218,9 +218,12 @@ class MJPAdaptive(Attack):
     """MJP-aware attack (module docstring).
 
     Args:
-        refine: ``none`` (minimum norm), ``prior`` (smoothness prior, closed form) or ``match``
-            (prior, then gradient matching over the reduced parameters).
-        iterations: L-BFGS iterations per matching round.
+        refine: ``none`` (minimum norm), ``prior`` (smoothness prior, closed form), ``match``
+            (prior, then L-BFGS gradient matching over the reduced parameters) or ``gauss_newton``
+            (prior, then Levenberg-Marquardt on the gradient residual, matrix-free CG steps).
+        iterations: L-BFGS iterations per matching round, or Levenberg-Marquardt steps.
+        cg_iterations: conjugate-gradient iterations per Levenberg-Marquardt step; 0 builds the
+            Jacobian explicitly (exact Gauss-Newton steps, ~P times the cost of one step's products).
         rounds: alternating rounds (shuffled block, then all parameters).
         prior_weight: weight of the smoothness prior inside gradient matching (relative units).
         unshuffle: solve the jigsaw and return ``result.unshuffled``.
@@ -234,6 +237,7 @@ class MJPAdaptive(Attack):
 
     def __init__(self, refine: str = "prior", iterations: int = 30, rounds: int = 1, prior_weight: float = 1e-3,
                  unshuffle: bool = True, rcond: float = 1e-4, dal_weight: Optional[float] = None,
+                 cg_iterations: int = 40,
                  fallback_iterations: int = 200, seed: int = 0, raise_errors: bool = False) -> None:
         super().__init__(raise_errors)
         if refine not in REFINE_MODES:
@@ -243,6 +247,7 @@ class MJPAdaptive(Attack):
         self.refine, self.iterations, self.rounds = refine, int(iterations), int(rounds)
         self.prior_weight, self.unshuffle, self.rcond = float(prior_weight), bool(unshuffle), float(rcond)
         self.dal_weight, self.fallback_iterations, self.seed = dal_weight, int(fallback_iterations), int(seed)
+        self.cg_iterations = int(cg_iterations)
 
     # ------------------------------------------------------------------------------- pieces
     def read_update(self, vit: nn.Module, grads: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict, dict]:
@@ -344,9 +349,10 @@ class MJPAdaptive(Attack):
             coords = (red.x_unshuffled + b @ red.null_basis.T - red.x_bar) @ red.null_basis
             a = coords.std(dim=0, keepdim=True) * torch.randn(nS, k, generator=gen, dtype=torch.float64) \
                 + coords.mean(dim=0, keepdim=True)
-        if self.refine == "match" and self.iterations > 0 and nS > 0 and k > 0:
+        if self.refine in ("match", "gauss_newton") and self.iterations > 0 and nS > 0 and k > 0:
             labels = self._labels(vit, grads, meta)
-            b, a, mstats = self._match(vit, grads, red, b, a, labels, grid, C, p, std)
+            solver = self._match if self.refine == "match" else self._gauss_newton
+            b, a, mstats = solver(vit, grads, red, b, a, labels, grid, C, p, std)
             stats.update(mstats)
             stats["_labels"] = labels
         return self._assemble(red, b, a, grid, C, p), None, stats
@@ -416,6 +422,98 @@ class MJPAdaptive(Attack):
         last = float(objective(b, a).detach())
         _logger.debug("mjp_adaptive matching: %.3e -> %.3e in %d iterations", first, last, iters)
         return b, a, dict(objective=last, objective_first=first, iterations=iters, matched_parameters=len(names))
+
+    def _gauss_newton(self, vit: nn.Module, grads: dict, red: Reduction, b0: torch.Tensor, a0: torch.Tensor,
+                      labels: torch.Tensor, grid, C: int, p: int, std: torch.Tensor):
+        """Levenberg-Marquardt on r(theta) = (g(theta) - g*) / |g*| per parameter, theta = (b, a).
+
+        Large gradients (> 20k entries, e.g. W_qkv) are sketched by a fixed random projection of
+        their last axis (16 columns) so that r stays ~1e5 long. Each step solves
+        (J^T J + lam diag) d = -J^T r by conjugate gradients with J v (forward over reverse) and
+        J^T u (reverse) products, accepted if |r| drops, else lam grows ten-fold.
+        """
+        work = copy.deepcopy(vit).to("cpu", torch.float64).eval()
+        for blk in work.blocks:
+            if hasattr(blk.attn, "fused_attn"):
+                blk.attn.fused_attn = False
+        params = {n: q.detach() for n, q in work.named_parameters()}
+        buffers = dict(work.named_buffers())
+        names = [n for n in params if n in grads and not n.startswith("dal_head.") and float(grads[n].abs().max()) > 0]
+        gen = torch.Generator().manual_seed(self.seed + 1)
+        sketch, target = {}, {}
+        for n in names:
+            t = grads[n].to(torch.float64)
+            if t.numel() > 20000:
+                sketch[n] = torch.randn(t.shape[-1], 16, generator=gen, dtype=torch.float64) / 4
+                t = t.reshape(-1, t.shape[-1]) @ sketch[n]
+            target[n] = (t.reshape(-1), t.norm().clamp_min(1e-300))
+        nU, k = b0.shape
+        nS = a0.shape[0]
+        mask, y = red.shuffled[None], labels.reshape(1)
+        sub = {n: params[n] for n in names}
+
+        def loss_fn(ps: dict, theta: torch.Tensor) -> torch.Tensor:
+            x = self._assemble(red, theta[:nU * k].reshape(nU, k), theta[nU * k:].reshape(nS, k), grid, C, p)
+            out = functional_call(work, ({**params, **ps}, buffers), (x,), {"unk_mask": mask})
+            return F.cross_entropy(out, y)
+
+        def resid(theta: torch.Tensor) -> torch.Tensor:
+            g = torch.func.grad(loss_fn)(sub, theta)
+            out = []
+            for n in names:
+                gi = g[n].reshape(-1, g[n].shape[-1]) @ sketch[n] if n in sketch else g[n]
+                out.append((gi.reshape(-1) - target[n][0]) / target[n][1])
+            return torch.cat(out) / len(names) ** 0.5
+
+        theta = torch.cat([b0.flatten(), a0.flatten()])
+        r = resid(theta)
+        first, lam, steps = float(r.pow(2).sum()), 1e-3, 0
+        for _ in range(self.iterations):
+            _, jvp_fn = torch.func.linearize(resid, theta)
+            _, vjp_fn = torch.func.vjp(resid, theta)
+            rhs = -vjp_fn(r)[0]
+            JtJ = None
+            if self.cg_iterations == 0:  # explicit Jacobian, P forward-over-reverse products
+                eye = torch.eye(theta.numel(), dtype=theta.dtype)
+                J = torch.cat([torch.func.vmap(jvp_fn)(eye[c:c + 128]) for c in range(0, len(eye), 128)])  # [P, R]
+                JtJ = J @ J.T
+                del J
+            while lam < 1e10:
+                if JtJ is not None:
+                    d = torch.linalg.solve(JtJ + lam * torch.diag(torch.diag(JtJ)).clamp_min(1e-30)
+                                           + 1e-30 * torch.eye(len(JtJ), dtype=JtJ.dtype), rhs)
+                    r_new = resid(theta + d)
+                    if float(r_new.pow(2).sum()) < float(r.pow(2).sum()):
+                        theta, r, lam = theta + d, r_new, max(lam / 3, 1e-12)
+                        steps += 1
+                        break
+                    lam *= 10
+                    continue
+                # CG on (J^T J + lam I) d = rhs (Jacobi-free: the reduced coordinates are orthonormal)
+                d = torch.zeros_like(theta)
+                res_cg, direction = rhs.clone(), rhs.clone()
+                rr = float(res_cg @ res_cg)
+                for _ in range(self.cg_iterations):
+                    Ap = vjp_fn(jvp_fn(direction))[0] + lam * direction
+                    alpha = rr / float(direction @ Ap)
+                    d = d + alpha * direction
+                    res_cg = res_cg - alpha * Ap
+                    rr_new = float(res_cg @ res_cg)
+                    if rr_new < 1e-20 * float(rhs @ rhs):
+                        break
+                    direction = res_cg + (rr_new / rr) * direction
+                    rr = rr_new
+                r_new = resid(theta + d)
+                if float(r_new.pow(2).sum()) < float(r.pow(2).sum()):
+                    theta, r, lam = theta + d, r_new, max(lam / 3, 1e-12)
+                    steps += 1
+                    break
+                lam *= 10
+            _logger.debug("mjp_adaptive LM step %d: residual %.3e, lam %.1e", steps, float(r.pow(2).sum()), lam)
+        last = float(r.pow(2).sum())
+        b, a = theta[:nU * k].reshape(nU, k), theta[nU * k:].reshape(nS, k)
+        return b.detach(), a.detach(), dict(objective=last, objective_first=first, iterations=steps,
+                                            matched_parameters=len(names))
 
     def _fallback(self, model: nn.Module, grads: dict, S: torch.Tensor, meta: AttackMetadata):
         """Non-design-A models: MJP-aware APRIL optimisation with the detected mask (gradients with
