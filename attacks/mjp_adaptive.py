@@ -188,28 +188,40 @@ def _neighbour_diffs(img: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 
 def smoothness_prior_solve(red: Reduction, grid: tuple[int, int], channels: int, p: int,
-                           std: torch.Tensor, ridge: float = 1e-6) -> torch.Tensor:
-    """Null-space coefficients b [nU, k] that minimise the squared pixel differences between
-    neighbouring pixels of the unshuffled region (in [0, 1] pixel units), a linear least-squares
-    problem: x_u = x_u0 + N b_u. Returns b."""
+                           std: torch.Tensor, ridge: float = 1e-6, joint: bool = True
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Null-space coefficients that minimise the squared differences of neighbouring pixels (in
+    [0, 1] pixel units): a linear least-squares problem in x_u = x_u0 + N b_u and, with ``joint``,
+    x_s = x_bar + N a_s for the shuffled patches placed at S in index order (an inpainting of the
+    holes from their borders inside the affine hull; without ``joint`` only the unshuffled region
+    counts and a = 0).
+
+    Returns:
+        (b [nU, k], a [nS, k]).
+    """
     nU, k = red.x_unshuffled.shape[0], red.null_basis.shape[1]
-    if k == 0 or nU == 0:
-        return red.x_unshuffled.new_zeros(nU, k)
     N = red.shuffled.numel()
-    U_idx = torch.nonzero(~red.shuffled).flatten()
+    nS = N - nU
+    if k == 0:
+        return red.x_unshuffled.new_zeros(nU, k), red.x_unshuffled.new_zeros(nS, k)
+    order = torch.cat([torch.nonzero(~red.shuffled).flatten(), torch.nonzero(red.shuffled).flatten()])
+    n_var = N if joint else nU
     scale = std.to(torch.float64).repeat_interleave(p * p)  # model input -> pixel units, (C, p, p) order
-    valid = patches_to_image((~red.shuffled).double()[:, None].expand(N, channels * p * p), grid, channels, p)[0] > 0
+    region = torch.ones(N, dtype=torch.bool) if joint else ~red.shuffled
+    valid = patches_to_image(region.double()[:, None].expand(N, channels * p * p), grid, channels, p)[0] > 0
     base = torch.zeros(N, channels * p * p, dtype=torch.float64)
-    base[U_idx] = red.x_unshuffled * scale
+    base[order[:nU]] = red.x_unshuffled * scale
+    base[order[nU:]] = red.x_bar * scale
     d0 = _neighbour_diffs(patches_to_image(base, grid, channels, p), valid)  # [F]
-    cols = torch.zeros(nU * k, N, channels * p * p, dtype=torch.float64)
-    Ns = red.null_basis * scale[:, None]  # [C p^2, k]
-    for j in range(nU):
-        cols[j * k:(j + 1) * k, U_idx[j]] = Ns.T
-    J = _neighbour_diffs(patches_to_image(cols, grid, channels, p), valid)  # [nU k, F]
-    lhs = J @ J.T + ridge * torch.eye(nU * k, dtype=torch.float64)
-    b = torch.linalg.solve(lhs, -(J @ d0))
-    return b.reshape(nU, k)
+    cols = torch.zeros(n_var * k, N, channels * p * p, dtype=torch.float64)
+    Ns = (red.null_basis * scale[:, None]).T  # [k, C p^2]
+    for j in range(n_var):
+        cols[j * k:(j + 1) * k, order[j]] = Ns
+    J = _neighbour_diffs(patches_to_image(cols, grid, channels, p), valid)  # [n_var k, F]
+    lhs = J @ J.T + ridge * torch.eye(n_var * k, dtype=torch.float64)
+    coef = torch.linalg.solve(lhs, -(J @ d0)).reshape(n_var, k)
+    a = coef[nU:] if joint else coef.new_zeros(nS, k)
+    return coef[:nU], a
 
 
 # ------------------------------------------------------------------------------------ attack
@@ -222,6 +234,8 @@ class MJPAdaptive(Attack):
             (prior, then L-BFGS gradient matching over the reduced parameters) or ``gauss_newton``
             (prior, then Levenberg-Marquardt on the gradient residual, matrix-free CG steps).
         iterations: L-BFGS iterations per matching round, or Levenberg-Marquardt steps.
+        joint_prior: the prior also inpaints the shuffled patches inside their affine hull (else
+            they start as random points of the hull).
         cg_iterations: conjugate-gradient iterations per Levenberg-Marquardt step; 0 builds the
             Jacobian explicitly (exact Gauss-Newton steps, ~P times the cost of one step's products).
         rounds: alternating rounds (shuffled block, then all parameters).
@@ -237,7 +251,7 @@ class MJPAdaptive(Attack):
 
     def __init__(self, refine: str = "prior", iterations: int = 30, rounds: int = 1, prior_weight: float = 1e-3,
                  unshuffle: bool = True, rcond: float = 1e-4, dal_weight: Optional[float] = None,
-                 cg_iterations: int = 40,
+                 cg_iterations: int = 40, joint_prior: bool = False,
                  fallback_iterations: int = 200, seed: int = 0, raise_errors: bool = False) -> None:
         super().__init__(raise_errors)
         if refine not in REFINE_MODES:
@@ -247,7 +261,7 @@ class MJPAdaptive(Attack):
         self.refine, self.iterations, self.rounds = refine, int(iterations), int(rounds)
         self.prior_weight, self.unshuffle, self.rcond = float(prior_weight), bool(unshuffle), float(rcond)
         self.dal_weight, self.fallback_iterations, self.seed = dal_weight, int(fallback_iterations), int(seed)
-        self.cg_iterations = int(cg_iterations)
+        self.cg_iterations, self.joint_prior = int(cg_iterations), bool(joint_prior)
 
     # ------------------------------------------------------------------------------- pieces
     def read_update(self, vit: nn.Module, grads: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict, dict]:
@@ -345,10 +359,11 @@ class MJPAdaptive(Attack):
         if k == 0:
             stats.setdefault("note", "no null directions: the reduction leaves nothing to refine")
         elif self.refine in ("prior", "match"):
-            b = smoothness_prior_solve(red, grid, C, p, std)
-            coords = (red.x_unshuffled + b @ red.null_basis.T - red.x_bar) @ red.null_basis
-            a = coords.std(dim=0, keepdim=True) * torch.randn(nS, k, generator=gen, dtype=torch.float64) \
-                + coords.mean(dim=0, keepdim=True)
+            b, a = smoothness_prior_solve(red, grid, C, p, std, joint=self.joint_prior)
+            if not self.joint_prior:
+                coords = (red.x_unshuffled + b @ red.null_basis.T - red.x_bar) @ red.null_basis
+                a = coords.std(dim=0, keepdim=True) * torch.randn(nS, k, generator=gen, dtype=torch.float64) \
+                    + coords.mean(dim=0, keepdim=True)
         if self.refine in ("match", "gauss_newton") and self.iterations > 0 and nS > 0 and k > 0:
             labels = self._labels(vit, grads, meta)
             solver = self._match if self.refine == "match" else self._gauss_newton
@@ -475,7 +490,8 @@ class MJPAdaptive(Attack):
             JtJ = None
             if self.cg_iterations == 0:  # explicit Jacobian, P forward-over-reverse products
                 eye = torch.eye(theta.numel(), dtype=theta.dtype)
-                J = torch.cat([torch.func.vmap(jvp_fn)(eye[c:c + 128]) for c in range(0, len(eye), 128)])  # [P, R]
+                col = lambda v: torch.func.jvp(resid, (theta,), (v,))[1]  # noqa: E731
+                J = torch.cat([torch.func.vmap(col)(eye[c:c + 128]) for c in range(0, len(eye), 128)])  # [P, R]
                 JtJ = J @ J.T
                 del J
             while lam < 1e10:
