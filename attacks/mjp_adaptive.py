@@ -14,7 +14,7 @@ DESIGN section 11. For one batch-1 update of an MJP model fed x~ (E_unk at the s
    the shuffled patches lie on their affine hull x_bar + span(N). Parameters: b_u (unshuffled) and
    a_s (shuffled), each in R^k, k = dim N.
 3. Refinement (``refine``): a quadratic smoothness prior over the unshuffled image solved in closed
-   form (``prior``), then gradient matching over (b, a) in float64 with the attacker's forward using
+   form, refined under a total-variation prior (``prior``), then gradient matching over (b, a) in float64 with the attacker's forward using
    ``unk_mask = S``, L-BFGS, alternating blocks (shuffled with unshuffled fixed, then both).
 4. ``unshuffle=True``: solve the jigsaw (:mod:`attacks.jigsaw_solver`) and return ``result.unshuffled``.
 
@@ -224,6 +224,33 @@ def smoothness_prior_solve(red: Reduction, grid: tuple[int, int], channels: int,
     return coef[:nU], a
 
 
+def tv_prior_refine(red: Reduction, b0: torch.Tensor, grid: tuple[int, int], channels: int, p: int,
+                    std: torch.Tensor, eps: float = 1e-4, iterations: int = 300) -> torch.Tensor:
+    """Refine the unshuffled coefficients b [nU, k] under a total-variation prior (Charbonnier,
+    sum sqrt(d^2 + eps) over neighbouring pixel differences of the unshuffled region, pixel units),
+    from the quadratic prior's solution; L-BFGS, no model evaluations. Returns b."""
+    if b0.numel() == 0:
+        return b0
+    scale = std.to(torch.float64).repeat_interleave(p * p)
+    N = red.shuffled.numel()
+    valid = patches_to_image((~red.shuffled).double()[:, None].expand(N, channels * p * p), grid, channels, p)[0] > 0
+    U_idx = torch.nonzero(~red.shuffled).flatten()
+    b = b0.clone().requires_grad_(True)
+    opt = torch.optim.LBFGS([b], max_iter=iterations, history_size=50, line_search_fn="strong_wolfe",
+                            tolerance_grad=1e-12, tolerance_change=1e-15)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        xu = (red.x_unshuffled + b @ red.null_basis.T) * scale
+        full = torch.zeros(N, channels * p * p, dtype=torch.float64).index_put((U_idx,), xu)
+        obj = (_neighbour_diffs(patches_to_image(full, grid, channels, p), valid).pow(2) + eps).sqrt().sum()
+        obj.backward()
+        return obj
+
+    opt.step(closure)
+    return b.detach()
+
+
 # ------------------------------------------------------------------------------------ attack
 @register_attack("mjp_adaptive")
 class MJPAdaptive(Attack):
@@ -234,6 +261,7 @@ class MJPAdaptive(Attack):
             (prior, then L-BFGS gradient matching over the reduced parameters) or ``gauss_newton``
             (prior, then Levenberg-Marquardt on the gradient residual, matrix-free CG steps).
         iterations: L-BFGS iterations per matching round, or Levenberg-Marquardt steps.
+        tv_prior: refine the quadratic prior's unshuffled coefficients under a total-variation prior.
         joint_prior: the prior also inpaints the shuffled patches inside their affine hull (else
             they start as random points of the hull).
         cg_iterations: conjugate-gradient iterations per Levenberg-Marquardt step; 0 builds the
@@ -251,7 +279,7 @@ class MJPAdaptive(Attack):
 
     def __init__(self, refine: str = "prior", iterations: int = 30, rounds: int = 1, prior_weight: float = 1e-3,
                  unshuffle: bool = True, rcond: float = 1e-4, dal_weight: Optional[float] = None,
-                 cg_iterations: int = 40, joint_prior: bool = False,
+                 cg_iterations: int = 40, joint_prior: bool = False, tv_prior: bool = True,
                  fallback_iterations: int = 200, seed: int = 0, raise_errors: bool = False) -> None:
         super().__init__(raise_errors)
         if refine not in REFINE_MODES:
@@ -261,7 +289,7 @@ class MJPAdaptive(Attack):
         self.refine, self.iterations, self.rounds = refine, int(iterations), int(rounds)
         self.prior_weight, self.unshuffle, self.rcond = float(prior_weight), bool(unshuffle), float(rcond)
         self.dal_weight, self.fallback_iterations, self.seed = dal_weight, int(fallback_iterations), int(seed)
-        self.cg_iterations, self.joint_prior = int(cg_iterations), bool(joint_prior)
+        self.cg_iterations, self.joint_prior, self.tv_prior = int(cg_iterations), bool(joint_prior), bool(tv_prior)
 
     # ------------------------------------------------------------------------------- pieces
     def read_update(self, vit: nn.Module, grads: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict, dict]:
@@ -360,6 +388,8 @@ class MJPAdaptive(Attack):
             stats.setdefault("note", "no null directions: the reduction leaves nothing to refine")
         elif self.refine in ("prior", "match"):
             b, a = smoothness_prior_solve(red, grid, C, p, std, joint=self.joint_prior)
+            if self.tv_prior:
+                b = tv_prior_refine(red, b, grid, C, p, std)
             if not self.joint_prior:
                 coords = (red.x_unshuffled + b @ red.null_basis.T - red.x_bar) @ red.null_basis
                 a = coords.std(dim=0, keepdim=True) * torch.randn(nS, k, generator=gen, dtype=torch.float64) \
