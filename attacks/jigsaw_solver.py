@@ -12,7 +12,6 @@ Patches are [C, p, p] tensors; positions are row-major indices on a (gh, gw) gri
 from __future__ import annotations
 
 import logging
-from typing import Optional
 
 import numpy as np
 import torch

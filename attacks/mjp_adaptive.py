@@ -37,7 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.func import functional_call
 
-from .april import AprilConditionError, _gradient_of_Z, _is_design_a, _vit, check_conditions
+from .april import _gradient_of_Z, _is_design_a, _vit, check_conditions
 from .base import Attack, AttackFailure, AttackMetadata, AttackResult, Update, register_attack, update_to_gradients
 from .jigsaw_solver import place, solve_jigsaw
 from .matching import recover_labels
@@ -85,6 +85,7 @@ class Reduction:
     Attributes:
         shuffled: [N] bool, detected S.
         projector: [D, D] Pi onto span{z_s}.
+        z_u_perp: [prefix + nU, D] Z_U (I - Pi), prefix rows first.
         x_unshuffled: [nU, C p^2] minimum-norm unshuffled patches (model-input space).
         null_basis: [C p^2, k] N, orthonormal: span of differences of the shuffled patches.
         x_bar: [C p^2] a point on the affine hull of the shuffled patches.
@@ -336,9 +337,9 @@ class MJPAdaptive(Attack):
             notes.append("no shuffled position detected: plain closed form / matching")
         design_a = _is_design_a(vit.blocks[0])
         if design_a:
-            x_tilde, x_parts, more = self._design_a(vit, grads, S, meta)
+            x_tilde, more = self._design_a(vit, grads, S, meta)
         else:
-            x_tilde, x_parts, more = self._fallback(model, grads, S, meta)
+            x_tilde, more = self._fallback(model, grads, S, meta)
             notes.append("block 0 is not design A: MJP-aware april_optimization with the detected mask")
         stats.update(more)
         C, H, W = meta.image_size
@@ -400,7 +401,7 @@ class MJPAdaptive(Attack):
             b, a, mstats = solver(vit, grads, red, b, a, labels, grid, C, p, std)
             stats.update(mstats)
             stats["_labels"] = labels
-        return self._assemble(red, b, a, grid, C, p), None, stats
+        return self._assemble(red, b, a, grid, C, p), stats
 
     @staticmethod
     def _assemble(red: Reduction, b: torch.Tensor, a: torch.Tensor, grid, C: int, p: int) -> torch.Tensor:
@@ -572,5 +573,5 @@ class MJPAdaptive(Attack):
         if res.failed:
             raise AttackFailure(f"MJP-aware april_optimization failed: {res.reason}")
         x = meta.normalize(res.images.double())
-        return x, None, dict(objective=res.stats[0].get("objective", float("nan")),
+        return x, dict(objective=res.stats[0].get("objective", float("nan")),
                              iterations=res.stats[0].get("iterations", 0))
