@@ -12,10 +12,12 @@ from .updates import compute_per_sample_updates, compute_update
 from .april import AprilAnalytic, AprilConditionError, check_conditions
 from .breaching_adapter import BREACHING_ATTACKS, BreachingAttack, load_attack_config
 from .matching import AprilOptimization, GradientMatching, InvertingGradientsBatched, recover_labels
+from .mjp_adaptive import MJPAdaptive, detect_shuffled, mjp_reduction
+from .jigsaw_solver import solve_jigsaw
 
 __all__ = [
     "BREACHING_ATTACKS", "AprilAnalytic", "AprilConditionError", "AprilOptimization", "Attack", "AttackFailure",
-    "AttackMetadata", "AttackResult", "BreachingAttack", "GradientMatching", "InvertingGradientsBatched",
-    "attack_names", "check_conditions", "compute_per_sample_updates", "compute_update", "create_attack",
-    "load_attack_config", "recover_labels", "register_attack", "update_to_gradients",
+    "AttackMetadata", "AttackResult", "BreachingAttack", "GradientMatching", "InvertingGradientsBatched", "MJPAdaptive",
+    "attack_names", "check_conditions", "compute_per_sample_updates", "compute_update", "create_attack", "detect_shuffled",
+    "load_attack_config", "mjp_reduction", "recover_labels", "register_attack", "solve_jigsaw", "update_to_gradients",
 ]

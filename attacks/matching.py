@@ -87,12 +87,15 @@ class GradientMatching(Attack):
         seed: seed of the candidate initialisation (a private generator).
         device: ``cpu``, ``cuda`` or ``auto``.
         progress: show a tqdm bar over iterations.
+        unk_mask: [N] bool positions that get E_unk in the attacker's forward (MJP models), shared
+            by every attacked update; None: the plain forward.
     """
 
     def __init__(self, iterations: int = 200, lr: float = 0.1, tv: float = 0.2, signed: Optional[str] = "hard",
                  scheduler: Optional[str] = "step-lr", restarts: int = 1, pe_weight: float = 0.0,
                  label_strategy: str = "bias", seed: Optional[int] = 0, device: str = "cpu",
-                 progress: bool = False, raise_errors: bool = False) -> None:
+                 progress: bool = False, unk_mask: Optional[torch.Tensor] = None,
+                 raise_errors: bool = False) -> None:
         super().__init__(raise_errors)
         if signed not in (None, "hard"):
             raise ValueError(f"signed must be 'hard' or None, got {signed!r}")
@@ -106,6 +109,9 @@ class GradientMatching(Attack):
         self.scheduler, self.restarts, self.pe_weight = scheduler, int(restarts), float(pe_weight)
         self.label_strategy, self.seed, self.progress = label_strategy, seed, bool(progress)
         self.device = resolve_device(device)
+        # An MJP-aware attacker's forward: E_unk at these positions ([N] or [1, N] bool), as detected
+        # from the update (attacks.mjp_adaptive); None for the plain forward.
+        self.unk_mask = None if unk_mask is None else torch.as_tensor(unk_mask, dtype=torch.bool).reshape(1, -1)
 
     def _reconstruct(self, model: nn.Module, update: Update, meta: AttackMetadata) -> AttackResult:
         return self._attack(model, [update], [meta])[0]
@@ -141,6 +147,8 @@ class GradientMatching(Attack):
         work = attack_copy(model, torch.float32, self.device)
         converted = [update_to_gradients(u, m) for u, m in zip(updates, metas)]
         names = matched_names(work, converted[0][0], size)
+        if self.unk_mask is not None and "unk_embed" in converted[0][0] and "unk_embed" not in names:
+            names.insert(0, "unk_embed")  # used by the masked forward, not by the plain one
         names = [nm for nm in names if all(nm in g for g, _ in converted)]
         if self.pe_weight > 0 and "pos_embed" not in names:
             raise AttackFailure("the position-embedding term needs a model with pos_embed and its gradient")
@@ -196,9 +204,11 @@ class GradientMatching(Attack):
         params = {nm: p.detach() for nm, p in work.named_parameters() if nm in names}
         frozen = {nm: p.detach() for nm, p in work.named_parameters() if nm not in params}
         buffers = dict(work.named_buffers())
+        mask = None if self.unk_mask is None else self.unk_mask.to(self.device)
 
         def loss(p: dict, xg: torch.Tensor, yg: torch.Tensor) -> torch.Tensor:
-            return F.cross_entropy(functional_call(work, ({**p, **frozen}, buffers), (xg,)), yg)
+            kwargs = {} if mask is None else {"unk_mask": mask.expand(xg.shape[0], -1)}
+            return F.cross_entropy(functional_call(work, ({**p, **frozen}, buffers), (xg,), kwargs), yg)
 
         grad_fn = vmap(grad(loss), in_dims=(None, 0, 0))
         return lambda x, y: grad_fn(params, x, y)

@@ -1,0 +1,200 @@
+"""The MJP-aware attack (attacks.mjp_adaptive) and the jigsaw solver, on real images (CPU, float64)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import timm
+import torch
+from PIL import Image
+
+import attacks
+import fedmjp  # noqa: F401  (registers the mjp_* models)
+from attacks import AttackMetadata
+from attacks.april import _gradient_of_Z, check_conditions
+from attacks.jigsaw_solver import arrangement_cost, place, solve_jigsaw
+from attacks.mjp_adaptive import mjp_reduction
+from fedmjp.jigsaw import make_plan
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "imagenet-sample"
+MEAN = torch.tensor([0.485, 0.456, 0.406])
+STD = torch.tensor([0.229, 0.224, 0.225])
+MD = dict(mean=MEAN, std=STD)
+
+
+def real_image(index: int, size: int = 32) -> torch.Tensor:
+    """[1, 3, size, size] float64 in [0, 1]: the index-th sample image (center crop, bilinear)."""
+    files = sorted(DATA.glob("*.JPEG")) if DATA.is_dir() else []
+    if len(files) <= index:
+        pytest.skip(f"no imagenet sample at {DATA}")
+    img = Image.open(files[index]).convert("RGB")
+    s = min(img.size)
+    left, top = (img.width - s) // 2, (img.height - s) // 2
+    img = img.crop((left, top, left + s, top + s)).resize((size, size), Image.BILINEAR)
+    return (torch.from_numpy(np.array(img)).permute(2, 0, 1).double() / 255)[None]
+
+
+def normalize(x: torch.Tensor) -> torch.Tensor:
+    return AttackMetadata(x.shape[0], tuple(x.shape[1:]), MEAN.double(), STD.double(), None).normalize(x)
+
+
+def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(10 * torch.log10(1 / ((a.double() - b.double()) ** 2).mean()))
+
+
+def patches(img: torch.Tensor, p: int = 4) -> torch.Tensor:
+    """[1, C, H, W] -> [N, C p^2] in timm's (C, p, p) order."""
+    _, C, H, W = img.shape
+    return img[0].reshape(C, H // p, p, W // p, p).permute(1, 3, 0, 2, 4).reshape(-1, C * p * p)
+
+
+def mjp_model(**kw) -> torch.nn.Module:
+    """Design-A MJP ViT: 32 px, patch 4, D = 192, depth 2, float64, fresh weights."""
+    torch.manual_seed(0)
+    kw.setdefault("depth", 2)
+    return timm.create_model("mjp_vit_cifar_patch4_32", variant="mjp", first_block="april", **kw).eval().double()
+
+
+def client_update(model, index: int = 0, seed: int = 3, dal_weight: float = 0.0):
+    """(x, x~, plan, update) of a client that trains on x~ with E_unk at the shuffled positions."""
+    x = real_image(index)
+    plan = model.draw_plan(1, gamma=0.27, seed=seed)
+    x_t = model.shuffle_images(x, plan)
+    model.zero_grad(set_to_none=True)
+    loss = torch.nn.functional.cross_entropy(model(normalize(x_t), unk_mask=plan.mask), torch.tensor([index % 10]))
+    if dal_weight:
+        loss = loss + dal_weight * model.compute_dal_loss(~plan.mask)
+    names = [n for n, p in model.named_parameters()]
+    grads = torch.autograd.grad(loss, [p for _, p in model.named_parameters()], allow_unused=True)
+    update = {n: (torch.zeros_like(p) if g is None else g) for (n, p), g in zip(model.named_parameters(), grads)}
+    assert list(update) == names
+    return x, x_t, plan, update
+
+
+def test_registered():
+    assert "mjp_adaptive" in attacks.attack_names()
+    with pytest.raises(ValueError, match="refine"):
+        attacks.create_attack("mjp_adaptive", refine="magic")
+
+
+def test_detection_exact_and_reduction_identities():
+    model = mjp_model()
+    x, x_t, plan, update = client_update(model)
+    S = plan.mask[0]
+    res = attacks.create_attack("mjp_adaptive", refine="none").reconstruct(model, update, MD)
+    assert not res.failed
+    assert res.stats[0]["shuffled_positions"] == [int(i) for i in torch.nonzero(S).flatten()]
+    # identities of the reduction, against the truth (never used inside the attack)
+    info = check_conditions(model)
+    red = mjp_reduction(model, _gradient_of_Z(model, update, info), update["blocks.0.attn.qkv.weight"], S)
+    with torch.no_grad():
+        Z = model._pos_embed(model.patch_embed(normalize(x_t)), plan.mask)[0]  # [T, D]
+    I_P = torch.eye(Z.shape[1], dtype=torch.float64) - red.projector
+    known = torch.cat([torch.tensor([True]), ~S])
+    assert float((Z[1:][S] @ I_P).norm() / Z[1:][S].norm()) < 1e-8  # span{z_s} = range(Pi)
+    assert float((red.z_u_perp - Z[known] @ I_P).norm() / Z[known].norm()) < 1e-8
+    assert red.stats["reduction_residual"] < 1e-8 and red.stats["null_dims"] == int(S.sum()) - 1
+    # unshuffled patches = min-norm + null space; shuffled patches on x_bar + span(N)
+    xp = patches(normalize(x_t))
+    N = red.null_basis
+    for pts, base in ((xp[~S], red.x_unshuffled), (xp[S], red.x_bar.expand(int(S.sum()), -1))):
+        d = pts - base
+        assert float((d - d @ N @ N.T).norm() / d.norm()) < 1e-6
+    # the null directions are the differences of the shuffled patches
+    diffs = xp[S][1:] - xp[S][:1]
+    assert float((diffs - diffs @ N @ N.T).norm() / diffs.norm()) < 1e-6
+
+
+def test_gradients_invariant_to_permutation_within_S():
+    model = mjp_model()
+    x = real_image(1)
+    plan = model.draw_plan(1, gamma=0.27, seed=5)
+    idx = torch.nonzero(plan.mask[0]).flatten()
+    perm2 = plan.perm.clone()
+    perm2[0, idx] = plan.perm[0, idx.flip(0)]
+    a = model.shuffle_images(x, plan)
+    b = model.shuffle_images(x, type(plan)(plan.mask, perm2))
+    assert psnr(a, b) < 30  # the two client inputs differ...
+    ga = attacks.compute_update(model, normalize(a), torch.tensor([2]), unk_mask=plan.mask)
+    gb = attacks.compute_update(model, normalize(b), torch.tensor([2]), unk_mask=plan.mask)
+    num = sum(float((ga[n] - gb[n]).pow(2).sum()) for n in ga)
+    den = sum(float(ga[n].pow(2).sum()) for n in ga)
+    assert (num / den) ** 0.5 < 1e-12  # ...their gradients do not
+
+
+def test_adaptive_beats_plain_april_on_unshuffled_region():
+    model = mjp_model()
+    gains = []
+    for index, seed in ((0, 3), (2, 7)):
+        x, x_t, plan, update = client_update(model, index, seed)
+        S = plan.mask[0]
+        plain = attacks.create_attack("april_analytic").reconstruct(model, update, MD)
+        ours = attacks.create_attack("mjp_adaptive").reconstruct(model, update, MD)
+        assert not ours.failed and ours.images.shape == (1, 3, 32, 32) and ours.unshuffled.shape == (1, 3, 32, 32)
+        p_plain = psnr(patches(plain.images)[~S], patches(x_t.float())[~S])
+        p_ours = psnr(patches(ours.images)[~S], patches(x_t.float())[~S])
+        gains.append(p_ours - p_plain)
+    assert min(gains) > 2.0 and sum(gains) / len(gains) > 4.0, gains
+
+
+def test_matching_refinement_lowers_gradient_objective():
+    model = mjp_model()
+    _, _, _, update = client_update(model, 0, 3)
+    res = attacks.create_attack("mjp_adaptive", refine="match", iterations=4, rounds=1,
+                                unshuffle=False).reconstruct(model, update, MD)
+    assert not res.failed and res.unshuffled is None
+    s = res.stats[0]
+    assert s["objective"] < s["objective_first"] and s["iterations"] > 0
+
+
+@pytest.mark.parametrize("index", [1, 2, 3])
+def test_jigsaw_solver_restores_real_image_from_exact_patches(index):
+    size, p = 224, 16
+    g = size // p
+    x = real_image(index, size)[0]
+    plan = make_plan(1, (g, g), 0.1, 100 + index)
+    S = plan.mask[0]
+    pix = x.reshape(3, g, p, g, p).permute(1, 3, 0, 2, 4).reshape(g * g, 3, p, p)
+    shuffled = pix[S][torch.randperm(int(S.sum()), generator=torch.Generator().manual_seed(index))]
+    holes = pix.clone()
+    holes[S] = 0.5  # the solver must not read the free positions
+    order, info = solve_jigsaw(shuffled, (g, g), S, holes)
+    assert torch.equal(place(shuffled, order, S, holes), pix)
+    truth = arrangement_cost(pix[S], (g, g), S, holes, np.arange(int(S.sum())))
+    assert info["cost_final"] == pytest.approx(truth, rel=1e-9)
+
+
+def test_dal_term_subtracted_detection_stays_exact():
+    model = mjp_model(dal_head="nln")
+    lam = 0.01
+    x, x_t, plan, update = client_update(model, 0, 3, dal_weight=lam)
+    S = plan.mask[0]
+    assert float(update["dal_head.layers.0.weight"].abs().max()) > 0
+    res = attacks.create_attack("mjp_adaptive").reconstruct(model, update, MD)
+    assert not res.failed
+    s = res.stats[0]
+    assert s["shuffled_positions"] == [int(i) for i in torch.nonzero(S).flatten()]
+    assert s["dal_weight"] == pytest.approx(lam, rel=1e-8)
+    assert s["reduction_residual"] < 1e-8 and s["null_dims"] == int(S.sum()) - 1
+    # same unshuffled region as for the client without DAL (the shuffled patches' random start is
+    # drawn in a null-space basis that SVD fixes only up to a rotation)
+    _, _, _, clean = client_update(model, 0, 3)
+    ref = attacks.create_attack("mjp_adaptive").reconstruct(model, clean, MD)
+    assert (patches(res.images)[~S] - patches(ref.images)[~S]).abs().max() < 1e-5
+
+
+def test_non_design_a_falls_back_to_masked_april_optimization():
+    torch.manual_seed(0)
+    model = timm.create_model("mjp_vit_cifar_patch4_32", variant="mjp", img_size=16, embed_dim=48,
+                              num_heads=2, depth=1).eval()
+    x = real_image(0, 16).float()
+    plan = model.draw_plan(1, gamma=0.27, seed=3)
+    update = attacks.compute_update(model, normalize(model.shuffle_images(x, plan)).float(), torch.tensor([4]),
+                                    unk_mask=plan.mask)
+    res = attacks.create_attack("mjp_adaptive", fallback_iterations=3).reconstruct(model, update, MD)
+    assert not res.failed, res.reason
+    s = res.stats[0]
+    assert not s["design_a"] and any("not design A" in n for n in s["notes"])
+    assert s["shuffled_positions"] == [int(i) for i in torch.nonzero(plan.mask[0]).flatten()]
+    assert res.images.shape == (1, 3, 16, 16) and res.unshuffled.shape == (1, 3, 16, 16)
