@@ -198,3 +198,19 @@ def test_non_design_a_falls_back_to_masked_april_optimization():
     assert not s["design_a"] and any("not design A" in n for n in s["notes"])
     assert s["shuffled_positions"] == [int(i) for i in torch.nonzero(plan.mask[0]).flatten()]
     assert res.images.shape == (1, 3, 16, 16) and res.unshuffled.shape == (1, 3, 16, 16)
+
+
+def test_plain_model_gets_the_plain_closed_form():
+    """No E_unk: knowing MJP adds nothing, and the MJP-aware attacker is exactly as strong as APRIL."""
+    torch.manual_seed(0)
+    model = timm.create_model("mjp_vit_cifar_patch4_32", variant="plain", first_block="april", depth=2).eval().double()
+    x = real_image(0)
+    model.zero_grad(set_to_none=True)
+    loss = torch.nn.functional.cross_entropy(model(normalize(x)), torch.tensor([0]))
+    update = {n: g for (n, _), g in zip(model.named_parameters(), torch.autograd.grad(loss, list(model.parameters()),
+                                                                                      allow_unused=True))
+              if g is not None}
+    result = attacks.create_attack("mjp_adaptive").reconstruct(model, update, dict(MD, num_images=1))
+    assert not result.failed, result.reason
+    assert psnr(result.images, x) > 100  # float64 closed form: an exact copy
+    assert any("plain april_analytic" in n for n in result.stats[0]["notes"])

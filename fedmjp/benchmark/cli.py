@@ -31,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--images", metavar="DIR", help="attack image folder, or 'embedded' for scikit-image's bundled images")
     p.add_argument("--num-images", type=int, metavar="N", help="use the first N images (sorted)")
     p.add_argument("--models", nargs="+", metavar="NAME", help="model rows of the config to run (names or a,b,c)")
-    p.add_argument("--attack", metavar="NAME", help="attack name (attacks.create_attack)")
+    p.add_argument("--attack", metavar="NAME", help="the one attack to run (attacks.create_attack); replaces the "
+                                                  "config's attacks list")
     p.add_argument("--rounds", type=int, metavar="N", help="federated rounds")
     p.add_argument("--clients", type=int, metavar="N", help="federated clients (partitions)")
     p.add_argument("--gamma", type=float, metavar="G", help="MJP shuffle ratio of the clients in settings b/c")
@@ -70,6 +71,8 @@ def resolve(args: argparse.Namespace) -> dict:
         value = getattr(args, flag)
         if value is not None:
             flags.append(f"{key}={value}")
+    if args.attack:
+        flags.append("attacks=[]")  # --attack names the one attacker: it replaces a preset's attacks list
     if args.output:
         flags.append(f"output={Path(args.output).expanduser().resolve()}")
     if args.dry_run:
