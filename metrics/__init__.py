@@ -16,7 +16,7 @@ from .perceptual import (
     lpips_source,
     resolve_lpips_route,
 )
-from .pixel import mse, psnr, ssim_skimage
+from .pixel import mse, psnr, ssim
 from .quantize import quantize_8bit
 from .registry import (
     METRICS,
@@ -29,7 +29,7 @@ from .registry import (
     on_8bit,
 )
 from .scoring import PSNR_CAP_DB, SETTING_REFERENCE, aggregate, reference_for, score, score_all
-from .structural import ssim, ssim_official
+from .structural import ssim_official, ssim_torch
 
 __all__ = [
     "BACKBONE_ENV",
@@ -66,5 +66,5 @@ __all__ = [
     "score_all",
     "ssim",
     "ssim_official",
-    "ssim_skimage",
+    "ssim_torch",
 ]

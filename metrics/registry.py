@@ -10,9 +10,9 @@ import functools
 
 from .fourier import fft2d, fft2d_clamped, fft2d_hermitian
 from .perceptual import lpips
-from .pixel import mse, psnr
+from .pixel import mse, psnr, ssim
 from .quantize import SUFFIX_8BIT, quantize_8bit
-from .structural import ssim, ssim_official
+from .structural import ssim_official
 
 #: ``(reconstruction [B,3,H,W], reference [B,3,H,W]) -> [B] float64``.
 MetricFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

@@ -17,10 +17,10 @@ from ._inner import pair_gram
 from ._validate import RANGE_TOLERANCE, check_image_batch, check_pair
 from .fourier import fft2d_clamped_from_gram, fft2d_from_gram, fft2d_hermitian_from_gram
 from .perceptual import get_lpips_model, lpips
-from .pixel import mse_from_gram, psnr_from_mse
+from .pixel import mse_from_gram, psnr_from_mse, ssim
 from .quantize import SUFFIX_8BIT, quantize_8bit
 from .registry import METRICS, PAPER_METRICS, get_metric
-from .structural import ssim, ssim_official
+from .structural import ssim_official
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""SSIM in torch: scikit-image's definition (:func:`ssim`) and the official MJP code's (:func:`ssim_official`).
+"""SSIM in torch: scikit-image's definition (:func:`ssim_torch`) and the official MJP code's (:func:`ssim_official`).
 
 Both use Wang et al.'s statistics with an 11-tap Gaussian window (sigma 1.5; scikit-image's
 ``truncate=3.5`` gives radius int(3.5 * 1.5 + 0.5) = 5, the same 11 taps the official code builds),
@@ -8,20 +8,23 @@ population covariance, K1 = 0.01, K2 = 0.03 and data range 1:
 
 They differ at the border and in the average:
 
-* :func:`ssim` = ``skimage.metrics.structural_similarity(x, y, data_range=1, channel_axis=...,
+* :func:`ssim_torch` = ``skimage.metrics.structural_similarity(x, y, data_range=1, channel_axis=...,
   gaussian_weights=True, sigma=1.5, use_sample_covariance=False)``: the map is computed where the
   window fits (scikit-image filters with reflection and then crops (win_size - 1) // 2 = 5 pixels from
   every side, so the padding never reaches the average); mean per channel, then over channels.
 * :func:`ssim_official` = the official ``eval/basic.py`` (the classic pytorch-ssim formulation):
   ``F.conv2d(..., padding=5)``, i.e. zero padding, and the mean over the whole [3, H, W] map.
 
-Why hand-written (scikit-image stays the reference in the tests): scikit-image takes ~10 s for 999
-pairs at 224 px on 2 cores, one image at a time in SciPy filters. Here the separable Gaussian runs as
-two grouped float32 convolutions (oneDNN, channels_last), ~20x faster than float64 convolutions in
-torch. To keep float32 accurate (to ~1e-7 of scikit-image's float64), each image channel is first
-shifted by its own mean, in float64: s_x^2, s_y^2 and s_xy do not change under a constant shift, the
-shifted values are small, so the cancellation in E[x^2] - mu^2 loses little, and mu is shifted back
-in float64. Everything after the filter is float64.
+Why hand-written: the official variant has no library implementation, and a torch SSIM runs on any
+device. torch has no fast float64 convolution on CPU (grouped float64 conv2d is ~100x slower than
+float32 with oneDNN), and a plain float32 filter moves the SSIM mean by 1e-6..1e-5 on real images
+(cancellation in E[x^2] - mu^2). So the separable Gaussian runs as float32 convolutions on an exact
+hi/lo split (:func:`_filter_pass`), after shifting each image channel by its own mean (variances and
+covariance do not change under a constant shift; the means get it back). Result: scikit-image's
+float64 values to ~1e-7. On CPU this is still slower than scikit-image (measured: ~3x on a shared
+2-core machine; the split triples the filter work and adds float64 elementwise passes), so
+:func:`metrics.ssim` stays on scikit-image and this is the implementation for ``ssim_official``
+and for tensors on a GPU.
 """
 from __future__ import annotations
 
@@ -81,7 +84,7 @@ def _filter_pass(v: torch.Tensor, lo_extra: Optional[torch.Tensor], horizontal: 
     if lo_extra is not None:
         lo.add_(lo_extra)
     weight = _TAPS[horizontal].repeat_interleave(m, dim=0)
-    out = F.conv2d(inp, weight, groups=3 * m)
+    out = F.conv2d(inp, weight, groups=3 * m).contiguous()  # back to NCHW, see _ssim_mean
     return out[:, :m], out[:, m : 2 * m] + out[:, 2 * m :]
 
 
@@ -104,8 +107,9 @@ def _ssim_mean(x: torch.Tensor, y: torch.Tensor, pad: int) -> torch.Tensor:
     x_mean, y_mean = x.mean(dim=(-2, -1), keepdim=True), y.mean(dim=(-2, -1), keepdim=True)
     # Four maps per channel are enough: mu_x, mu_y, E[x^2 + y^2] / 2, E[xy] (only s_x^2 + s_y^2 is
     # used); all in [-1, 1] as :func:`_gaussian_valid` needs.
-    # channels_last from the start: the float32 convolutions want it, and converting costs a transpose.
-    maps = torch.empty(n, 4 * c, h, w, dtype=torch.float64, memory_format=torch.channels_last)
+    # Elementwise work in NCHW (contiguous channel slices vectorise; channel slices of a channels_last
+    # tensor are strided and ~10x slower); only the float32 convolution input is channels_last.
+    maps = torch.empty(n, 4 * c, h, w, dtype=torch.float64)
     xs, ys, sq, xy = maps.split(c, dim=1)
     torch.sub(x, x_mean, out=xs)
     torch.sub(y, y_mean, out=ys)
@@ -139,7 +143,7 @@ def _ssim_batched(reconstruction: torch.Tensor, reference: torch.Tensor, pad: in
     return torch.cat(out)
 
 
-def ssim(reconstruction: torch.Tensor, reference: torch.Tensor, validate: bool = True) -> torch.Tensor:
+def ssim_torch(reconstruction: torch.Tensor, reference: torch.Tensor, validate: bool = True) -> torch.Tensor:
     """SSIM per image as ``skimage.metrics.structural_similarity`` with ``data_range=1``,
     ``channel_axis`` over RGB, ``gaussian_weights=True``, ``sigma=1.5``, ``use_sample_covariance=False``.
 

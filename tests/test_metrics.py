@@ -78,9 +78,9 @@ def test_float32_input_and_identical_images(real: torch.Tensor) -> None:
     assert torch.allclose(M.ssim(x, x), torch.ones(4, dtype=torch.float64))
 
 
-def test_ssim_skimage_reference_threads_do_not_change_values(real: torch.Tensor) -> None:
+def test_ssim_threads_do_not_change_values(real: torch.Tensor) -> None:
     rec = _distort(real, 0.1)
-    assert torch.equal(M.ssim_skimage(rec, real, workers=1), M.ssim_skimage(rec, real, workers=3))
+    assert torch.equal(M.ssim(rec, real, workers=1), M.ssim(rec, real, workers=3))
 
 
 # --------------------------------------------------------------------------------- FFT2D
@@ -184,7 +184,7 @@ def test_lpips_model_cached_and_env_var(monkeypatch: pytest.MonkeyPatch, lpips_m
 
 # ---------------------------------------------------------------------------- validation
 
-ALL = [M.mse, M.psnr, M.ssim, M.fft2d, M.fft2d_hermitian, M.lpips, M.ssim_official, M.fft2d_clamped, M.ssim_skimage]
+ALL = [M.mse, M.psnr, M.ssim, M.fft2d, M.fft2d_hermitian, M.lpips, M.ssim_official, M.fft2d_clamped, M.ssim_torch]
 
 
 @pytest.mark.parametrize("fn", ALL, ids=lambda f: f.__name__)

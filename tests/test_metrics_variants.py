@@ -48,17 +48,17 @@ def _distortions(x: torch.Tensor) -> list[torch.Tensor]:
     return [_noisy(x, 0.05), torch.nn.functional.avg_pool2d(x, 3, 1, 1), x * 0.9 + 0.05, x.flip(0)]
 
 
-# ------------------------------------------------------------------------ SSIM (torch) vs scikit-image
+# ------------------------------------------------------------------------ ssim_torch vs scikit-image
 
 
-def test_ssim_matches_skimage_on_real_images_float32_and_float64() -> None:
+def test_ssim_torch_matches_skimage_on_real_images_float32_and_float64() -> None:
     if not IMAGENET.is_dir():
         pytest.skip(f"real images not found at {IMAGENET}")
     ref = _load(2, 224)  # full size: the float32 filter's error grows with the image
     for rec in _distortions(ref):
         for dtype in (torch.float64, torch.float32):
             a, b = rec.to(dtype), ref.to(dtype)
-            got = M.ssim(a, b)
+            got = M.ssim_torch(a, b)
             for i in range(2):
                 want = structural_similarity(a[i].double().numpy(), b[i].double().numpy(), data_range=1.0,
                                              channel_axis=0, gaussian_weights=True, sigma=1.5,
@@ -67,7 +67,7 @@ def test_ssim_matches_skimage_on_real_images_float32_and_float64() -> None:
 
 
 def test_ssim_identical_is_exactly_one(real: torch.Tensor) -> None:
-    assert torch.equal(M.ssim(real, real), torch.ones(3, dtype=torch.float64))
+    assert torch.equal(M.ssim_torch(real, real), torch.ones(3, dtype=torch.float64))
     assert torch.equal(M.ssim_official(real, real), torch.ones(3, dtype=torch.float64))
 
 
