@@ -2,11 +2,22 @@
 
 Metric functions are pure and batched: ``(reconstruction, reference)``, both [B, 3, H, W] in [0, 1]
 (RGB), return a CPU float64 tensor [B] of per-image values and raise ValueError on bad input.
+:func:`score_all` computes several of them in one pass.
 """
 from ._validate import RANGE_TOLERANCE, check_image_batch, check_pair
-from .fourier import fft2d, fft2d_hermitian, point_reflect
-from .perceptual import BACKBONE_ENV, LPIPSWeightsError, get_lpips_model, lpips
+from .fourier import fft2d, fft2d_clamped, fft2d_hermitian, point_reflect
+from .perceptual import (
+    BACKBONE_ENV,
+    LPIPSWeightsError,
+    LpipsRoute,
+    LpipsUnavailable,
+    get_lpips_model,
+    lpips,
+    lpips_source,
+    resolve_lpips_route,
+)
 from .pixel import mse, psnr, ssim
+from .quantize import quantize_8bit
 from .registry import (
     METRICS,
     PAPER_COLUMN_LABELS,
@@ -15,12 +26,16 @@ from .registry import (
     Metric,
     MetricFn,
     get_metric,
+    on_8bit,
 )
-from .scoring import PSNR_CAP_DB, SETTING_REFERENCE, aggregate, reference_for, score
+from .scoring import PSNR_CAP_DB, SETTING_REFERENCE, aggregate, reference_for, score, score_all
+from .structural import ssim_official, ssim_torch
 
 __all__ = [
     "BACKBONE_ENV",
     "LPIPSWeightsError",
+    "LpipsRoute",
+    "LpipsUnavailable",
     "METRICS",
     "Metric",
     "MetricFn",
@@ -34,14 +49,22 @@ __all__ = [
     "check_image_batch",
     "check_pair",
     "fft2d",
+    "fft2d_clamped",
     "fft2d_hermitian",
     "get_lpips_model",
     "get_metric",
     "lpips",
+    "lpips_source",
     "mse",
+    "on_8bit",
     "point_reflect",
     "psnr",
+    "quantize_8bit",
     "reference_for",
+    "resolve_lpips_route",
     "score",
+    "score_all",
     "ssim",
+    "ssim_official",
+    "ssim_torch",
 ]

@@ -1,6 +1,7 @@
 """Input checks shared by every metric: shapes, channel count, dtype, finiteness, value range."""
 from __future__ import annotations
 
+import math
 from typing import Iterator
 
 import torch
@@ -33,11 +34,13 @@ def check_image_batch(images: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} is empty: shape {tuple(images.shape)}")
     if not images.is_floating_point():
         raise ValueError(f"{name} must be a floating-point tensor with values in [0, 1], got {images.dtype}")
-    finite = torch.isfinite(images)
-    if not bool(finite.all()):
-        bad = (~finite).flatten(1).any(dim=1).nonzero().flatten().tolist()
+    # One min/max pass instead of isfinite + min + max (3 passes over ~150M floats for 999 images):
+    # min/max propagate NaN and report +-inf, so finite extremes imply a finite tensor.
+    lo_t, hi_t = torch.aminmax(images.detach())
+    lo, hi = float(lo_t), float(hi_t)
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        bad = (~torch.isfinite(images)).flatten(1).any(dim=1).nonzero().flatten().tolist()
         raise ValueError(f"{name} contains NaN or Inf values (images at batch indices {bad[:10]})")
-    lo, hi = float(images.min()), float(images.max())
     if lo < -RANGE_TOLERANCE or hi > 1.0 + RANGE_TOLERANCE:
         raise ValueError(
             f"{name} must have values in [0, 1] (tolerance {RANGE_TOLERANCE:g}), got min {lo:.6g} max {hi:.6g}"
@@ -64,8 +67,3 @@ def float64_chunks(
         x = reconstruction[start : start + chunk].detach().to("cpu", torch.float64, copy=True).clamp_(0.0, 1.0)
         y = reference[start : start + chunk].detach().to("cpu", torch.float64, copy=True).clamp_(0.0, 1.0)
         yield x, y
-
-
-def rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Per-row inner products of [B, ...] tensors -> [B], through one batched matmul (no temporaries)."""
-    return torch.bmm(a.reshape(a.shape[0], 1, -1), b.reshape(b.shape[0], -1, 1)).flatten()

@@ -23,7 +23,8 @@ input). For images in [0, 1], ``<x, R x> >= 0``. It is not a proper cosine (the 
 constant; lower = more private.
 
 Zero-energy images, where the official code divides by 0 (an all-black image; for fft2d any image
-with ``<x, R x> = 0``): both functions treat two such images as identical (distance 0, similarity 1)
+with ``<x, R x> = 0``): :func:`fft2d_clamped` returns 0 as the official script did (see there);
+:func:`fft2d` and :func:`fft2d_hermitian` treat two such images as identical (distance 0, similarity 1)
 and one as orthogonal to anything (distance 1, similarity 0), so that a black reconstruction scores
 as a finite "nothing recovered" instead of NaN/Inf.
 """
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from ._validate import check_pair, float64_chunks, rowdot
+from ._inner import pair_gram
 
 
 def point_reflect(images: torch.Tensor) -> torch.Tensor:
@@ -62,25 +63,61 @@ def _ratio(num: torch.Tensor, den_sq: torch.Tensor, x_zero: torch.Tensor, y_zero
     return torch.where(x_zero & y_zero, torch.ones_like(out), out)
 
 
+def fft2d_from_gram(gram: torch.Tensor) -> torch.Tensor:
+    """:func:`fft2d` [B] from :func:`metrics._inner.pair_gram` output [B, 5, 5]."""
+    xy, xx, yy = gram[:, 0, 4], gram[:, 0, 3], gram[:, 1, 4]  # <x,Ry>, <x,Rx>, <y,Ry>
+    return torch.abs(1.0 - _ratio(xy, xx * yy, xx == 0, yy == 0))
+
+
+def fft2d_clamped_from_gram(gram: torch.Tensor) -> torch.Tensor:
+    """:func:`fft2d_clamped` [B] from :func:`metrics._inner.pair_gram` output [B, 5, 5]."""
+    xy, xx, yy = gram[:, 0, 4], gram[:, 0, 3], gram[:, 1, 4]
+    den_sq = xx * yy
+    dist = torch.abs(1.0 - xy / torch.sqrt(torch.where(den_sq > 0, den_sq, torch.ones_like(den_sq))))
+    # Old SciPy: 0/0 -> NaN, then max(0, min(NaN, 2.0)) = 0 (Python's min/max keep the first
+    # argument when a comparison with NaN is False).
+    return torch.where(den_sq > 0, dist.clamp(max=2.0), torch.zeros_like(dist))
+
+
+def fft2d_hermitian_from_gram(gram: torch.Tensor) -> torch.Tensor:
+    """:func:`fft2d_hermitian` [B] from :func:`metrics._inner.pair_gram` output [B, k, k]."""
+    xx, yy = gram[:, 0, 0], gram[:, 1, 1]
+    return _ratio(gram[:, 0, 1], xx * yy, xx == 0, yy == 0)
+
+
 def fft2d(reconstruction: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
     """Official-code-compatible FFT2D distance (the paper's FFT2D column).
 
     ``| 1 - <x, R y> / sqrt(<x, R x> <y, R y>) |`` with inner products over all channels and pixels
     of one image, equal to SciPy's cosine distance of the flattened non-conjugated per-channel
-    ``fft2`` as the official code evaluates it (module docstring).
+    ``fft2`` as the official code evaluates it (module docstring), without SciPy's clamp to [0, 2]
+    (see :func:`fft2d_clamped`) and with this module's zero-energy conventions.
 
     Args:
         reconstruction, reference: [B, 3, H, W] in [0, 1].
     Returns:
         [B] float64 >= 0; 0 for identical images; higher = more private.
     """
-    check_pair(reconstruction, reference)
-    out = []
-    for x, y in float64_chunks(reconstruction, reference):
-        ry = point_reflect(y)
-        xy, xx, yy = rowdot(x, ry), rowdot(x, point_reflect(x)), rowdot(y, ry)
-        out.append(torch.abs(1.0 - _ratio(xy, xx * yy, xx == 0, yy == 0)))
-    return torch.cat(out)
+    return fft2d_from_gram(pair_gram(reconstruction, reference))
+
+
+def fft2d_clamped(reconstruction: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """FFT2D exactly as the official script's SciPy evaluated it: :func:`fft2d` clamped to [0, 2],
+    and 0 where either image has zero energy (``<x, R x> = 0``, e.g. an all-black image).
+
+    The official script ran with Python 3.6 / PyTorch 1.6, so SciPy <= 1.5, whose
+    ``cosine(u, v) = max(0, min(correlation(u, v, centered=False), 2.0))`` and whose ``correlation``
+    returned ``np.abs(1 - mean(u*v) / np.sqrt(mean(u*u) * mean(v*v)))`` for complex input. For an
+    all-black image that is 0/0 = NaN, and Python's ``min(NaN, 2.0)`` is NaN, ``max(0, NaN)`` is 0:
+    the official FFT2D of a black reconstruction is 0, the "identical" value. Current SciPy rejects
+    complex input (TypeError), so this reproduces that arithmetic instead of calling SciPy.
+
+    Args:
+        reconstruction, reference: [B, 3, H, W] in [0, 1].
+    Returns:
+        [B] float64 in [0, 2]; 0 for identical images; higher = more private.
+    """
+    return fft2d_clamped_from_gram(pair_gram(reconstruction, reference))
 
 
 def fft2d_hermitian(reconstruction: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
@@ -94,9 +131,4 @@ def fft2d_hermitian(reconstruction: torch.Tensor, reference: torch.Tensor) -> to
         [B] float64 in [0, 1] for non-negative images; 1 for identical images (and for
         ``reconstruction = c * reference``, c > 0); lower = more private.
     """
-    check_pair(reconstruction, reference)
-    out = []
-    for x, y in float64_chunks(reconstruction, reference):
-        xx, yy = rowdot(x, x), rowdot(y, y)
-        out.append(_ratio(rowdot(x, y), xx * yy, xx == 0, yy == 0))
-    return torch.cat(out)
+    return fft2d_hermitian_from_gram(pair_gram(reconstruction, reference, reflect=False))

@@ -1,28 +1,40 @@
 """LPIPS (Zhang et al. 2018) through the ``lpips`` package: AlexNet trunk, v0.1 linear heads.
 
-The linear heads ship inside the ``lpips`` wheel. The AlexNet trunk normally comes from torchvision's
-ImageNet weights, which torchvision downloads; here it is loaded without any download from, in order:
+The linear heads ship inside the ``lpips`` wheel. The AlexNet trunk (torchvision's ImageNet weights)
+is resolved in this order (:func:`resolve_lpips_route`):
 
 1. the ``backbone_path`` argument (a config key such as ``metrics.lpips_backbone`` feeds it),
 2. the file named by the environment variable ``FEDMJP_LPIPS_BACKBONE``,
-3. torchvision's AlexNet checkpoint already present in the torch hub cache,
-4. a download through torch hub, only with ``allow_download=True``.
+3. ``<project root>/../shared/data/lpips/alexnet_features.pth`` if it exists,
+4. the ``lpips`` package's normal route: torchvision's AlexNet checkpoint in torch hub's cache
+   (``$TORCH_HOME/hub/checkpoints/alexnet-owt-7be5be79.pth``; torchvision checks the hash only when it
+   downloads, so a cached file works offline), downloaded there once where a network exists,
+5. otherwise :class:`LpipsUnavailable` (a RuntimeError) saying why and naming the variable and file.
 
-A file holds a state dict with torchvision's keys ``features.{0,3,6,8,10}.{weight,bias}`` (a full
-torchvision AlexNet checkpoint works too; its classifier is ignored). With none of these a
-:class:`LPIPSWeightsError` names the variable and the file to use.
+A file in 1-3 holds a state dict with torchvision's keys ``features.{0,3,6,8,10}.{weight,bias}`` (a
+full torchvision AlexNet checkpoint works too; its classifier is ignored). The route used is
+recorded on the model (:func:`lpips_source`).
+
+Images smaller than 64 px are upsampled (bilinear) to 64 px before LPIPS by default
+(``resize="auto"``): at 32 px AlexNet's conv3-5 see 1x1 maps, so three of LPIPS' five layers compare
+single vectors; 64 px is the patch size LPIPS' linear heads were trained on (BAPPS), where every
+layer keeps a spatial map (conv3-5: 3x3), at 4x the pixels rather than 49x for 224 px.
 """
 from __future__ import annotations
 
 import functools
 import logging
 import os
+import socket
+import urllib.parse
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import lpips as lpips_pkg
 import torch
+import torch.nn.functional as F
 
 from ._validate import check_pair
 
@@ -32,32 +44,97 @@ log = logging.getLogger(__name__)
 BACKBONE_ENV = "FEDMJP_LPIPS_BACKBONE"
 #: torchvision's ImageNet AlexNet checkpoint (AlexNet_Weights.IMAGENET1K_V1).
 TORCHVISION_ALEXNET_URL = "https://download.pytorch.org/models/alexnet-owt-7be5be79.pth"
-#: The converted copy that the tests and benchmarks use, relative to the repository root.
+#: The converted copy that the tests and benchmarks use, looked up next to the project.
+SHARED_BACKBONE = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "lpips" / "alexnet_features.pth"
 SHARED_BACKBONE_HINT = "../shared/data/lpips/alexnet_features.pth"
+#: Seconds to wait for a TCP connection to the download host before giving up (no hang offline).
+CONNECT_TIMEOUT_S = 5.0
+#: Images smaller than this (either side) are upsampled to it before LPIPS when ``resize="auto"``.
+LPIPS_MIN_SIZE = 64
 
 
-class LPIPSWeightsError(RuntimeError):
-    """The AlexNet trunk weights for LPIPS cannot be found without a download."""
+class LpipsUnavailable(RuntimeError):
+    """LPIPS cannot be built: no AlexNet weights locally and none could be downloaded."""
 
 
-def _hub_cache_file() -> Path:
+#: Former name, kept for callers written against it.
+LPIPSWeightsError = LpipsUnavailable
+
+
+@dataclass(frozen=True)
+class LpipsRoute:
+    """Where the AlexNet trunk comes from.
+
+    Attributes:
+        kind: "argument", "env", "shared", "torchvision-cache" or "torchvision-download".
+        path: the weights file (for "torchvision-download": where it will be cached).
+    """
+
+    kind: str
+    path: Path
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.path}"
+
+
+def hub_cache_file() -> Path:
+    """Where torchvision caches its AlexNet checkpoint (follows ``TORCH_HOME``)."""
     return Path(torch.hub.get_dir()) / "checkpoints" / TORCHVISION_ALEXNET_URL.rsplit("/", 1)[-1]
 
 
-def resolve_backbone(backbone_path: Optional[str | os.PathLike[str]] = None) -> Optional[Path]:
-    """Path of the AlexNet weights to load, or None when only a download could provide them.
+def _reachable(url: str, timeout: float) -> bool:
+    """Whether a TCP connection to the URL's host opens within ``timeout`` seconds."""
+    parts = urllib.parse.urlparse(url)
+    try:
+        with socket.create_connection((parts.hostname, parts.port or 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
 
+
+def resolve_lpips_route(
+    backbone_path: Optional[Union[str, os.PathLike[str]]] = None,
+    shared_path: Optional[Path] = None,
+    allow_download: bool = True,
+) -> LpipsRoute:
+    """The first available source of the AlexNet trunk, in the order of the module docstring.
+
+    Args:
+        backbone_path: explicit weights file.
+        shared_path: the ../shared lookup (default :data:`SHARED_BACKBONE`).
+        allow_download: allow route 4 to download when the cache is empty.
     Raises:
-        FileNotFoundError: an explicit path or ``FEDMJP_LPIPS_BACKBONE`` names a missing file.
+        LpipsUnavailable: an explicit file (argument or variable) is missing, or nothing is available.
     """
-    for source, value in (("backbone_path", backbone_path), (BACKBONE_ENV, os.environ.get(BACKBONE_ENV))):
+    for kind, value in (("argument", backbone_path), ("env", os.environ.get(BACKBONE_ENV))):
         if value:
             path = Path(value).expanduser().resolve()
             if not path.is_file():
-                raise FileNotFoundError(f"LPIPS AlexNet weights given by {source} not found: {path}")
-            return path
-    cached = _hub_cache_file()
-    return cached if cached.is_file() else None
+                source = "backbone_path" if kind == "argument" else f"${BACKBONE_ENV}"
+                raise LpipsUnavailable(f"LPIPS AlexNet weights given by {source} not found: {path}")
+            return LpipsRoute(kind, path)
+    shared = SHARED_BACKBONE if shared_path is None else shared_path
+    if shared.is_file():
+        return LpipsRoute("shared", shared.resolve())
+    cached = hub_cache_file()
+    if cached.is_file():
+        return LpipsRoute("torchvision-cache", cached)
+    why = "downloads are off (allow_download=False)"
+    if allow_download:
+        if _reachable(TORCHVISION_ALEXNET_URL, CONNECT_TIMEOUT_S):
+            return LpipsRoute("torchvision-download", cached)
+        why = f"download.pytorch.org cannot be reached (no network within {CONNECT_TIMEOUT_S:g} s)"
+    raise LpipsUnavailable(_unavailable_message(why, shared))
+
+
+def _unavailable_message(why: str, shared: Path) -> str:
+    return (
+        f"LPIPS needs torchvision's ImageNet AlexNet weights: none found locally and {why}. Looked at "
+        f"${BACKBONE_ENV} (unset), {shared} (missing) and the torch hub cache {hub_cache_file()} "
+        f"(missing). Set {BACKBONE_ENV} (or backbone_path / the config key metrics.lpips_backbone) to a "
+        f"file of AlexNet features.* weights such as {SHARED_BACKBONE_HINT} (alexnet_features.pth), "
+        f"or put torchvision's alexnet-owt-7be5be79.pth into the hub cache."
+    )
 
 
 def _features_state(state: dict[str, torch.Tensor], origin: str) -> dict[str, torch.Tensor]:
@@ -80,55 +157,74 @@ def _load_trunk(net: torch.nn.Module, feats: dict[str, torch.Tensor]) -> None:
     net.load_state_dict(mapped, strict=True)
 
 
-def _build(device: str, backbone: Optional[str], allow_download: bool) -> lpips_pkg.LPIPS:
+def _build(device: str, route: LpipsRoute) -> lpips_pkg.LPIPS:
+    use_torchvision = route.kind.startswith("torchvision")
     with warnings.catch_warnings():
-        # lpips passes torchvision's deprecated `pretrained=` argument; pnet_rand=True means no download.
+        # lpips passes torchvision's deprecated `pretrained=` argument.
         warnings.filterwarnings("ignore", message=".*pretrained.*", category=UserWarning)
         warnings.filterwarnings("ignore", message=".*weights.*", category=UserWarning)
-        model = lpips_pkg.LPIPS(net="alex", version="0.1", pretrained=True, pnet_rand=True, verbose=False)
-    if backbone is not None:
-        state = torch.load(backbone, map_location="cpu", weights_only=True)
-        origin = backbone
-    elif allow_download:
-        log.info("downloading torchvision AlexNet weights for LPIPS from %s", TORCHVISION_ALEXNET_URL)
-        state = torch.hub.load_state_dict_from_url(TORCHVISION_ALEXNET_URL, map_location="cpu", weights_only=True)
-        origin = TORCHVISION_ALEXNET_URL
-    else:
-        raise LPIPSWeightsError(
-            "LPIPS needs torchvision's ImageNet AlexNet weights and none were found locally "
-            f"(torch hub cache: {_hub_cache_file()}). Set the environment variable {BACKBONE_ENV} "
-            f"(or pass backbone_path / the config key metrics.lpips_backbone) to a file of AlexNet "
-            f"features.* weights, e.g. {SHARED_BACKBONE_HINT}, or pass allow_download=True with a network."
-        )
-    _load_trunk(model.net, _features_state(state, origin))
-    log.info("LPIPS (AlexNet, v0.1) built on %s with trunk weights from %s", device, origin)
+        try:
+            # pnet_rand=False is the package's normal route: torchvision loads (or downloads) its
+            # checkpoint from the hub cache; pnet_rand=True builds the trunk without weights.
+            model = lpips_pkg.LPIPS(net="alex", version="0.1", pretrained=True, pnet_rand=not use_torchvision,
+                                    verbose=False)
+        except (OSError, RuntimeError) as err:  # URLError is an OSError; a bad hash is a RuntimeError
+            raise LpipsUnavailable(
+                _unavailable_message(f"the torchvision route failed ({type(err).__name__}: {err})", SHARED_BACKBONE)
+            ) from err
+    if not use_torchvision:
+        state = torch.load(route.path, map_location="cpu", weights_only=True)
+        _load_trunk(model.net, _features_state(state, str(route.path)))
+    model.lpips_source = str(route)
+    log.info("LPIPS (AlexNet, v0.1) built on %s with trunk weights from %s", device, route)
     # channels_last: ~20% less CPU time for the AlexNet convolutions (oneDNN), same values to ~1e-7.
     return model.eval().requires_grad_(False).to(device, memory_format=torch.channels_last)
 
 
 @functools.lru_cache(maxsize=8)
-def _cached(device: str, backbone: Optional[str], allow_download: bool) -> lpips_pkg.LPIPS:
-    return _build(device, backbone, allow_download)
+def _cached(device: str, route: LpipsRoute) -> lpips_pkg.LPIPS:
+    return _build(device, route)
 
 
 def get_lpips_model(
-    device: str | torch.device = "cpu",
-    backbone_path: Optional[str | os.PathLike[str]] = None,
-    allow_download: bool = False,
+    device: Union[str, torch.device] = "cpu",
+    backbone_path: Optional[Union[str, os.PathLike[str]]] = None,
+    allow_download: bool = True,
+    shared_path: Optional[Path] = None,
 ) -> lpips_pkg.LPIPS:
-    """The LPIPS(AlexNet, v0.1) model on ``device``, built once per (device, weights file) and reused.
+    """The LPIPS(AlexNet, v0.1) model on ``device``, built once per (device, weights route) and reused.
 
     Args:
         device: where the model runs.
-        backbone_path: AlexNet ``features.*`` weights; default ``$FEDMJP_LPIPS_BACKBONE``, then the
-            torch hub cache.
-        allow_download: when no local weights exist, download torchvision's (needs a network).
+        backbone_path: AlexNet ``features.*`` weights (route 1 of the module docstring).
+        allow_download: let the torchvision route download when its cache is empty.
+        shared_path: override of the ../shared lookup (route 3).
+    Returns:
+        The model; ``lpips_source(model)`` (or ``model.lpips_source``) says which route it came from.
     Raises:
-        LPIPSWeightsError: no local weights and ``allow_download`` is False.
-        FileNotFoundError: the given path (argument or variable) does not exist.
+        LpipsUnavailable: no weights (the message says why and names the variable and file).
     """
-    path = resolve_backbone(backbone_path)
-    return _cached(str(torch.device(device)), None if path is None else str(path), allow_download and path is None)
+    route = resolve_lpips_route(backbone_path, shared_path, allow_download)
+    return _cached(str(torch.device(device)), route)
+
+
+def lpips_source(model: lpips_pkg.LPIPS) -> str:
+    """``"<kind>:<path>"`` of the weights a model from :func:`get_lpips_model` was built with, e.g.
+    ``"shared:/work/shared/data/lpips/alexnet_features.pth"``; "unknown" for other models."""
+    return getattr(model, "lpips_source", "unknown")
+
+
+def _resize_target(h: int, w: int, resize: Union[str, int, None]) -> Optional[tuple[int, int]]:
+    if resize is None or resize == 0:
+        return None
+    if resize == "auto":
+        if min(h, w) >= LPIPS_MIN_SIZE:
+            return None
+        resize = LPIPS_MIN_SIZE
+    if isinstance(resize, bool) or not isinstance(resize, int) or resize < 1:
+        raise ValueError(f"lpips resize must be 'auto', None or a positive int, got {resize!r}")
+    scale = resize / min(h, w)  # the shorter side becomes `resize`, aspect ratio kept
+    return max(1, round(h * scale)), max(1, round(w * scale))
 
 
 def lpips(
@@ -136,6 +232,8 @@ def lpips(
     reference: torch.Tensor,
     model: Optional[lpips_pkg.LPIPS] = None,
     batch_size: int = 32,
+    resize: Union[str, int, None] = "auto",
+    validate: bool = True,
 ) -> torch.Tensor:
     """LPIPS distance per image (AlexNet trunk, v0.1 linear heads, spatially averaged).
 
@@ -146,24 +244,27 @@ def lpips(
         reconstruction, reference: [B, 3, H, W] in [0, 1], any device.
         model: from :func:`get_lpips_model` (default: the cached CPU model, weights resolved as there).
         batch_size: pairs per forward pass.
+        resize: "auto" (default): images with a side below 64 px are upsampled bilinearly so that the
+            shorter side is 64 (module docstring); an int: always resize the shorter side to it;
+            None: never resize.
+        validate: run the input checks (the scorer validates once and passes False).
     Returns:
         [B] float64 on CPU, >= 0; 0 for identical images; higher = more private.
     """
-    check_pair(reconstruction, reference)
+    if validate:
+        check_pair(reconstruction, reference)
     if model is None:
         model = get_lpips_model()
     param = next(model.parameters())
+    size = _resize_target(reference.shape[-2], reference.shape[-1], resize)
     out = []
     with torch.inference_mode():
         for start in range(0, reconstruction.shape[0], batch_size):
-            x, y = (
-                t[start : start + batch_size]
-                .to(param.device, param.dtype)
-                .clamp(0.0, 1.0)
-                .mul(2.0)
-                .sub_(1.0)
-                .contiguous(memory_format=torch.channels_last)
-                for t in (reconstruction, reference)
-            )
-            out.append(model(x, y).flatten().to("cpu", torch.float64))
+            pair = []
+            for t in (reconstruction, reference):
+                x = t[start : start + batch_size].to(param.device, param.dtype).clamp(0.0, 1.0)
+                if size is not None:
+                    x = F.interpolate(x, size=size, mode="bilinear", align_corners=False)
+                pair.append(x.mul(2.0).sub_(1.0).contiguous(memory_format=torch.channels_last))
+            out.append(model(*pair).flatten().to("cpu", torch.float64))
     return torch.cat(out)

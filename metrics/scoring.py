@@ -5,18 +5,22 @@ x~, compared with x~; (c) the same gradient as (b), compared with the original x
 """
 from __future__ import annotations
 
-import functools
 import logging
 import math
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import lpips as lpips_pkg
 import pandas as pd
 import torch
 
-from ._validate import RANGE_TOLERANCE, check_image_batch
-from .perceptual import get_lpips_model
+from ._inner import pair_gram
+from ._validate import RANGE_TOLERANCE, check_image_batch, check_pair
+from .fourier import fft2d_clamped_from_gram, fft2d_from_gram, fft2d_hermitian_from_gram
+from .perceptual import get_lpips_model, lpips
+from .pixel import mse_from_gram, psnr_from_mse, ssim
+from .quantize import SUFFIX_8BIT, quantize_8bit
 from .registry import METRICS, PAPER_METRICS, get_metric
+from .structural import ssim_official
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +46,70 @@ def reference_for(setting: str, x: torch.Tensor, x_tilde: Optional[torch.Tensor]
     return name, x
 
 
+#: Metrics derived from one :func:`metrics._inner.pair_gram` pass: (needs reflections, [B,k,k], numel -> [B]).
+_FROM_GRAM: dict[str, tuple[bool, Callable[[torch.Tensor, int], torch.Tensor]]] = {
+    "mse": (False, mse_from_gram),
+    "psnr": (False, lambda g, n: psnr_from_mse(mse_from_gram(g, n))),
+    "fft2d": (True, lambda g, n: fft2d_from_gram(g)),
+    "fft2d_clamped": (True, lambda g, n: fft2d_clamped_from_gram(g)),
+    "fft2d_hermitian": (False, lambda g, n: fft2d_hermitian_from_gram(g)),
+}
+
+
+def score_all(
+    reconstruction: torch.Tensor,
+    reference: torch.Tensor,
+    metrics: Sequence[str] = PAPER_METRICS,
+    lpips_model: Optional[lpips_pkg.LPIPS] = None,
+    lpips_resize: Union[str, int, None] = "auto",
+) -> dict[str, torch.Tensor]:
+    """Several metrics of one batch in one pass: the values of the per-metric functions, computed once.
+
+    The pair is validated once; MSE, PSNR and the FFT2D family come from one float64 pass over the
+    images (PSNR from the same MSE), SSIM variants and LPIPS from one call each; ``<name>_8bit``
+    metrics share one 8-bit quantisation of the pair.
+
+    Args:
+        reconstruction, reference: [B, 3, H, W] in [0, 1].
+        metrics: registry names (:data:`metrics.METRICS`).
+        lpips_model: model for LPIPS (default :func:`get_lpips_model` on CPU).
+        lpips_resize: passed to :func:`metrics.lpips` as ``resize``.
+    Returns:
+        name -> [B] float64 CPU tensor, in the order of ``metrics``.
+    Raises:
+        ValueError: unknown metric name or invalid images.
+    """
+    for name in metrics:
+        get_metric(name)
+    check_pair(reconstruction, reference)
+    values: dict[str, torch.Tensor] = {}
+    groups = {"": [m for m in metrics if not m.endswith(SUFFIX_8BIT)],
+              SUFFIX_8BIT: [m[: -len(SUFFIX_8BIT)] for m in metrics if m.endswith(SUFFIX_8BIT)]}
+    for suffix, names in groups.items():
+        if not names:
+            continue
+        rec, ref = reconstruction, reference
+        if suffix:
+            rec, ref = quantize_8bit(rec.clamp(0.0, 1.0)), quantize_8bit(ref)
+        gram_names = [n for n in names if n in _FROM_GRAM]
+        if gram_names:
+            reflect = any(_FROM_GRAM[n][0] for n in gram_names)
+            gram = pair_gram(rec, ref, reflect=reflect, validate=False)
+            for n in gram_names:
+                values[n + suffix] = _FROM_GRAM[n][1](gram, ref[0].numel())
+        for n in names:
+            if n == "ssim":
+                values[n + suffix] = ssim(rec, ref, validate=False)
+            elif n == "ssim_official":
+                values[n + suffix] = ssim_official(rec, ref, validate=False)
+            elif n == "lpips":
+                model = lpips_model if lpips_model is not None else get_lpips_model()
+                values[n + suffix] = lpips(rec, ref, model=model, resize=lpips_resize, validate=False)
+            elif n not in _FROM_GRAM:
+                values[n + suffix] = get_metric(n + suffix).fn(rec, ref)
+    return {m: values[m] for m in metrics}
+
+
 def score(
     setting: str,
     reconstruction: torch.Tensor,
@@ -51,6 +119,7 @@ def score(
     lpips_model: Optional[lpips_pkg.LPIPS] = None,
     clamp: bool = True,
     extra: Optional[Mapping[str, Any]] = None,
+    lpips_resize: Union[str, int, None] = "auto",
 ) -> list[dict[str, Any]]:
     """Score a batch of reconstructions under a setting; one row per image, every row kept.
 
@@ -69,6 +138,7 @@ def score(
         lpips_model: model for "lpips" (default :func:`get_lpips_model` on CPU).
         clamp: clip reconstructions to [0, 1] instead of failing them.
         extra: fields copied into every row (model name, attack, seed, ...).
+        lpips_resize: LPIPS input resizing (:func:`metrics.lpips`; default: upsample below 64 px).
     Returns:
         B dicts: ``index``, ``setting``, ``reference``, the ``extra`` fields, ``failed``, ``failure``,
         ``clamped`` and one float per metric.
@@ -111,13 +181,11 @@ def score(
     idx = ok.nonzero().flatten()
     rec_ok = rec[idx.to(rec.device)].clamp(0.0, 1.0)
     ref_ok = reference[idx.to(reference.device)]
-    for metric in chosen:
-        fn = metric.fn
-        if metric.name == "lpips":
-            fn = functools.partial(fn, model=lpips_model if lpips_model is not None else get_lpips_model())
-        values = fn(rec_ok, ref_ok.to(rec_ok.device)).tolist()
-        for j, v in zip(idx.tolist(), values):
-            rows[j][metric.name] = float(v)
+    values = score_all(rec_ok, ref_ok.to(rec_ok.device), [m.name for m in chosen], lpips_model=lpips_model,
+                       lpips_resize=lpips_resize)
+    for name, vals in values.items():
+        for j, v in zip(idx.tolist(), vals.tolist()):
+            rows[j][name] = float(v)
     return rows
 
 

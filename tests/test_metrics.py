@@ -175,25 +175,16 @@ def test_lpips_matches_package_called_directly(real: torch.Tensor, lpips_model) 
 
 
 def test_lpips_model_cached_and_env_var(monkeypatch: pytest.MonkeyPatch, lpips_model) -> None:
-    monkeypatch.setenv(M.BACKBONE_ENV, str(BACKBONE))
-    assert M.get_lpips_model() is lpips_model
     assert M.get_lpips_model(torch.device("cpu"), backbone_path=str(BACKBONE)) is lpips_model
-
-
-def test_lpips_without_weights_names_variable_and_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.delenv(M.BACKBONE_ENV, raising=False)
-    monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path))  # an empty hub cache
-    with pytest.raises(M.LPIPSWeightsError, match=M.BACKBONE_ENV) as err:
-        M.get_lpips_model()
-    assert "alexnet_features.pth" in str(err.value)
-    monkeypatch.setenv(M.BACKBONE_ENV, str(tmp_path / "missing.pth"))
-    with pytest.raises(FileNotFoundError, match=M.BACKBONE_ENV):
-        M.get_lpips_model()
+    assert M.lpips_source(lpips_model) == f"argument:{BACKBONE.resolve()}"
+    monkeypatch.setenv(M.BACKBONE_ENV, str(BACKBONE))
+    from_env = M.get_lpips_model()
+    assert from_env is M.get_lpips_model() and M.lpips_source(from_env) == f"env:{BACKBONE.resolve()}"
 
 
 # ---------------------------------------------------------------------------- validation
 
-ALL = [M.mse, M.psnr, M.ssim, M.fft2d, M.fft2d_hermitian, M.lpips]
+ALL = [M.mse, M.psnr, M.ssim, M.fft2d, M.fft2d_hermitian, M.lpips, M.ssim_official, M.fft2d_clamped, M.ssim_torch]
 
 
 @pytest.mark.parametrize("fn", ALL, ids=lambda f: f.__name__)
@@ -233,9 +224,11 @@ def test_range_tolerance_accepted() -> None:
 
 
 def test_registry() -> None:
-    assert set(M.METRICS) == {"mse", "psnr", "ssim", "fft2d", "fft2d_hermitian", "lpips"}
+    base = {"mse", "psnr", "ssim", "fft2d", "fft2d_hermitian", "lpips", "ssim_official", "fft2d_clamped"}
+    eight = {f"{m}_8bit" for m in ("mse", "fft2d", "psnr", "ssim", "lpips", "ssim_official", "fft2d_clamped")}
+    assert set(M.METRICS) == base | eight
     assert M.get_metric("ssim").fn is M.ssim
-    with pytest.raises(ValueError, match="valid metrics: mse, fft2d, psnr, ssim, lpips, fft2d_hermitian"):
+    with pytest.raises(ValueError, match="valid metrics: mse, fft2d, psnr, ssim, lpips, fft2d_hermitian, ssim_official"):
         M.get_metric("nope")
     assert M.PAPER_COLUMN_ORDER == ("acc", "mse", "fft2d", "psnr", "ssim", "lpips")
     labels = [M.PAPER_COLUMN_LABELS[c] for c in M.PAPER_COLUMN_ORDER]
