@@ -380,3 +380,27 @@ def test_corrected_command_runs_after_a_bad_value(tmp_path: Path) -> None:
     # a Dirichlet split of 4 images over 2 clients cannot work: also caught before anything is written
     assert run(config, out, "--models", "DeiT", "--setting", "a", "--set", "federation.partition=dirichlet") == 3
     assert run(config, out, "--models", "DeiT", "--setting", "a", "--set", "federation.partition=iid") == 0
+
+
+def test_without_any_lpips_weights_the_run_completes_and_says_why(tmp_path: Path, monkeypatch, capsys) -> None:
+    """A user without ../shared, without a torch hub cache and without a network: exit 0, the LPIPS
+    column is empty, every row and the table say why, the other metrics are there."""
+    from metrics import perceptual
+
+    monkeypatch.delenv(perceptual.BACKBONE_ENV, raising=False)
+    monkeypatch.setattr(perceptual, "SHARED_BACKBONE", tmp_path / "no-shared" / "alexnet_features.pth")
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
+    # nothing listens on port 9 of this machine: the download fails at once, as it does offline
+    monkeypatch.setattr(perceptual, "TORCHVISION_ALEXNET_URL", "http://127.0.0.1:9/alexnet-owt-7be5be79.pth")
+    config = write_config(tmp_path, **{"federation.rounds": 1, "metrics": {"lpips_backbone": None}})
+    out = tmp_path / "out"
+    assert run(config, out, "--models", "DeiT", "--setting", "a") == 0
+    rows = read_jsonl(out / "results.jsonl")
+    assert rows and all(not r["failed"] and r["lpips"] is None and r["psnr"] > 100 for r in rows)  # NaN -> null
+    assert all("LPIPS not computed" in r["lpips_note"] for r in rows)
+    table = (out / "table.md").read_text()
+    assert "LPIPS not computed" in table and perceptual.BACKBONE_ENV in table
+    # a file the config names but that does not exist is the user's error, before anything is written
+    bad = write_config(tmp_path / "bad", **{"metrics": {"lpips_backbone": str(tmp_path / "missing.pth")}})
+    assert run(bad, tmp_path / "out2", "--models", "DeiT", "--setting", "a") == 3
+    assert "missing.pth" in capsys.readouterr().err and not (tmp_path / "out2").exists()

@@ -219,6 +219,9 @@ def write_tables(run: RunFolder) -> Tables:
     rows = run.rows()
     if any(r.get("april") == "surgery" for r in rows):
         md += "\n\n" + ACC_NOTE
+    lpips_notes = sorted({str(r["lpips_note"]) for r in rows if r.get("lpips_note")})
+    if lpips_notes:  # the run went on without LPIPS weights: say why the column is empty
+        md += "\n\n" + "\n".join(f"{n}." if not n.endswith(".") else n for n in lpips_notes)
     notes = failure_notes(rows)
     if notes:
         md += "\n\nFailed rows (left out of the means):\n" + "\n".join(f"- {n}" for n in notes)

@@ -20,25 +20,37 @@ ROW_METRICS = tuple(metrics.PAPER_METRICS) + ("fft2d_hermitian",)
 
 
 class Scorer:
-    """Builds LPIPS once (offline weights) and scores batches.
+    """Builds LPIPS once and scores batches.
+
+    LPIPS weights come from ``metrics.lpips_backbone`` when the config names a file, else from the
+    metrics package's route (``$FEDMJP_LPIPS_BACKBONE``, ``../shared/data/lpips``, torchvision's
+    cache or download). Where none can be had, the run goes on without LPIPS: one warning, the rows
+    carry ``lpips`` NaN and ``lpips_note`` with the reason, and the table says why the column is empty.
 
     Args:
         device: where LPIPS runs.
         options: the config's ``metrics`` section (``lpips``, ``lpips_backbone``).
     Raises:
-        ConfigError: LPIPS weights cannot be found without a download (the message says how to
-            provide them).
+        ConfigError: the config names an LPIPS weights file that cannot be used.
     """
 
     def __init__(self, device: torch.device, options: Mapping[str, Any]) -> None:
         self.names = [m for m in ROW_METRICS if m != "lpips" or options.get("lpips", True)]
         self.lpips_model = None
+        self.lpips_source: Optional[str] = None
+        self.lpips_note: Optional[str] = None
         if "lpips" in self.names:
+            backbone = options.get("lpips_backbone")
             try:
-                self.lpips_model = metrics.get_lpips_model(device, options.get("lpips_backbone"))
-            except (metrics.LPIPSWeightsError, FileNotFoundError) as err:
-                raise ConfigError(f"LPIPS: {err} (set metrics.lpips_backbone, ${metrics.BACKBONE_ENV}, "
-                                  "or --set metrics.lpips=false to leave the column out)") from err
+                self.lpips_model = metrics.get_lpips_model(device, backbone)
+                self.lpips_source = metrics.lpips_source(self.lpips_model)
+            except metrics.LpipsUnavailable as err:
+                if backbone:  # the user named a file: theirs to fix, not a missing download
+                    raise ConfigError(f"LPIPS: {err} (metrics.lpips_backbone={backbone!r}; or --set "
+                                      "metrics.lpips=false to leave the column out)") from err
+                self.names.remove("lpips")
+                self.lpips_note = f"LPIPS not computed: {' '.join(str(err).split())}"
+                _logger.warning("%s; the run goes on without the LPIPS column", self.lpips_note)
 
     def score(self, setting: str, reconstruction: torch.Tensor, x: torch.Tensor,
               x_tilde: Optional[torch.Tensor]) -> list[dict[str, Any]]:
@@ -51,7 +63,11 @@ class Scorer:
                              None if x_tilde is None else x_tilde.float().cpu(),
                              metrics=self.names, lpips_model=self.lpips_model)
         keep = set(self.names) | {"failed", "failure", "clamped"}
-        return [{k: v for k, v in r.items() if k in keep} for r in rows]
+        out = [{k: v for k, v in r.items() if k in keep} for r in rows]
+        if self.lpips_note is not None:
+            for r in out:
+                r["lpips"], r["lpips_note"] = float("nan"), self.lpips_note
+        return out
 
 
 def pair_reconstructions(reconstruction: torch.Tensor, reference: torch.Tensor,
