@@ -20,6 +20,8 @@ import torch
 import yaml
 from PIL import Image
 
+from helpers import set_dotted
+
 from fedmjp.benchmark import config as C
 from run_benchmark import main
 from fedmjp.benchmark.report import GridLayout, grid_columns
@@ -45,12 +47,7 @@ def tiny_config(**changes) -> dict:
         "metrics": {"lpips_backbone": str(LPIPS)},
         "report": {"grid_images": 2, "tile": 32},
     }
-    for key, value in changes.items():
-        node = cfg
-        *path, last = key.split(".")
-        for part in path:
-            node = node[part]
-        node[last] = value
+    set_dotted(cfg, changes)
     return cfg
 
 

@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 from skimage.metrics import mean_squared_error, peak_signal_noise_ratio, structural_similarity
 
+from helpers import load_images
 import metrics as M
 
 DATA = Path(os.environ.get("FEDMJP_SHARED_DATA", Path(__file__).resolve().parents[1] / ".." / "shared" / "data"))
@@ -22,9 +23,7 @@ SIZE = 64
 
 
 def _load(n: int) -> torch.Tensor:
-    files = sorted(IMAGENET.glob("*.JPEG"))[:: max(1, 1000 // n)][:n]
-    imgs = [np.asarray(Image.open(f).convert("RGB").resize((SIZE, SIZE), Image.BILINEAR)) for f in files]
-    return torch.from_numpy(np.stack(imgs)).permute(0, 3, 1, 2).double() / 255.0
+    return load_images(IMAGENET, n, SIZE)
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ from PIL import Image
 from skimage.metrics import structural_similarity
 from torchvision.transforms.functional import to_tensor
 
+from helpers import load_images
 import metrics as M
 from metrics import perceptual
 
@@ -26,9 +27,7 @@ BACKBONE = DATA / "lpips" / "alexnet_features.pth"
 
 
 def _load(n: int, size: int) -> torch.Tensor:
-    files = sorted(IMAGENET.glob("*.JPEG"))[5 :: max(1, 1000 // n)][:n]
-    imgs = [np.asarray(Image.open(f).convert("RGB").resize((size, size), Image.BILINEAR)) for f in files]
-    return torch.from_numpy(np.stack(imgs)).permute(0, 3, 1, 2).double() / 255.0
+    return load_images(IMAGENET, n, size, start=5)
 
 
 @pytest.fixture(scope="module")

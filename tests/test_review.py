@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 
+from helpers import set_dotted
 import attacks
 from attacks.base import Attack, AttackFailure, register_attack
 from clients import task
@@ -63,12 +64,7 @@ def _config(tmp: Path, **changes) -> Path:
         "metrics": {"lpips_backbone": str(LPIPS)},
         "report": {"grid_images": 1, "tile": 32},
     }
-    for key, value in changes.items():
-        node = cfg
-        *path, last = key.split(".")
-        for part in path:
-            node = node[part]
-        node[last] = value
+    set_dotted(cfg, changes)
     tmp.mkdir(parents=True, exist_ok=True)
     path = tmp / "review.yaml"
     path.write_text(yaml.safe_dump(cfg))
