@@ -188,9 +188,14 @@ def _neighbour_diffs(img: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return torch.cat([dh.flatten(-3), dv.flatten(-3)], dim=-1)
 
 
+#: Above this many entries of the dense Jacobian (n_var k x N C p^2) the prior is solved matrix-free.
+DENSE_PRIOR_LIMIT = 2 * 10 ** 7
+
+
 def smoothness_prior_solve(red: Reduction, grid: tuple[int, int], channels: int, p: int,
-                           std: torch.Tensor, ridge: float = 1e-6, joint: bool = True
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
+                           std: torch.Tensor, ridge: float = 1e-6, joint: bool = True,
+                           dense_limit: int = DENSE_PRIOR_LIMIT, cg_tol: float = 1e-10,
+                           cg_iterations: int = 2000) -> tuple[torch.Tensor, torch.Tensor]:
     """Null-space coefficients that minimise the squared differences of neighbouring pixels (in
     [0, 1] pixel units): a linear least-squares problem in x_u = x_u0 + N b_u and, with ``joint``,
     x_s = x_bar + N a_s for the shuffled patches placed at S in index order (an inpainting of the
@@ -214,15 +219,62 @@ def smoothness_prior_solve(red: Reduction, grid: tuple[int, int], channels: int,
     base[order[:nU]] = red.x_unshuffled * scale
     base[order[nU:]] = red.x_bar * scale
     d0 = _neighbour_diffs(patches_to_image(base, grid, channels, p), valid)  # [F]
-    cols = torch.zeros(n_var * k, N, channels * p * p, dtype=torch.float64)
     Ns = (red.null_basis * scale[:, None]).T  # [k, C p^2]
-    for j in range(n_var):
-        cols[j * k:(j + 1) * k, order[j]] = Ns
-    J = _neighbour_diffs(patches_to_image(cols, grid, channels, p), valid)  # [n_var k, F]
-    lhs = J @ J.T + ridge * torch.eye(n_var * k, dtype=torch.float64)
-    coef = torch.linalg.solve(lhs, -(J @ d0)).reshape(n_var, k)
+    if n_var * k * N * channels * p * p <= dense_limit:
+        cols = torch.zeros(n_var * k, N, channels * p * p, dtype=torch.float64)
+        for j in range(n_var):
+            cols[j * k:(j + 1) * k, order[j]] = Ns
+        J = _neighbour_diffs(patches_to_image(cols, grid, channels, p), valid)  # [n_var k, F]
+        lhs = J @ J.T + ridge * torch.eye(n_var * k, dtype=torch.float64)
+        coef = torch.linalg.solve(lhs, -(J @ d0)).reshape(n_var, k)
+    else:
+        coef = _prior_cg(Ns, order[:n_var], N, d0, valid, grid, channels, p, ridge, cg_tol, cg_iterations)
     a = coef[nU:] if joint else coef.new_zeros(nS, k)
     return coef[:nU], a
+
+
+def _prior_cg(Ns: torch.Tensor, where: torch.Tensor, N: int, d0: torch.Tensor, valid: torch.Tensor,
+              grid: tuple[int, int], channels: int, p: int, ridge: float, tol: float, iterations: int
+              ) -> torch.Tensor:
+    """The same least-squares problem as the dense path, matrix-free: conjugate gradients on the
+    normal equations (J J^T + ridge) c = -J d0, with J applied as "coefficients -> image -> pixel
+    differences" and its adjoint by autograd. Written by hand (no library CG takes an autograd
+    operator); at 224 px / patch 16 the dense J would need ~10^10 entries.
+
+    Returns:
+        c [len(where), k].
+    """
+    k = Ns.shape[0]
+
+    def forward(c: torch.Tensor) -> torch.Tensor:  # [n_var, k] -> pixel differences [F]
+        patches = torch.zeros(N, Ns.shape[1], dtype=torch.float64)
+        patches = patches.index_put((where,), c @ Ns)
+        return _neighbour_diffs(patches_to_image(patches, grid, channels, p), valid)
+
+    def normal(c: torch.Tensor) -> torch.Tensor:  # (J J^T + ridge) applied to c
+        c = c.detach().requires_grad_(True)
+        y = forward(c)
+        (g,) = torch.autograd.grad(y, c, grad_outputs=y.detach())
+        return g + ridge * c.detach()
+
+    c0 = torch.zeros(len(where), k, dtype=torch.float64, requires_grad=True)
+    (rhs,) = torch.autograd.grad(forward(c0), c0, grad_outputs=-d0)
+    x = torch.zeros_like(rhs)
+    r = rhs.clone()
+    d = r.clone()
+    rr = float((r * r).sum())
+    stop = tol * tol * max(float((rhs * rhs).sum()), 1e-300)
+    for _ in range(iterations):
+        if rr <= stop:
+            break
+        q = normal(d)
+        alpha = rr / float((d * q).sum())
+        x = x + alpha * d
+        r = r - alpha * q
+        rr_new = float((r * r).sum())
+        d = r + (rr_new / rr) * d
+        rr = rr_new
+    return x
 
 
 def tv_prior_refine(red: Reduction, b0: torch.Tensor, grid: tuple[int, int], channels: int, p: int,

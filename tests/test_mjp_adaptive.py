@@ -214,3 +214,20 @@ def test_plain_model_gets_the_plain_closed_form():
     assert not result.failed, result.reason
     assert psnr(result.images, x) > 100  # float64 closed form: an exact copy
     assert any("plain april_analytic" in n for n in result.stats[0]["notes"])
+
+
+def test_matrix_free_prior_equals_the_dense_solve():
+    """The smoothness prior's CG path (used at 224 px, where the dense Jacobian does not fit) gives the
+    dense path's coefficients on a problem small enough for both."""
+    from attacks.mjp_adaptive import smoothness_prior_solve
+
+    model = mjp_model()
+    _, _, plan, update = client_update(model)
+    info = check_conditions(model)
+    red = mjp_reduction(model, _gradient_of_Z(model, update, info), update["blocks.0.attn.qkv.weight"],
+                        plan.mask[0])
+    std = STD.double()
+    dense = smoothness_prior_solve(red, (8, 8), 3, 4, std)
+    free = smoothness_prior_solve(red, (8, 8), 3, 4, std, dense_limit=0)
+    for a, b in zip(dense, free):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-8)
