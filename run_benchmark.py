@@ -5,7 +5,7 @@
     python run_benchmark.py --config configs/paper.yaml --setting all   # the paper's protocol (GPU)
 
 Flags and outputs: ``python run_benchmark.py --help`` and README.md. The work lives in
-:mod:`fedmjp.benchmark`; this script parses, runs, and prints the table and where the outputs are.
+:mod:`benchmark`; this script parses, runs, and prints the table and where the outputs are.
 """
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ from typing import Optional, Sequence
 
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from fedmjp.benchmark.cli import FLOWER_OFFLINE_ENV, setup_logging, build_parser, default_output, resolve
-from fedmjp.benchmark.errors import EXIT_INTERRUPTED, BenchmarkError
+from benchmark.cli import FLOWER_OFFLINE_ENV, setup_logging, build_parser, default_output, resolve
+from benchmark.errors import EXIT_INTERRUPTED, BenchmarkError
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run the CLI; returns the exit status (see :mod:`fedmjp.benchmark.errors`)."""
+    """Run the CLI; returns the exit status (see :mod:`benchmark.errors`)."""
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose)
     for key, value in FLOWER_OFFLINE_ENV.items():
@@ -33,11 +33,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cfg = resolve(args)
         output = args.output or cfg["output"] or default_output(cfg)
         cfg["output"] = str(Path(output).resolve())
-        from fedmjp.benchmark.pipeline import raise_for_errors, run_benchmark
-        from fedmjp.benchmark.training import train_missing
+        from benchmark.pipeline import raise_for_errors, run_benchmark
+        from benchmark.training import train_missing
 
         if cfg["sweep"]:
-            from fedmjp.benchmark.sweep import run_sweep
+            from benchmark.sweep import run_sweep
 
             with logging_redirect_tqdm():
                 swept = run_sweep(cfg, output, progress=not args.no_progress)
@@ -47,7 +47,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 0
         with logging_redirect_tqdm():  # log lines above the progress bars, not through them
             if args.train_missing:
-                from fedmjp.benchmark.store import RunFolder
+                from benchmark.store import RunFolder
 
                 RunFolder(output).check(cfg)  # a conflicting output folder fails before any training
                 trained = train_missing(cfg, progress=not args.no_progress)

@@ -30,8 +30,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from fedmjp.benchmark import config as C  # noqa: E402
-from fedmjp.benchmark.pipeline import build_rows, client_run_config  # noqa: E402
+from benchmark import config as C  # noqa: E402
+from benchmark.pipeline import build_rows, client_run_config  # noqa: E402
 from run_benchmark import main as benchmark_main  # noqa: E402
 
 
@@ -75,7 +75,7 @@ def main() -> int:
              "--no-progress"]
     for o in args.overrides:
         flags += ["--set", o]
-    from fedmjp.benchmark.cli import build_parser, resolve
+    from benchmark.cli import build_parser, resolve
 
     cfg = resolve(build_parser().parse_args(flags))
     torch.set_num_threads(torch.get_num_threads())

@@ -22,10 +22,10 @@ from PIL import Image
 
 from helpers import set_dotted
 
-from fedmjp.benchmark import config as C
+from benchmark import config as C
 from run_benchmark import main
-from fedmjp.benchmark.report import GridLayout, grid_columns
-from fedmjp.benchmark.store import read_jsonl
+from benchmark.report import GridLayout, grid_columns
+from benchmark.store import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 LPIPS = ROOT.parent / "shared" / "data" / "lpips" / "alexnet_features.pth"

@@ -211,7 +211,7 @@ def test_central_dp_leaves_the_tapped_update_unchanged():
 # ------------------------------------------------------------------------------------- benchmark config + sweep
 def _bench_cfg(tmp_path, **top) -> dict:
     """One design-A MJP row (surgery), 4 embedded images, 2 clients x 1 round, float64, no LPIPS."""
-    from fedmjp.benchmark import config as C
+    from benchmark import config as C
 
     cfg = C._merge(C.DEFAULTS, {
         "name": "tiny", "device": "cpu", "settings": ["c"], "gamma": 0.27,
@@ -225,10 +225,10 @@ def _bench_cfg(tmp_path, **top) -> dict:
 
 
 def test_benchmark_defence_key_row_override_and_errors(tmp_path):
-    from fedmjp.benchmark import cli
-    from fedmjp.benchmark import config as C
-    from fedmjp.benchmark.errors import ConfigError
-    from fedmjp.benchmark.pipeline import ModelRow, client_run_config
+    from benchmark import cli
+    from benchmark import config as C
+    from benchmark.errors import ConfigError
+    from benchmark.pipeline import ModelRow, client_run_config
 
     args = cli.build_parser().parse_args(["--set", "defence={name: local_dp, clip: 1.0, sigma: 0.5}",
                                           "--set", "defence.clip=2.0", "--output", str(tmp_path / "out")])
@@ -249,7 +249,7 @@ def test_benchmark_defence_key_row_override_and_errors(tmp_path):
 
 
 def test_sweep_writes_one_row_per_grid_point_and_the_plots(tmp_path):
-    from fedmjp.benchmark.sweep import run_sweep
+    from benchmark.sweep import run_sweep
 
     cfg = _bench_cfg(tmp_path, defence={"name": "local_dp", "clip": 1.0},
                      sweep={"defence.sigma": [0.0, 0.1], "gamma": [0.0, 0.5]})
@@ -267,8 +267,8 @@ def test_sweep_writes_one_row_per_grid_point_and_the_plots(tmp_path):
 
 
 def test_sweep_point_list_keeps_values_typed_and_checks_each_point(tmp_path):
-    from fedmjp.benchmark.errors import ConfigError
-    from fedmjp.benchmark.sweep import grid_points, point_config
+    from benchmark.errors import ConfigError
+    from benchmark.sweep import grid_points, point_config
 
     points = [{"defence": {"name": "local_dp", "sigma": 1e-6}}, {"gamma": 0.5}]
     cfg = _bench_cfg(tmp_path, sweep=points)
@@ -283,8 +283,8 @@ def test_sweep_point_list_keeps_values_typed_and_checks_each_point(tmp_path):
 
 
 def test_utility_measures_held_out_top1_after_fedavg(tmp_path):
-    from fedmjp.benchmark.pipeline import build_rows
-    from fedmjp.benchmark.utility import defence_utility
+    from benchmark.pipeline import build_rows
+    from benchmark.utility import defence_utility
 
     cfg = _bench_cfg(tmp_path, utility={"rounds": 1, "source": "embedded", "num_train": 4, "num_eval": 6,
                                         "clients": 2, "local_steps": 1, "batch_size": 2, "lr": 0.0})

@@ -21,10 +21,10 @@ from helpers import set_dotted
 import attacks
 from attacks.base import Attack, AttackFailure, register_attack
 from clients import task
-from fedmjp.benchmark import scoring
-from fedmjp.benchmark.errors import OutputLockedError
-from fedmjp.benchmark.report import bootstrap_ci
-from fedmjp.benchmark.store import RunFolder, read_jsonl
+from benchmark import scoring
+from benchmark.errors import OutputLockedError
+from benchmark.report import bootstrap_ci
+from benchmark.store import RunFolder, read_jsonl
 from fedmjp.data import load_images
 from fedmjp.factory import build_model
 from run_benchmark import main
@@ -148,7 +148,7 @@ def test_unexpected_attack_error_is_recorded_and_fails_the_run(tmp_path: Path, c
     assert "Attack" in table.columns and list(table["n"]) == ["2", "2 (2 failed, 2 on errors)", "2 (2 failed)"]
     # the grid has one row per model and attacker
     from PIL import Image
-    from fedmjp.benchmark.report import GridLayout, grid_columns
+    from benchmark.report import GridLayout, grid_columns
 
     assert Image.open(out / "grid_c.png").size == GridLayout(3, len(grid_columns("c")), 32).size
 
@@ -287,8 +287,8 @@ def test_lock_stops_a_second_writer(tmp_path: Path, capsys) -> None:
         with pytest.raises(OutputLockedError, match=str(tmp_path / "out")):
             RunFolder(tmp_path / "out").lock()
         code = subprocess.run([sys.executable, "-c", (
-            "import sys; from fedmjp.benchmark.store import RunFolder\n"
-            "from fedmjp.benchmark.errors import OutputLockedError\n"
+            "import sys; from benchmark.store import RunFolder\n"
+            "from benchmark.errors import OutputLockedError\n"
             f"try: RunFolder({str(tmp_path / 'out')!r}).lock()\n"
             "except OutputLockedError: sys.exit(9)\n")], cwd=ROOT).returncode
         assert code == 9  # another process too
@@ -309,8 +309,8 @@ def test_server_eval_uses_a_public_split() -> None:
 
 
 def test_benchmark_device_reaches_the_clients() -> None:
-    from fedmjp.benchmark import config as C
-    from fedmjp.benchmark.pipeline import ModelRow, client_run_config
+    from benchmark import config as C
+    from benchmark.pipeline import ModelRow, client_run_config
 
     cfg = C.validate(C.apply_overrides(C.load_config(), ["device=cpu"]))
     row = ModelRow(0, "x", "x", C.model_spec(cfg, 0), torch.nn.Identity(), False)

@@ -8,7 +8,7 @@ from pathlib import Path
 import yaml
 from test_train import make_imagefolder
 
-from fedmjp.benchmark.store import read_jsonl
+from benchmark.store import read_jsonl
 from fedmjp.train import run_training
 from fedmjp.trainconfig import load_config
 from fedmjp.trainutils import load_checkpoint_state

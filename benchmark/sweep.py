@@ -16,7 +16,7 @@ run folder itself holds:
   model row and defence, so an MJP row swept over gamma is a curve beside the defences).
 
 Utility on the x axis of ``privacy_utility.png``: top-1 after ``utility.rounds`` FedAvg rounds with
-the defence on (:mod:`fedmjp.benchmark.utility`, ``utility.jsonl`` in each point folder) when
+the defence on (:mod:`benchmark.utility`, ``utility.jsonl`` in each point folder) when
 ``utility.rounds`` > 0; otherwise the mean cosine similarity of the sent update to the clean update
 (computed by every client for every row), a proxy; the axis label says which.
 """

@@ -1,7 +1,7 @@
 """Command line of ``run_benchmark.py``: flags, config resolution, logging set-up (``main`` lives in the script).
 
 Precedence: ``configs/default.yaml`` (or ``--config FILE``) < flags (``--rounds`` ...) < ``--set key=value``.
-Exit statuses: see :mod:`fedmjp.benchmark.errors`.
+Exit statuses: see :mod:`benchmark.errors`.
 """
 from __future__ import annotations
 

@@ -273,7 +273,7 @@ def run_benchmark(cfg: dict, output: str, federate: Optional[Callable[..., Any]]
     """Run (or resume) a benchmark into ``output``; write tables and grids at the end.
 
     Args:
-        cfg: a validated config (:func:`fedmjp.benchmark.config.validate`).
+        cfg: a validated config (:func:`benchmark.config.validate`).
         output: the output folder; a stored config must equal ``cfg``.
         federate: the federation runner (default :func:`server.federation.run_federation`).
         progress: show tqdm bars.

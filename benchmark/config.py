@@ -23,7 +23,7 @@ from .errors import ConfigError
 
 _logger = logging.getLogger(__name__)
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = PROJECT_ROOT / "configs" / "default.yaml"
 
 SETTINGS = ("a", "b", "c")
@@ -53,7 +53,7 @@ DEFAULTS: dict[str, Any] = {
     # strength sweep: dotted key -> list of values (e.g. {defence.sigma: [0, 0.01, 0.1]}); see sweep.py
     "sweep": {},
     # utility of each sweep point: top-1 after `rounds` FedAvg rounds with the defence on (0: off);
-    # keys and meaning: fedmjp/benchmark/utility.py
+    # keys and meaning: benchmark/utility.py
     "utility": {"rounds": 0, "source": "../shared/data/cifar10.tar.gz", "num_train": 64, "num_eval": 200,
                 "clients": 2, "local_steps": 2, "batch_size": 8, "lr": 0.05},
     "data": {

@@ -35,7 +35,7 @@ def defence_utility(cfg: dict, row: Any, federate: Optional[Callable[..., Any]] 
 
     Args:
         cfg: a validated benchmark config with a ``utility`` mapping (:data:`UTILITY_DEFAULTS` keys).
-        row: a :class:`fedmjp.benchmark.pipeline.ModelRow`.
+        row: a :class:`benchmark.pipeline.ModelRow`.
         federate: the federation runner (default :func:`server.federation.run_federation`).
     Returns:
         {"utility_top1", "utility_top1_start", "utility_rounds", "utility_start" ("checkpoint" or

@@ -1,7 +1,7 @@
 """What produced a run: code version, library versions, device and checkpoint hashes
 (``provenance.json`` in the run folder), and the resume check against it.
 
-A resume refuses (:class:`~fedmjp.benchmark.errors.OutputConflictError`, exit status 6) when the git
+A resume refuses (:class:`~benchmark.errors.OutputConflictError`, exit status 6) when the git
 commit, a library version, the device or a checkpoint's sha256 differs from the stored record:
 rows computed by different code or weights are never mixed in one table. A change of the *dirty*
 flag alone (uncommitted edits appeared or were committed away) only warns, because editing a

@@ -184,7 +184,7 @@ class RunFolder:
 
     def init(self, cfg: dict, provenance: Optional[Mapping[str, Any]] = None) -> None:
         """Lock the folder, save the resolved ``config.yaml`` (kept as is when resuming) and write or
-        check ``provenance.json`` (:mod:`fedmjp.benchmark.provenance`).
+        check ``provenance.json`` (:mod:`benchmark.provenance`).
 
         Raises:
             OutputLockedError: another run holds the folder.
