@@ -26,6 +26,8 @@ from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
+from fedmjp.factory import normalize
+
 _logger = logging.getLogger(__name__)
 
 Update = Mapping[str, torch.Tensor]
@@ -122,8 +124,7 @@ class AttackMetadata:
 
     def normalize(self, images: torch.Tensor) -> torch.Tensor:
         """[B, C, H, W] in [0, 1] -> model input (x - mean) / std."""
-        m, s = self.mean.to(images), self.std.to(images)
-        return (images - m[None, :, None, None]) / s[None, :, None, None]
+        return normalize(images, self.mean, self.std)
 
     def denormalize(self, inputs: torch.Tensor) -> torch.Tensor:
         """Model input -> [B, C, H, W] float32 CPU, clamped to [0, 1]."""

@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import attacks  # noqa: E402
 import fedmjp  # noqa: E402,F401
 from attacks.breaching_adapter import BreachingApril  # noqa: E402
+from fedmjp.factory import normalize  # noqa: E402
 
 MEAN, STD = torch.tensor([0.485, 0.456, 0.406]), torch.tensor([0.229, 0.224, 0.225])
 
@@ -53,10 +54,6 @@ def load_images(folder: Path, n: int, size: int) -> torch.Tensor:
     return torch.stack(out)
 
 
-def normalize(x: torch.Tensor) -> torch.Tensor:
-    return (x - MEAN.to(x)[:, None, None]) / STD.to(x)[:, None, None]
-
-
 def bench_april(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     model = timm.create_model("mjp_vit_cifar_patch4_32", variant="plain", first_block="april",
@@ -68,9 +65,9 @@ def bench_april(args: argparse.Namespace) -> None:
 
     t0 = time.perf_counter()
     if args.victim == "vmap":
-        updates = attacks.compute_per_sample_updates(model, normalize(x), y)
+        updates = attacks.compute_per_sample_updates(model, normalize(x, MEAN, STD), y)
     else:
-        updates = [attacks.compute_update(model, normalize(x[i:i + 1]), y[i:i + 1]) for i in range(len(x))]
+        updates = [attacks.compute_update(model, normalize(x[i:i + 1], MEAN, STD), y[i:i + 1]) for i in range(len(x))]
     t1 = time.perf_counter()
     res = ours.reconstruct_many(model, updates, md)
     t2 = time.perf_counter()
@@ -85,7 +82,7 @@ def bench_april(args: argparse.Namespace) -> None:
     t_victim = 0.0
     for i in range(len(x)):
         tv = time.perf_counter()
-        upd = attacks.compute_update(model, normalize(x[i:i + 1]), y[i:i + 1])
+        upd = attacks.compute_update(model, normalize(x[i:i + 1], MEAN, STD), y[i:i + 1])
         t_victim += time.perf_counter() - tv
         if attacker is None:
             view, payload, shared, cfg, _ = adapter._prepare(model, upd, meta)
@@ -115,7 +112,7 @@ def bench_ig(args: argparse.Namespace) -> None:
                               embed_dim=args.ig_dim, num_heads=3).eval()
     x = load_images(args.data, args.batch, 32)
     y = torch.arange(len(x)) % model.num_classes
-    updates = attacks.compute_per_sample_updates(model, normalize(x), y)
+    updates = attacks.compute_per_sample_updates(model, normalize(x, MEAN, STD), y)
     mds = [dict(mean=MEAN, std=STD, labels=y[i:i + 1]) for i in range(len(x))]
     its = args.ig_iterations
     # warm-up (lazy initialisation, allocator) for both, one iteration each
@@ -152,7 +149,7 @@ def bench_mjp(args: argparse.Namespace) -> None:
     for i in range(len(x)):
         plan = model.draw_plan(1, gamma=0.27, seed=100 + i)
         x_t = model.shuffle_images(x[i:i + 1], plan)
-        upd = attacks.compute_update(model, normalize(x_t), torch.tensor([i % model.num_classes]), unk_mask=plan.mask)
+        upd = attacks.compute_update(model, normalize(x_t, MEAN, STD), torch.tensor([i % model.num_classes]), unk_mask=plan.mask)
         cases.append((plan.mask[0], x_t, upd))
     psnr = lambda a, b: float(-10 * torch.log10(((a.double() - b.double()) ** 2).mean()))
     print(f"[mjp] {len(x)} shuffled images (gamma 0.27), design-A MJP ViT depth {args.april_depth}, float64, "

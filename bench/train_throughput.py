@@ -30,7 +30,8 @@ import fedmjp  # noqa: E402,F401  (registers mjp_* models)
 from fedmjp.engine import StepContext, TrainStep, train_one_epoch  # noqa: E402
 from fedmjp.train_data import build_mixup, build_transform  # noqa: E402
 from fedmjp.trainconfig import TrainConfig  # noqa: E402
-from fedmjp.trainutils import DistInfo, amp_dtype, pick_device  # noqa: E402
+from fedmjp.devices import resolve_device  # noqa: E402
+from fedmjp.trainutils import DistInfo, amp_dtype  # noqa: E402
 
 _logger = logging.getLogger("train_throughput")
 
@@ -85,7 +86,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = pick_device(args.device)
+    device = resolve_device(args.device)
     dtype = amp_dtype(args.amp, device)
     cfg = TrainConfig(img_size=args.img_size, batch_size=args.batch_size)
     num_classes = 10

@@ -105,13 +105,9 @@ def pair_reconstructions(reconstruction: torch.Tensor, reference: torch.Tensor,
 def top1(model: nn.Module, batch: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-1 correctness of ``model`` on the batch's model input (x, or x~ with E_unk at the
     shuffled positions): ([B] float 0/1, [B] predicted class)."""
-    from fedmjp.factory import model_input_stats
+    from fedmjp.factory import model_input
 
-    mean, std = model_input_stats(model)
-    images = batch.model_input.to(device)
-    m = torch.tensor(mean, device=device).view(1, -1, 1, 1)
-    s = torch.tensor(std, device=device).view(1, -1, 1, 1)
-    x = (images - m) / s
+    x = model_input(model, batch.model_input.to(device))
     mask = batch.unk_mask
     logits = model(x) if mask is None else model(x, unk_mask=mask.to(device))
     pred = logits.argmax(dim=-1).cpu()

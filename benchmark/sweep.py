@@ -156,14 +156,17 @@ def run_sweep(cfg: dict, output: str, federate: Optional[Callable[..., Any]] = N
 def point_utility(cfg: dict, folder: Path, federate: Optional[Callable[..., Any]] = None) -> list[dict]:
     """Utility of every model row of one grid point, stored in ``utility.jsonl`` (kept when present:
     same folder, same config, same seeded result)."""
-    from .pipeline import build_rows, pick_device
+    import torch
+
+    from .pipeline import build_rows
     from .store import read_jsonl
     from .utility import defence_utility
 
     path = folder / "utility.jsonl"
     stored = {r["model"]: r for r in read_jsonl(path)} if path.is_file() else {}
     out = []
-    for row in build_rows(cfg, pick_device("cpu")):
+    # defence_utility trains a CPU copy of each row's model, so the rows are built there too.
+    for row in build_rows(cfg, torch.device("cpu")):
         if row.name not in stored:
             record = {"model": row.name, **defence_utility(cfg, row, federate)}
             with path.open("a") as fh:

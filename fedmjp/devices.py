@@ -7,7 +7,8 @@ import torch
 
 
 def resolve_device(name: Optional[str] = "auto", index: int = 0) -> torch.device:
-    """``auto``/None: CUDA device ``index`` when CUDA is present, else CPU; otherwise the named device.
+    """``auto``/None: CUDA device ``index`` when CUDA is present, else CPU; ``cuda``: CUDA device
+    ``index`` (a torchrun rank passes its local rank); otherwise the named device (``cuda:N``, ``cpu``).
 
     Raises:
         ValueError: CUDA requested without CUDA, or a name torch does not know.
@@ -17,6 +18,8 @@ def resolve_device(name: Optional[str] = "auto", index: int = 0) -> torch.device
         return torch.device("cuda", index) if torch.cuda.is_available() else torch.device("cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} requested but CUDA is not available; use cpu or auto")
+    if name == "cuda":
+        return torch.device("cuda", index)
     try:
         return torch.device(name)
     except RuntimeError as err:

@@ -29,12 +29,13 @@ from torch.utils.data import DataLoader
 from torchvision import datasets
 from tqdm import tqdm
 
+from .devices import resolve_device
 from .factory import model_input
 from .jigsaw import JigsawPlan, make_plan, shuffle_images
 from .models import MJPVisionTransformer
 from .train_data import build_transform, fixed_subset, resolve_data_path
 from .trainconfig import config_from_dict
-from .trainutils import autocast, model_from_checkpoint, pick_device
+from .trainutils import autocast, model_from_checkpoint
 
 _logger = logging.getLogger(__name__)
 
@@ -204,7 +205,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = pick_device(args.device)
+    device = resolve_device(args.device)
     model, state = model_from_checkpoint(args.checkpoint, "cpu")
     model.to(device)
     loader = build_eval_loader(state["config"], args.data_path, args.split, args.batch_size, args.num_workers,

@@ -52,25 +52,21 @@ class DistInfo:
         return self.rank == 0
 
 
-def pick_device(name: str = "auto", local_rank: int = 0) -> torch.device:
-    """``auto``: CUDA (this rank's GPU) when available, else CPU; ``cuda`` means this rank's GPU."""
-    device = resolve_device("auto" if name == "cuda" and torch.cuda.is_available() else name, local_rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    return device
-
-
 def init_distributed(device: str = "auto") -> DistInfo:
     """Join the process group that torchrun describes (``WORLD_SIZE`` > 1): nccl on CUDA, gloo on
     CPU. A group that the caller already initialised is reused and left open on exit."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if dist.is_available() and dist.is_initialized():
-        dev = pick_device(device, local_rank)
+    joined = dist.is_available() and dist.is_initialized()
+    # ``auto`` and ``cuda`` mean this rank's GPU; a single process uses GPU 0.
+    dev = resolve_device(device, local_rank if joined or world > 1 else 0)
+    if dev.type == "cuda":
+        # NCCL and code that says plain "cuda" then use this rank's GPU.
+        torch.cuda.set_device(dev)
+    if joined:
         return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, dev, owns_group=False)
     if world <= 1:
-        return DistInfo(device=pick_device(device, 0))
-    dev = pick_device(device, local_rank)
+        return DistInfo(device=dev)
     dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo")
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, dev, owns_group=True)
 

@@ -12,8 +12,9 @@ import torch
 from PIL import Image
 
 import attacks
+from fedmjp.devices import resolve_device
+from fedmjp.factory import normalize
 from fedmjp.models import MJPVisionTransformer
-from fedmjp.trainutils import pick_device
 
 HAS_CUDA = torch.cuda.is_available()
 cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
@@ -23,15 +24,18 @@ TINY = dict(img_size=32, patch_size=4, embed_dim=48, depth=2, num_heads=3, num_c
 
 @pytest.mark.skipif(HAS_CUDA, reason="checks the answer on machines without CUDA")
 def test_cuda_request_without_cuda_is_a_clear_error():
-    assert pick_device("auto").type == "cpu"
+    assert resolve_device("auto").type == "cpu"
     with pytest.raises(ValueError, match="CUDA is not available"):
-        pick_device("cuda")
+        resolve_device("cuda")
 
 
 @pytest.mark.cuda
 @cuda
 def test_auto_device_picks_cuda():
-    assert pick_device("auto").type == "cuda"
+    # A torchrun rank passes its local rank: ``auto`` and ``cuda`` both name that GPU.
+    assert resolve_device("auto") == torch.device("cuda", 0)
+    last = torch.cuda.device_count() - 1
+    assert resolve_device("auto", last) == resolve_device("cuda", last) == torch.device("cuda", last)
 
 
 @pytest.mark.cuda
@@ -102,9 +106,9 @@ def test_lpips_on_cuda_matches_cpu():
 def test_batched_inverting_gradients_on_cuda_lowers_objective():
     torch.manual_seed(0)
     model = MJPVisionTransformer(variant="plain", **TINY).eval()
-    mean, std = torch.tensor([0.5, 0.5, 0.5])[:, None, None], torch.tensor([0.25, 0.25, 0.25])[:, None, None]
     images, labels = torch.rand(2, 3, 32, 32), torch.tensor([1, 7])
-    updates = [attacks.compute_update(model, ((images[i:i + 1] - mean) / std), labels[i:i + 1]) for i in range(2)]
+    updates = [attacks.compute_update(model, normalize(images[i:i + 1], (0.5,) * 3, (0.25,) * 3), labels[i:i + 1])
+               for i in range(2)]
     metas = [dict(num_images=1, mean=(0.5,) * 3, std=(0.25,) * 3, labels=labels[i:i + 1], image_size=(3, 32, 32))
              for i in range(2)]
     attack = attacks.create_attack("invertinggradients_batched", iterations=20, device="cuda")
