@@ -125,7 +125,7 @@ def defended_local_update(cfg: Mapping[str, Any], state: Mapping[str, torch.Tens
 
     cfg = resolve_config(cfg)
     spec = json.loads(cfg["defence"])
-    device = device or resolve_device("auto")
+    device = device or resolve_device(str(cfg["device"]))
     clean, loss, batch = local_update(cfg, state, partition_id, server_round, num_partitions, device)
     if spec["name"] in ("none", "central_dp", "fedavg"):
         return clean, loss, batch, {"defence-cos": 1.0, "defence-norm-ratio": 1.0}

@@ -170,6 +170,17 @@ def test_client_reports_cosine_and_epsilon():
     assert info["defence-cos"] < 0.5  # 1 image, sigma 1: noise dominates
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks that a CUDA request fails on a CPU-only machine")
+def test_defended_update_reads_the_device_key():
+    """The ClientApp passes no device: the run config's ``device`` decides, as in local_update."""
+    cfg = {**APRIL, "precision": "float32", "defence": {"name": "prune", "keep": 0.5}}
+    state = update.load_global_model(runconfig.resolve_config(cfg)).state_dict()
+    sent, _, _, _ = defended_local_update({**cfg, "device": "cpu"}, state, 0, 1, 2)
+    assert all(v.device.type == "cpu" for v in sent.values())
+    with pytest.raises(ValueError, match="cuda"):
+        defended_local_update({**cfg, "device": "cuda"}, state, 0, 1, 2)  # 'auto' would have run on the CPU
+
+
 def test_local_dp_defeats_april_on_a_real_image():
     """Design-A model, float64 client, embedded real photographs: > 100 dB clean, < 20 dB with a
     strong local DP, through the ClientApp and the server's tap (in-process engine)."""
