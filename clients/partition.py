@@ -14,12 +14,11 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-import timm
 import torch
 import torch.nn as nn
 
 from fedmjp.data import ImageSet, load_images
-from fedmjp.factory import spec_kwargs
+from fedmjp.factory import create_model, spec_kwargs
 from fedmjp.jigsaw import JigsawPlan
 
 from .runconfig import model_spec, resolve_config
@@ -148,7 +147,7 @@ def _shape_model(spec_json: str) -> nn.Module:
     (no weights are allocated, no checkpoint is read)."""
     spec = json.loads(spec_json)
     with torch.device("meta"):
-        return timm.create_model(spec["arch"], **spec_kwargs(spec))
+        return create_model(spec["arch"], **spec_kwargs(spec))
 
 
 def private_batch(run_config: Mapping[str, Any], partition_id: int, server_round: int,

@@ -29,6 +29,7 @@ from timm.scheduler import create_scheduler_v2
 
 from .dal import dal_weight
 from .engine import StepContext, TrainStep, train_one_epoch, validate
+from .factory import create_model
 from .models import MJPVisionTransformer
 from .train_data import build_datasets, build_loaders, build_mixup, resolve_data_path
 from .trainconfig import TrainConfig, load_config, parse_overrides
@@ -36,7 +37,6 @@ from .trainutils import (
     CHECKPOINT_FORMAT,
     DistInfo,
     amp_dtype,
-    build_model,
     epoch_seed,
     init_distributed,
     load_checkpoint_state,
@@ -125,7 +125,7 @@ def _train(cfg: TrainConfig, info: DistInfo, resume: Optional[str], progress: bo
 
     seed_everything(cfg.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
     kwargs = model_kwargs(cfg, num_classes)
-    model = build_model(cfg.model, kwargs).to(info.device)
+    model = create_model(cfg.model, **kwargs).to(info.device)
     mjp_model = isinstance(model, MJPVisionTransformer)
     lr, warmup_lr, min_lr = scaled_lrs(cfg, info.world_size)
     # Passing the module lets timm honour model.no_weight_decay() (PE, cls token, E_unk; not the

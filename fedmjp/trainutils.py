@@ -1,4 +1,4 @@
-"""Helpers of central training: distributed set-up, AMP, seeding, model building, checkpoints.
+"""Helpers of central training: distributed set-up, AMP, seeding, model kwargs, checkpoints.
 
 Training checkpoint format (``last.pth``; loadable with ``torch.load(weights_only=True)``)::
 
@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
-import timm
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from .devices import resolve_device
+from .factory import create_model
 from .models import MJPVisionTransformer
 from .trainconfig import TrainConfig
 
@@ -115,19 +115,12 @@ def epoch_seed(seed: int, rank: int, epoch: int) -> int:
 
 # ----------------------------------------------------------------------------------- model
 def model_kwargs(cfg: TrainConfig, num_classes: int) -> dict:
-    """Constructor kwargs for ``timm.create_model(cfg.model, **kwargs)`` (plain types only)."""
+    """Constructor kwargs for :func:`fedmjp.factory.create_model` ``(cfg.model, **kwargs)`` (plain types only)."""
     kw = dict(num_classes=num_classes, img_size=cfg.img_size, drop_path_rate=cfg.drop_path)
     if cfg.model.startswith("mjp_"):
         kw.update(cfg.mjp_kwargs())
     kw.update(cfg.model_kwargs)
     return kw
-
-
-def build_model(name: str, kwargs: dict) -> nn.Module:
-    """``timm.create_model`` after registering the mjp_* models."""
-    from . import models  # noqa: F401  (registers mjp_* with timm)
-
-    return timm.create_model(name, pretrained=False, **kwargs)
 
 
 # ----------------------------------------------------------------------------------- checkpoints
@@ -153,7 +146,7 @@ def model_from_checkpoint(path: str | Path, map_location: str | torch.device = "
     state = load_checkpoint_state(path, map_location)
     if "model_name" not in state:
         raise ValueError(f"{path} has no 'model_name': not written by fedmjp.train")
-    model = build_model(state["model_name"], dict(state.get("model_kwargs", {})))
+    model = create_model(state["model_name"], **dict(state.get("model_kwargs", {})))
     model.load_state_dict(state["model"])
     return model.eval(), state
 

@@ -68,12 +68,13 @@ def test_config_overrides_are_yaml_data(tmp_path):
 
 def test_recipes_build(tmp_path):
     """Every shipped recipe parses and builds its model (one block deep, to stay quick)."""
-    from fedmjp.trainutils import build_model, model_kwargs
+    from fedmjp.factory import create_model
+    from fedmjp.trainutils import model_kwargs
 
     names = set()
     for path in sorted((REPO / "configs" / "train").glob("*.yaml")):
         cfg = load_config(path)
-        model = build_model(cfg.model, {**model_kwargs(cfg, 10), "depth": 1})
+        model = create_model(cfg.model, **{**model_kwargs(cfg, 10), "depth": 1})
         assert model.num_classes == 10 and model.patch_embed.img_size == (cfg.img_size, cfg.img_size), path.name
         names.add(path.stem)
     five = {"vit_s", "deit_s", "deit_s_nope", "deit_s_mjp", "deit_s_mjp_nounk"}
