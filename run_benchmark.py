@@ -9,7 +9,6 @@ Flags and outputs: ``python run_benchmark.py --help`` and README.md. The work li
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
@@ -17,16 +16,16 @@ from typing import Optional, Sequence
 
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from benchmark.cli import FLOWER_OFFLINE_ENV, setup_logging, build_parser, default_output, resolve
+from benchmark.cli import setup_logging, build_parser, default_output, resolve
 from benchmark.errors import EXIT_INTERRUPTED, BenchmarkError
+from server.offline import keep_flower_offline
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the CLI; returns the exit status (see :mod:`benchmark.errors`)."""
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose)
-    for key, value in FLOWER_OFFLINE_ENV.items():
-        os.environ.setdefault(key, value)
+    keep_flower_offline()  # before anything imports flwr
     t0 = time.perf_counter()
     output = None
     try:

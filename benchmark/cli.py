@@ -14,11 +14,6 @@ from . import config as C
 
 _logger = logging.getLogger(__name__)
 
-# Flower's local runtime must stay offline (DESIGN section 8); set before flwr is imported.
-FLOWER_OFFLINE_ENV = {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
-                      "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="run_benchmark.py",

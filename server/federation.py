@@ -28,14 +28,10 @@ from typing import Any, Iterable, Mapping, Optional
 
 import torch
 
-# Keep Flower offline (DESIGN section 8); set before Flower runs anything, overridable by the caller.
-OFFLINE_ENV = {
-    "FLWR_TELEMETRY_ENABLED": "0",
-    "FLWR_DISABLE_UPDATE_CHECK": "1",
-    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-}
-for _key, _value in OFFLINE_ENV.items():
-    os.environ.setdefault(_key, _value)
+from .offline import keep_flower_offline
+
+# Before the Flower imports below, so nothing Flower does at import or run time sees them unset.
+keep_flower_offline()
 
 from flwr.app import Context, Error, Message, RecordDict  # noqa: E402
 from flwr.clientapp import ClientApp  # noqa: E402
@@ -196,8 +192,7 @@ def run_federation(run_config: Mapping[str, Any], tap: Optional[Tap] = None, eng
     """
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; valid: {', '.join(ENGINES)}")
-    for key, value in OFFLINE_ENV.items():
-        os.environ.setdefault(key, value)
+    keep_flower_offline()
     given = dict(run_config)
     n = int(num_supernodes or given.get("num-partitions", DEFAULTS["num-partitions"]))
     given["num-partitions"] = n

@@ -15,18 +15,17 @@ from pathlib import Path
 import pytest
 from proc_utils import free_port, kill_tree, wait_for_port
 
+from server.offline import OFFLINE_ENV
 from server.rounds import ServerOutcome
 from server.tap import load_tapped_updates
 
 ROOT = Path(__file__).resolve().parents[1]
-OFFLINE = {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
-           "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("flower-superlink") is None, reason="Flower CLI not installed")
 def test_deployment_engine_superlink_two_supernodes(tmp_path):
-    env = {**os.environ, **OFFLINE, "FLWR_HOME": str(tmp_path / "flwr-home")}
+    env = {**os.environ, **OFFLINE_ENV, "FLWR_HOME": str(tmp_path / "flwr-home")}
     link, node0, node1 = free_port(), free_port(), free_port()
     (tmp_path / "flwr-home").mkdir()
     (tmp_path / "flwr-home" / "config.toml").write_text(
