@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 import numpy as np
 import pandas as pd
 from PIL import Image, ImageDraw, ImageFont
+from tabulate import tabulate
 
 import metrics
 
@@ -47,8 +48,8 @@ ACC_NOTE = ("Acc.: top-1 of the model as trained (block 0 unmodified) on the set
             "attention residual removed (APRIL design A); column `correct_attacked_model` of results.jsonl "
             "holds the top-1 of that modified model.")
 UNTRAINED = " (untrained)"
-_TEX = {"↑": r"$\uparrow$", "↓": r"$\downarrow$", "%": r"\%", "&": r"\&", "_": r"\_", "#": r"\#",
-        "~": r"\textasciitilde{}"}
+#: The header arrows, which tabulate's LaTeX escaping leaves as Unicode (pdflatex has no glyph).
+_TEX_ARROWS = {"↑": r"$\uparrow$", "↓": r"$\downarrow$"}
 
 
 @dataclass
@@ -167,27 +168,25 @@ def paper_table(full: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(records)
 
 
+def _colalign(table: pd.DataFrame) -> tuple[str, ...]:
+    """Names (model, attack, setting) left, numbers right."""
+    n_left = 3 if "Attack" in table.columns else 2
+    return ("left",) * n_left + ("right",) * (len(table.columns) - n_left)
+
+
 def to_markdown(table: pd.DataFrame) -> str:
     """Markdown table keeping the formatted strings as they are (no re-parsing into numbers)."""
-    n_left = 3 if "Attack" in table.columns else 2
-    align = ("left",) * n_left + ("right",) * (len(table.columns) - n_left)
-    return table.to_markdown(index=False, disable_numparse=True, colalign=align)
-
-
-def _tex_escape(text: str) -> str:
-    return "".join(_TEX.get(ch, ch) for ch in str(text))
+    return table.to_markdown(index=False, disable_numparse=True, colalign=_colalign(table))
 
 
 def to_latex(table: pd.DataFrame) -> str:
-    """A booktabs tabular (no jinja2 needed)."""
-    cols = list(table.columns)
-    n_left = 3 if "Attack" in cols else 2
-    lines = [r"\begin{tabular}{" + "l" * n_left + "r" * (len(cols) - n_left) + "}", r"\toprule",
-             " & ".join(_tex_escape(c) for c in cols) + r" \\", r"\midrule"]
-    for _, r in table.iterrows():
-        lines.append(" & ".join(_tex_escape(r[c]) for c in cols) + r" \\")
-    lines += [r"\bottomrule", r"\end{tabular}", ""]
-    return "\n".join(lines)
+    """A booktabs tabular (tabulate's ``latex_booktabs``: escapes _ % & # ~ and friends), the
+    formatted strings kept as they are."""
+    tex = tabulate(table.values.tolist(), headers=list(table.columns), tablefmt="latex_booktabs",
+                   disable_numparse=True, colalign=_colalign(table))
+    for arrow, math_arrow in _TEX_ARROWS.items():
+        tex = tex.replace(arrow, math_arrow)
+    return tex + "\n"
 
 
 def build_tables(run: RunFolder) -> Tables:

@@ -24,7 +24,7 @@ from helpers import set_dotted
 
 from benchmark import config as C
 from run_benchmark import main
-from benchmark.report import GridLayout, grid_columns
+from benchmark.report import GridLayout, grid_columns, to_latex
 from benchmark.store import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -166,6 +166,18 @@ def test_tables_are_means_of_results(full_run: Path) -> None:
     assert plain_a["psnr_mean"] == pytest.approx(100.0) and mjp_b["psnr_mean"] < 20.0
     md, tex = (full_run / "table.md").read_text(), (full_run / "table.tex").read_text()
     assert "PSNR ↓" in md and r"PSNR $\downarrow$" in tex and "LPIPS ↑" in md
+
+
+def test_latex_table_is_an_escaped_booktabs_tabular() -> None:
+    table = pd.DataFrame([{"Model": "ViT_S & co (untrained)", "Attack": "april_analytic", "Setting": "(a)",
+                           "Acc. (%) ↑": "12.5", "PSNR ↓": "—", "n": "8 (8 failed), #1 ~"}])
+    lines = to_latex(table).splitlines()
+    assert lines[:2] == [r"\begin{tabular}{lllrrr}", r"\toprule"] and lines[3] == r"\midrule"
+    assert lines[-2:] == [r"\bottomrule", r"\end{tabular}"]
+    cells = [[c.strip() for c in line.removesuffix(r"\\").split(" & ")] for line in (lines[2], lines[4])]
+    assert cells == [["Model", "Attack", "Setting", r"Acc. (\%) $\uparrow$", r"PSNR $\downarrow$", "n"],
+                     [r"ViT\_S \& co (untrained)", r"april\_analytic", "(a)", "12.5", "—",
+                      r"8 (8 failed), \#1 \textasciitilde{}"]]
 
 
 def test_grid_layout(full_run: Path) -> None:
