@@ -27,11 +27,10 @@ import torch.nn.functional as F
 from defences import apply_update_defence, cosine_similarity, dp_sgd_epsilon, mix_batch, private_gradient
 
 from fedmjp.devices import resolve_device
-from fedmjp.factory import model_input
 
 from .partition import PrivateBatch, partition_indices, private_image_set, stable_seed
 from .runconfig import resolve_config
-from .update import client_loss, local_update, round_model
+from .update import client_loss, gradients, local_sgd, local_update, model_logits, round_model
 
 
 def defence_spec(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -41,9 +40,7 @@ def defence_spec(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 def _soft_loss(model: torch.nn.Module, images: torch.Tensor, targets: torch.Tensor, mask: Optional[torch.Tensor],
                device: torch.device) -> torch.Tensor:
-    dtype = next(model.parameters()).dtype
-    x = model_input(model, images.to(device=device, dtype=dtype))
-    logits = model(x, unk_mask=mask.to(device)) if mask is not None else model(x)
+    logits = model_logits(model, images, mask, device)
     return F.cross_entropy(logits, targets.to(device=device, dtype=logits.dtype))
 
 
@@ -86,27 +83,12 @@ def _mixup_update(model: torch.nn.Module, batch: PrivateBatch, cfg: Mapping[str,
     pool = torch.tensor(partition_indices(cfg, partition_id, num_partitions), dtype=torch.long)
     mixed = mix_batch(batch.model_input, batch.labels, data.images[pool], data.labels[pool], int(cfg["num-classes"]),
                       int(spec["k"]), float(spec["alpha"]), bool(spec["sign_flip"]), gen)
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    mask = batch.unk_mask
+    def loss() -> torch.Tensor:
+        return _soft_loss(model, mixed.images, mixed.targets, batch.unk_mask, device)
+
     if cfg["mode"] == "fedsgd":
-        model.eval()
-        model.zero_grad(set_to_none=True)
-        loss = _soft_loss(model, mixed.images, mixed.targets, mask, device)
-        grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
-        return {n: (torch.zeros_like(p) if g is None else g).detach().cpu().clone()
-                for (n, p), g in zip(named, grads)}, float(loss.detach())
-    before = {n: p.detach().clone() for n, p in named}
-    opt = torch.optim.SGD([p for _, p in named], lr=float(cfg["lr"]))
-    model.train()
-    losses = []
-    for _ in range(int(cfg["local-steps"])):
-        opt.zero_grad(set_to_none=True)
-        loss = _soft_loss(model, mixed.images, mixed.targets, mask, device)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-    model.eval()
-    return {n: (p.detach() - before[n]).cpu() for n, p in named}, sum(losses) / len(losses)
+        return gradients(model, loss)
+    return local_sgd(model, loss, int(cfg["local-steps"]), float(cfg["lr"]))
 
 
 def defended_local_update(cfg: Mapping[str, Any], state: Mapping[str, torch.Tensor], partition_id: int,

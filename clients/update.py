@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.nn as nn
@@ -31,24 +31,30 @@ def load_global_model(cfg: Mapping[str, Any], state: Optional[Mapping[str, torch
     return model
 
 
+def model_logits(model: nn.Module, images: torch.Tensor, unk_mask: Optional[torch.Tensor] = None,
+                 device: Optional[torch.device] = None) -> torch.Tensor:
+    """Logits [B, K] of images [B, 3, H, W] in [0, 1] (x, or x~ with E_unk at the ``unk_mask``
+    [B, N] positions), normalised and cast to the model's dtype on ``device``."""
+    device = device or next(model.parameters()).device
+    x = model_input(model, images.to(device=device, dtype=next(model.parameters()).dtype))
+    return model(x, unk_mask=unk_mask.to(device)) if unk_mask is not None else model(x)
+
+
 def client_loss(model: nn.Module, batch: PrivateBatch, dal_weight: float = 0.0,
                 device: Optional[torch.device] = None) -> torch.Tensor:
     """Cross-entropy of the model on the batch's model input (x or x~ with E_unk at the shuffled
     positions), plus ``dal_weight`` times the DAL loss on the unshuffled positions for ``mjp``."""
     device = device or next(model.parameters()).device
-    x = model_input(model, batch.model_input.to(device=device, dtype=next(model.parameters()).dtype))
     mask = None if batch.unk_mask is None else batch.unk_mask.to(device)
-    logits = model(x, unk_mask=mask) if mask is not None else model(x)
-    loss = F.cross_entropy(logits, batch.labels.to(device))
+    loss = F.cross_entropy(model_logits(model, batch.model_input, mask, device), batch.labels.to(device))
     if dal_weight and getattr(model, "dal_head", None) is not None:
         loss = loss + dal_weight * model.compute_dal_loss(None if mask is None else ~mask)
     return loss
 
 
-def fedsgd_gradients(model: nn.Module, batch: PrivateBatch, dal_weight: float = 0.0,
-                     device: Optional[torch.device] = None) -> tuple[dict[str, torch.Tensor], float]:
-    """One batch's gradients by parameter name (FedSGD update), in eval mode so the gradient is a
-    deterministic function of (weights, batch) that an attacker can model.
+def gradients(model: nn.Module, loss_fn: Callable[[], torch.Tensor]) -> tuple[dict[str, torch.Tensor], float]:
+    """Gradients of ``loss_fn()`` by parameter name, in eval mode so the gradient is a deterministic
+    function of (weights, batch) that an attacker can model.
 
     Returns:
         (grads, loss): grads maps every trainable parameter name to a CPU float tensor of its
@@ -56,7 +62,7 @@ def fedsgd_gradients(model: nn.Module, batch: PrivateBatch, dal_weight: float = 
     """
     model.eval()
     model.zero_grad(set_to_none=True)
-    loss = client_loss(model, batch, dal_weight, device)
+    loss = loss_fn()
     loss.backward()
     grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().cpu().clone()
              for name, p in model.named_parameters() if p.requires_grad}
@@ -64,13 +70,9 @@ def fedsgd_gradients(model: nn.Module, batch: PrivateBatch, dal_weight: float = 
     return grads, float(loss.detach())
 
 
-def fedavg_update(model: nn.Module, batch: PrivateBatch, local_steps: int, lr: float,
-                  dal_weight: float = 0.0, device: Optional[torch.device] = None
-                  ) -> tuple[dict[str, torch.Tensor], float]:
-    """Weight delta after ``local_steps`` plain SGD steps on the private batch (FedAvg update).
-
-    Every step uses the same batch (and the same shuffle), so the ground truth of the update is
-    exactly :func:`clients.partition.private_batch`. The model is trained in place.
+def local_sgd(model: nn.Module, loss_fn: Callable[[], torch.Tensor], local_steps: int,
+              lr: float) -> tuple[dict[str, torch.Tensor], float]:
+    """Weight delta after ``local_steps`` plain SGD steps on ``loss_fn()``; the model is trained in place.
 
     Returns:
         (delta, loss): delta = w_after - w_before by parameter name (CPU tensors); loss is the mean
@@ -82,13 +84,31 @@ def fedavg_update(model: nn.Module, batch: PrivateBatch, local_steps: int, lr: f
     losses = []
     for _ in range(int(local_steps)):
         opt.zero_grad(set_to_none=True)
-        loss = client_loss(model, batch, dal_weight, device)
+        loss = loss_fn()
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))
     model.eval()
     delta = {n: (p.detach() - before[n]).cpu() for n, p in model.named_parameters() if p.requires_grad}
     return delta, sum(losses) / len(losses)
+
+
+def fedsgd_gradients(model: nn.Module, batch: PrivateBatch, dal_weight: float = 0.0,
+                     device: Optional[torch.device] = None) -> tuple[dict[str, torch.Tensor], float]:
+    """One batch's gradients by parameter name (FedSGD update); see :func:`gradients`."""
+    return gradients(model, lambda: client_loss(model, batch, dal_weight, device))
+
+
+def fedavg_update(model: nn.Module, batch: PrivateBatch, local_steps: int, lr: float,
+                  dal_weight: float = 0.0, device: Optional[torch.device] = None
+                  ) -> tuple[dict[str, torch.Tensor], float]:
+    """Weight delta after ``local_steps`` plain SGD steps on the private batch (FedAvg update;
+    see :func:`local_sgd`).
+
+    Every step uses the same batch (and the same shuffle), so the ground truth of the update is
+    exactly :func:`clients.partition.private_batch`.
+    """
+    return local_sgd(model, lambda: client_loss(model, batch, dal_weight, device), local_steps, lr)
 
 
 def local_update(cfg: Mapping[str, Any], state: Mapping[str, torch.Tensor], partition_id: int,
