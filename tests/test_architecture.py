@@ -1,0 +1,72 @@
+"""The one-way import rules (``[tool.importlinter]`` in pyproject.toml) hold, and breaking one fails.
+
+Data flows entry -> benchmark -> {server -> clients, attacks, metrics, defences} -> fedmjp. The
+contracts are checked by import-linter in a subprocess whose working directory is the tree under
+test (import-linter puts it first on ``sys.path``, ahead of any installed copy). The second test
+copies the packages to a temporary folder, adds one wrong arrow and checks that the contract it
+breaks is reported as broken with that very import: the check can fail.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import importlinter  # noqa: F401  (a test dependency: pip install -e ".[test]"; missing is an error, not a skip)
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+PACKAGES = CONFIG["root_packages"]
+CONTRACT_NAMES = {c["id"]: c["name"] for c in CONFIG["contracts"]}
+
+
+def lint_imports(root: Path) -> subprocess.CompletedProcess:
+    """``lint-imports`` on the packages under ``root`` (no cache: the copies change between runs)."""
+    cmd = [sys.executable, "-c", "from importlinter.cli import lint_imports_command; lint_imports_command()",
+           "--no-cache", "--no-logo", "--config", str(root / "pyproject.toml")]
+    # COLUMNS: rich wraps long contract names at the terminal width, which would split them here.
+    env = {**os.environ, "COLUMNS": "400", "NO_COLOR": "1"}
+    return subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_import_contracts_hold() -> None:
+    res = lint_imports(ROOT)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out
+    assert f"Contracts: {len(CONTRACT_NAMES)} kept, 0 broken." in out, out
+    for name in CONTRACT_NAMES.values():
+        assert f"{name} KEPT" in out, out
+
+
+#: (contract id, file to change, the line added, "importer -> imported" as import-linter reports it).
+#: The lazy ones sit inside a function: import-linter sees them too.
+WRONG_ARROWS = [
+    ("core", "fedmjp/settings.py", "def _late():\n    import benchmark.config  # noqa: F401\n",
+     "fedmjp.settings -> benchmark.config"),
+    ("attacks", "attacks/base.py", "import metrics.pixel  # noqa: E402,F401\n", "attacks.base -> metrics.pixel"),
+    ("metrics", "metrics/pixel.py", "def _late():\n    from fedmjp import devices  # noqa: F401\n",
+     "metrics.pixel -> fedmjp.devices"),
+    ("defences", "defences/dp.py", "import clients.runconfig  # noqa: E402,F401\n", "defences.dp -> clients.runconfig"),
+    ("clients", "clients/update.py", "def _late():\n    import server.tap  # noqa: F401\n", "clients.update -> server.tap"),
+    ("clients-plain-pytorch", "clients/partition.py", "import flwr.app  # noqa: E402,F401\n",
+     "clients.partition -> flwr"),
+    ("server", "server/tap.py", "import benchmark.store  # noqa: E402,F401\n", "server.tap -> benchmark.store"),
+]
+
+
+@pytest.mark.parametrize("contract, path, line, arrow", WRONG_ARROWS, ids=[w[0] for w in WRONG_ARROWS])
+def test_a_wrong_arrow_breaks_its_contract(tmp_path: Path, contract: str, path: str, line: str, arrow: str) -> None:
+    for package in PACKAGES:
+        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    target = tmp_path / path
+    target.write_text(target.read_text() + "\n\n" + line)
+    res = lint_imports(tmp_path)
+    out = res.stdout + res.stderr
+    assert res.returncode != 0, out
+    assert f"{CONTRACT_NAMES[contract]} BROKEN" in out, out
+    assert arrow in out, out  # the report names the added import, so it analysed the copy
