@@ -72,6 +72,10 @@ class FederationResult(ServerOutcome):
 class LocalGrid(Grid):
     """A Grid that delivers messages to a ClientApp object in this process (worker threads).
 
+    It implements Flower's abstract Grid interface and nothing more; the Flower internals it and
+    :func:`_run_inprocess` rely on (``Run``, ``TaskIdentity``, ``SUPERLINK_NODE_ID``, the error
+    reply) are pinned by tests/test_flower_internals.py, which names the symbol an upgrade broke.
+
     Args:
         client_app: the ClientApp every node runs.
         num_nodes: number of nodes; node ``i`` gets ``partition-id=i``.
