@@ -8,7 +8,7 @@ Two measurements of the same images and model rows, side by side:
 * benchmark: ``run_benchmark.py`` end to end on ``configs/paper.yaml`` (in-process engine, one round
   per client, so every image is attacked once), wall time of ``main()`` into a fresh folder;
 * bare victim gradients: for every model row and gradient group (x for setting a, x~ for b/c), the
-  plain forward+backward of each client's private batch (``clients.task.fedsgd_gradients``: the same
+  plain forward+backward of each client's private batch (``clients.update.fedsgd_gradients``: the same
   computation the clients run) in one loop, models built once. Nothing else: no Flower, no attack, no
   metric, no I/O.
 
@@ -37,7 +37,9 @@ from run_benchmark import main as benchmark_main  # noqa: E402
 
 def bare_gradients(cfg: dict) -> tuple[float, int]:
     """(seconds, updates) of the victims' forward+backward passes alone."""
-    from clients import task
+    from clients.partition import private_batch
+    from clients.runconfig import resolve_config
+    from clients.update import fedsgd_gradients, load_global_model
 
     rows = build_rows(cfg, torch.device("cpu"))
     groups = sorted({C.SETTING_GROUPS[s] for s in cfg["settings"]})
@@ -45,17 +47,17 @@ def bare_gradients(cfg: dict) -> tuple[float, int]:
     work = []
     for row in rows:
         for group in groups:
-            run_config = task.resolve_config(client_run_config(cfg, row, group))
-            model = task.load_global_model(run_config).to(getattr(torch, run_config["precision"]))
-            batches = [task.private_batch(run_config, p, r, clients)
+            run_config = resolve_config(client_run_config(cfg, row, group))
+            model = load_global_model(run_config).to(getattr(torch, run_config["precision"]))
+            batches = [private_batch(run_config, p, r, clients)
                        for r in range(1, rounds + 1) for p in range(clients)]
             work.append((model, batches))
-    task.fedsgd_gradients(work[0][0], work[0][1][0])  # warm-up
+    fedsgd_gradients(work[0][0], work[0][1][0])  # warm-up
     t0 = time.perf_counter()
     n = 0
     for model, batches in work:
         for batch in batches:
-            task.fedsgd_gradients(model, batch)
+            fedsgd_gradients(model, batch)
             n += 1
     return time.perf_counter() - t0, n
 

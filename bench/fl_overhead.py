@@ -3,7 +3,7 @@
     python bench/fl_overhead.py                       # 4 clients x 4 rounds, FedSGD, setting c
     python bench/fl_overhead.py --rounds 6 -c "mode='fedavg' local-steps=2"
 
-Three ways of running the same rounds (same config, same clients.task.local_update per client):
+Three ways of running the same rounds (same config, same clients.update.local_update per client):
 
 * direct: a Python loop over clients and rounds plus the FedSGD/FedAvg server step; no Flower.
 * inprocess: Flower's ServerApp/ClientApp/strategy with the in-process LocalGrid (no Ray).
@@ -30,18 +30,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from flwr.common.config import parse_config_args  # noqa: E402
 
-from clients import task  # noqa: E402
+from clients.runconfig import resolve_config  # noqa: E402
+from clients.update import clone_state, load_global_model, local_update  # noqa: E402
 from server.federation import run_federation  # noqa: E402
 
 
 def run_direct(cfg: dict, rounds: int, clients: int) -> tuple[float, list[float]]:
     """(wall time, per-round times) of the rounds without Flower."""
     start = time.perf_counter()
-    state = task.clone_state(task.load_global_model(cfg).state_dict())
+    state = clone_state(load_global_model(cfg).state_dict())
     per_round = []
     for r in range(1, rounds + 1):
         t0 = time.perf_counter()
-        updates = [task.local_update(cfg, state, pid, r, clients)[0] for pid in range(clients)]
+        updates = [local_update(cfg, state, pid, r, clients)[0] for pid in range(clients)]
         sign = -float(cfg["lr"]) if cfg["mode"] == "fedsgd" else 1.0
         for name in updates[0]:
             mean = sum(u[name].double() for u in updates) / len(updates)
@@ -72,7 +73,7 @@ def main() -> None:
 
     given = {"setting": "c", "server-eval": False, "num-server-rounds": args.rounds, **parse_config_args(args.run_config)}
     given.update({"num-partitions": args.clients, "min-nodes": args.clients})
-    cfg = task.resolve_config(given)
+    cfg = resolve_config(given)
 
     rows = []
     torch.set_num_threads(max(1, int(args.client_cpus)))

@@ -19,6 +19,8 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import yaml
 
+from fedmjp.settings import SETTINGS
+
 from .errors import ConfigError
 
 _logger = logging.getLogger(__name__)
@@ -26,7 +28,6 @@ _logger = logging.getLogger(__name__)
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = PROJECT_ROOT / "configs" / "default.yaml"
 
-SETTINGS = ("a", "b", "c")
 #: settings (b) and (c) attack the same gradient (of x~): one federation per model row serves both.
 SETTING_GROUPS = {"a": "clean", "b": "shuffled", "c": "shuffled"}
 ENGINES = ("inprocess", "simulation")
@@ -285,7 +286,7 @@ def check_types(cfg: Mapping[str, Any], defaults: Mapping[str, Any] = DEFAULTS, 
 
 def _validate_client_options(options: Mapping[str, Any]) -> None:
     """``federation.options`` go into the clients' Flower run config: known keys, default types."""
-    from clients.task import DEFAULTS as CLIENT_DEFAULTS
+    from clients.runconfig import DEFAULTS as CLIENT_DEFAULTS
 
     for key, value in options.items():
         if key not in CLIENT_DEFAULTS:
@@ -299,7 +300,7 @@ def validate(cfg: dict) -> dict:
     Every value a user can type is checked here, before anything is written: types against
     :data:`DEFAULTS`, names against their registries (model factory, attacks), ranges by hand.
     """
-    from clients.task import PARTITIONERS
+    from clients.runconfig import PARTITIONERS
 
     check_types(cfg)
     settings = cfg["settings"]

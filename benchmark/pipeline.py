@@ -6,7 +6,7 @@ row and scores the (b)/(c) reconstruction twice, against x~ and against x.
 
 Data flow, one way: the server's tap hands each client update (round, node, partition, gradients,
 global weights) to the attacker; the ground truth x, x~ reaches the scorer by a separate path,
-:func:`clients.task.private_batch`, which the attack never sees. Every scored image is appended to
+:func:`clients.partition.private_batch`, which the attack never sees. Every scored image is appended to
 ``results.jsonl`` at once; a re-run skips stored rows (and whole federations whose rows are all
 stored), so an interrupted run resumes where it stopped.
 """
@@ -186,7 +186,7 @@ def prepare(cfg: dict) -> Prepared:
 def check_partitions(cfg: dict, row: ModelRow) -> None:
     """The clients' partitioning works for this image set (a Dirichlet split of too few images per
     class fails): found here, before the output folder is written, not inside a client."""
-    from clients.task import private_batch
+    from clients.partition import private_batch
 
     try:
         private_batch(client_run_config(cfg, row, "clean"), 0, 1, cfg["federation"]["clients"])
@@ -196,7 +196,7 @@ def check_partitions(cfg: dict, row: ModelRow) -> None:
 
 # ------------------------------------------------------------------------------------ federation
 def client_run_config(cfg: dict, row: ModelRow, group: str) -> dict:
-    """The flat Flower run config (clients/task.py keys) of one federation."""
+    """The flat Flower run config (clients/runconfig.py keys) of one federation."""
     fed, data = cfg["federation"], cfg["data"]
     spec = row.spec
     run_config = {
@@ -239,7 +239,7 @@ def expected_updates(cfg: dict) -> list[tuple[int, int]]:
 
 def expected_keys(cfg: dict, row: ModelRow, group: str, settings: list[str]) -> set[tuple]:
     """Row keys a complete federation of this (row, group) stores (from the private batches)."""
-    from clients.task import private_batch
+    from clients.partition import private_batch
 
     run_config = client_run_config(cfg, row, group)
     keys = set()
@@ -257,7 +257,7 @@ def grid_image_ids(cfg: dict, run_config: dict) -> set[str]:
     """The fixed grid selection: the first ``report.grid_images`` images attacked, in (round,
     partition, batch index) order. Private batches do not depend on the model row or the setting
     group, so every grid row shows the same images."""
-    from clients.task import private_batch
+    from clients.partition import private_batch
 
     k = cfg["report"]["grid_images"]
     ids: list[str] = []
@@ -376,7 +376,7 @@ class GroupAttacker:
         self.cfg = prepared.cfg
         self.done = done
         self.run_config = client_run_config(self.cfg, row, group)
-        from clients.task import resolve_config
+        from clients.runconfig import resolve_config
 
         self.resolved = resolve_config(self.run_config)
         self.wanted = set(expected_updates(self.cfg))
@@ -422,7 +422,7 @@ class GroupAttacker:
     def on_update(self, update: Any) -> None:
         """Attack one client's update with every attacker, score each result under each setting of
         the group, append the rows."""
-        from clients.task import private_batch
+        from clients.partition import private_batch
 
         rnd, part = int(update.server_round), int(update.partition_id)
         if (rnd, part) not in self.wanted:
@@ -573,7 +573,7 @@ class GroupAttacker:
         so the table counts them and a resumed run does not wait for them. The server does not know
         a failed client's partition; the missing (round, partition) pairs are what was expected and
         not tapped. A federation where no update reached the attacker at all is an error."""
-        from clients.task import private_batch
+        from clients.partition import private_batch
 
         failures = list(getattr(result, "failures", None) or [])
         for f in failures:

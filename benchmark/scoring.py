@@ -1,6 +1,6 @@
 """The scorer side of the benchmark: metrics of a reconstruction against the setting's reference,
 and the model's top-1 on the setting's input (the Acc. column). Reads the ground truth that the
-attacker never sees (:class:`clients.task.PrivateBatch`)."""
+attacker never sees (:class:`clients.partition.PrivateBatch`)."""
 from __future__ import annotations
 
 import logging

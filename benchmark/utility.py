@@ -41,8 +41,9 @@ def defence_utility(cfg: dict, row: Any, federate: Optional[Callable[..., Any]] 
         {"utility_top1", "utility_top1_start", "utility_rounds", "utility_start" ("checkpoint" or
         "fresh"), "utility_num_eval", "utility_source"}.
     """
-    from clients import task
+    from clients.runconfig import resolve_config
     from fedmjp.data import load_images
+    from fedmjp.evaluate import loss_and_top1
     from server.federation import run_federation
 
     from .pipeline import client_run_config
@@ -56,7 +57,7 @@ def defence_utility(cfg: dict, row: Any, federate: Optional[Callable[..., Any]] 
         "num-images": int(u["num_train"]), "num-partitions": int(u["clients"]), "min-nodes": int(u["clients"]),
         "precision": "float32", "server-eval": False, "out-dir": "",
     })
-    resolved = task.resolve_config(run_config)
+    resolved = resolve_config(run_config)
     data = load_images(u["source"], int(cfg["data"]["image_size"]), int(u["num_train"]) + int(u["num_eval"]),
                        int(cfg["data"]["num_classes"]))
     held_out = slice(int(u["num_train"]), len(data))
@@ -64,11 +65,11 @@ def defence_utility(cfg: dict, row: Any, federate: Optional[Callable[..., Any]] 
         raise ValueError(f"utility.source {u['source']} holds {len(data)} images, none left after num_train="
                          f"{u['num_train']} for evaluation; lower utility.num_train")
     model = copy.deepcopy(row.model).float().cpu()
-    _, top1_start = task.evaluate(model, data.images[held_out], data.labels[held_out])
+    _, top1_start = loss_and_top1(model, data.images[held_out], data.labels[held_out])
     runner = federate or run_federation
     result = runner(resolved, engine=cfg["federation"]["engine"])
     model.load_state_dict({k: v.float() for k, v in result.final_state.items()}, strict=True)
-    _, top1 = task.evaluate(model, data.images[held_out], data.labels[held_out])
+    _, top1 = loss_and_top1(model, data.images[held_out], data.labels[held_out])
     _logger.info("%s / %s: top-1 %.3f -> %.3f after %d FedAvg rounds", row.name,
                  json.loads(resolved["defence"])["name"], top1_start, top1, u["rounds"])
     return {"utility_top1": top1, "utility_top1_start": top1_start, "utility_rounds": int(u["rounds"]),

@@ -16,8 +16,8 @@ from typing import Any, Mapping, Optional
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from . import task
 from .defence import defended_local_update
+from .runconfig import resolve_config
 
 _logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def make_client_app(run_config: Optional[Mapping[str, Any]] = None) -> ClientApp
     def train(msg: Message, context: Context) -> Message:
         round_config = dict(msg.content["config"])
         server_round = int(round_config.pop("server-round"))
-        cfg = task.resolve_config({**dict(context.run_config), **overrides, **round_config})
+        cfg = resolve_config({**dict(context.run_config), **overrides, **round_config})
         partition_id = int(context.node_config["partition-id"])
         num_partitions = int(context.node_config["num-partitions"])
         if partition_id == int(cfg["fail-partition"]):

@@ -1,6 +1,6 @@
 """A client's round with a defence on (plain PyTorch, no Flower import).
 
-:func:`defended_local_update` computes the clean update of :func:`clients.task.local_update`
+:func:`defended_local_update` computes the clean update of :func:`clients.update.local_update`
 and, when a defence is configured, the defended one from the same weights and batch, and reports
 their cosine similarity (a cheap utility proxy available for every row). What is sent is the
 defended update; the ground truth the benchmark scores against stays the private image x.
@@ -12,7 +12,7 @@ Where each defence acts (:mod:`defences.spec` has the keys):
 * mixup: on the inputs of local training (mixed images, soft targets). In settings b/c the private
   image is x~ and its partners are unshuffled images of the partition, under the same E_unk mask.
 * central_dp: nowhere on the client (the server's Flower wrapper, server/central_dp.py).
-* fedavg: the run config's mode/local-steps (set by :func:`clients.task.resolve_config`).
+* fedavg: the run config's mode/local-steps (set by :func:`clients.runconfig.resolve_config`).
 Randomness is seeded by (seed, partition, round), so a defended update is reproducible.
 """
 from __future__ import annotations
@@ -26,33 +26,38 @@ import torch.nn.functional as F
 
 from defences import apply_update_defence, cosine_similarity, dp_sgd_epsilon, mix_batch, private_gradient
 
-from . import task
+from fedmjp.devices import resolve_device
+from fedmjp.factory import model_input
+
+from .partition import PrivateBatch, partition_indices, private_image_set, stable_seed
+from .runconfig import resolve_config
+from .update import client_loss, local_update, round_model
 
 
 def defence_spec(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """The resolved config's defence spec (a dict)."""
-    return json.loads(task.resolve_config(cfg)["defence"])
+    return json.loads(resolve_config(cfg)["defence"])
 
 
 def _soft_loss(model: torch.nn.Module, images: torch.Tensor, targets: torch.Tensor, mask: Optional[torch.Tensor],
                device: torch.device) -> torch.Tensor:
     dtype = next(model.parameters()).dtype
-    x = task._normalize(model, images.to(device=device, dtype=dtype))
+    x = model_input(model, images.to(device=device, dtype=dtype))
     logits = model(x, unk_mask=mask.to(device)) if mask is not None else model(x)
     return F.cross_entropy(logits, targets.to(device=device, dtype=logits.dtype))
 
 
-def _sample_loss(model: torch.nn.Module, batch: task.PrivateBatch, i: int, dal_weight: float,
+def _sample_loss(model: torch.nn.Module, batch: PrivateBatch, i: int, dal_weight: float,
                  device: torch.device) -> torch.Tensor:
     """Loss of example ``i`` alone (its own E_unk mask row)."""
     sl = slice(i, i + 1)
     sub = replace(batch, images=batch.images[sl], labels=batch.labels[sl], indices=batch.indices[sl],
                   image_ids=batch.image_ids[sl], shuffled=None if batch.shuffled is None else batch.shuffled[sl],
                   plan=None if batch.plan is None else batch.plan.select(sl))
-    return task.client_loss(model, sub, dal_weight, device)
+    return client_loss(model, sub, dal_weight, device)
 
 
-def _dp_sgd_update(model: torch.nn.Module, batch: task.PrivateBatch, cfg: Mapping[str, Any], spec: Mapping[str, Any],
+def _dp_sgd_update(model: torch.nn.Module, batch: PrivateBatch, cfg: Mapping[str, Any], spec: Mapping[str, Any],
                    gen: torch.Generator, device: torch.device) -> tuple[dict[str, torch.Tensor], float]:
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
@@ -74,11 +79,11 @@ def _dp_sgd_update(model: torch.nn.Module, batch: task.PrivateBatch, cfg: Mappin
     return delta, sum(losses) / len(losses)
 
 
-def _mixup_update(model: torch.nn.Module, batch: task.PrivateBatch, cfg: Mapping[str, Any], spec: Mapping[str, Any],
+def _mixup_update(model: torch.nn.Module, batch: PrivateBatch, cfg: Mapping[str, Any], spec: Mapping[str, Any],
                   partition_id: int, num_partitions: Optional[int], gen: torch.Generator,
                   device: torch.device) -> tuple[dict[str, torch.Tensor], float]:
-    data = task.private_image_set(cfg)
-    pool = torch.tensor(task.partition_indices(cfg, partition_id, num_partitions), dtype=torch.long)
+    data = private_image_set(cfg)
+    pool = torch.tensor(partition_indices(cfg, partition_id, num_partitions), dtype=torch.long)
     mixed = mix_batch(batch.model_input, batch.labels, data.images[pool], data.labels[pool], int(cfg["num-classes"]),
                       int(spec["k"]), float(spec["alpha"]), bool(spec["sign_flip"]), gen)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -107,7 +112,7 @@ def _mixup_update(model: torch.nn.Module, batch: task.PrivateBatch, cfg: Mapping
 def defended_local_update(cfg: Mapping[str, Any], state: Mapping[str, torch.Tensor], partition_id: int,
                           server_round: int, num_partitions: Optional[int] = None,
                           device: Optional[torch.device] = None
-                          ) -> tuple[dict[str, torch.Tensor], float, task.PrivateBatch, dict[str, float]]:
+                          ) -> tuple[dict[str, torch.Tensor], float, PrivateBatch, dict[str, float]]:
     """A client's round with the config's defence.
 
     Returns:
@@ -118,20 +123,19 @@ def defended_local_update(cfg: Mapping[str, Any], state: Mapping[str, torch.Tens
     """
     from defences import update_norm
 
-    cfg = task.resolve_config(cfg)
+    cfg = resolve_config(cfg)
     spec = json.loads(cfg["defence"])
-    device = device or task.pick_device()
-    clean, loss, batch = task.local_update(cfg, state, partition_id, server_round, num_partitions, device)
+    device = device or resolve_device("auto")
+    clean, loss, batch = local_update(cfg, state, partition_id, server_round, num_partitions, device)
     if spec["name"] in ("none", "central_dp", "fedavg"):
         return clean, loss, batch, {"defence-cos": 1.0, "defence-norm-ratio": 1.0}
-    gen = torch.Generator().manual_seed(task.stable_seed(cfg["seed"], "defence", partition_id, server_round))
+    gen = torch.Generator().manual_seed(stable_seed(cfg["seed"], "defence", partition_id, server_round))
     info: dict[str, float] = {}
     if spec["name"] in ("dp_sgd", "mixup"):
-        model = task._cached_model(json.dumps(task.model_spec(cfg), sort_keys=True), str(device), cfg["precision"])
-        model.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=True)
+        model = round_model(cfg, state, device)
         if spec["name"] == "dp_sgd":
             sent, loss = _dp_sgd_update(model, batch, cfg, spec, gen, device)
-            n_owned = len(task.partition_indices(cfg, partition_id, num_partitions))
+            n_owned = len(partition_indices(cfg, partition_id, num_partitions))
             q = min(1.0, int(cfg["batch-size"]) / n_owned)
             steps = server_round * (1 if cfg["mode"] == "fedsgd" else int(cfg["local-steps"]))
             info["dp-epsilon"] = dp_sgd_epsilon(q, float(spec["sigma"]), steps, float(spec["delta"]))

@@ -24,10 +24,12 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.utils.data import DataLoader
 from torchvision import datasets
 from tqdm import tqdm
 
+from .factory import model_input
 from .jigsaw import JigsawPlan, make_plan, shuffle_images
 from .models import MJPVisionTransformer
 from .train_data import build_transform, fixed_subset, resolve_data_path
@@ -119,6 +121,24 @@ def evaluate_model(model: nn.Module, loader: Iterable, gamma: float = 0.27, seed
                    max_batches: Optional[int] = None, progress: bool = False) -> dict:
     """Top-1, Consistency and Diff. Norm at one inference ``gamma`` (see :func:`evaluate_gammas`)."""
     return evaluate_gammas(model, loader, [gamma], seed, device, amp_dtype, max_batches, progress)[0]
+
+
+@torch.no_grad()
+def loss_and_top1(model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
+                  batch_size: int = 64) -> tuple[float, float]:
+    """(mean cross-entropy, top-1 accuracy in [0, 1]) of ``model`` on in-memory images
+    [N, 3, H, W] in [0, 1] (normalised here as the model expects) with labels [N]; no shuffle.
+    The federated server's evaluation and the benchmark's utility use it on the public split."""
+    model.eval()
+    device = next(model.parameters()).device
+    total_loss, correct = 0.0, 0
+    for start in range(0, len(images), batch_size):
+        x = model_input(model, images[start:start + batch_size].to(device))
+        y = labels[start:start + batch_size].to(device)
+        logits = model(x)
+        total_loss += float(F.cross_entropy(logits, y, reduction="sum"))
+        correct += int((logits.argmax(-1) == y).sum())
+    return total_loss / len(images), correct / len(images)
 
 
 def write_sweep(rows: list[dict], out_dir: str | Path, title: str = "") -> tuple[Path, Path]:

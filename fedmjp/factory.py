@@ -13,7 +13,7 @@ A spec is a mapping::
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import timm
 import torch
@@ -51,15 +51,28 @@ def validate_spec(spec: Mapping[str, Any]) -> None:
         raise ValueError(f"model kwargs must be a mapping, got {spec.get('kwargs')!r}")
 
 
+def create_model(arch: str, **kwargs: Any) -> nn.Module:
+    """``timm.create_model(arch, pretrained=False, **kwargs)`` with the ``mjp_*`` models registered:
+    the one place a model object is constructed (central training builds any timm ViT here; the
+    benchmark goes through :func:`build_model`). Uses the global RNG for the fresh weights."""
+    return timm.create_model(arch, pretrained=False, **kwargs)
+
+
+def spec_kwargs(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The :func:`create_model` keyword arguments of a spec: its variant and kwargs, plus the
+    design-A first block for ``april: trained``."""
+    kwargs = {"variant": spec.get("variant", "plain"), **dict(spec.get("kwargs") or {})}
+    if spec.get("april") == "trained":
+        kwargs["first_block"] = "april"
+    return kwargs
+
+
 def build_model(spec: Mapping[str, Any], device: str | torch.device = "cpu") -> nn.Module:
     """Create the model a spec describes, in eval mode. Fresh weights are seeded by ``spec['seed']``."""
     validate_spec(spec)
-    kwargs = dict(spec.get("kwargs") or {})
-    if spec.get("april") == "trained":
-        kwargs["first_block"] = "april"
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(int(spec.get("seed", 0)))
-        model = timm.create_model(spec["arch"], variant=spec.get("variant", "plain"), **kwargs)
+        model = create_model(spec["arch"], **spec_kwargs(spec))
     if spec.get("checkpoint"):
         report = load_checkpoint(model, spec["checkpoint"])
         _logger.info("loaded %s%s", report.path, " (official MJP format)" if report.official_format else "")
@@ -73,3 +86,19 @@ def model_input_stats(model: nn.Module) -> tuple[tuple[float, ...], tuple[float,
     """(mean, std) the model expects its input normalised with (ImageNet defaults)."""
     cfg = getattr(model, "pretrained_cfg", None) or {}
     return tuple(cfg.get("mean", IMAGENET_DEFAULT_MEAN)), tuple(cfg.get("std", IMAGENET_DEFAULT_STD))
+
+
+def normalize(images: torch.Tensor, mean: Sequence[float] | torch.Tensor,
+              std: Sequence[float] | torch.Tensor) -> torch.Tensor:
+    """[B, C, H, W] images in [0, 1] -> model input ``(x - mean) / std``, in the images' dtype and
+    device. ``mean``, ``std``: C values (sequences or tensors)."""
+    # Straight to the images' dtype: a float32 detour would shift float64 inputs (APRIL's exact
+    # closed form runs in float64) by the float32 rounding of 0.485 and friends.
+    m = torch.as_tensor(mean, dtype=images.dtype, device=images.device).view(1, -1, 1, 1)
+    s = torch.as_tensor(std, dtype=images.dtype, device=images.device).view(1, -1, 1, 1)
+    return (images - m) / s
+
+
+def model_input(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
+    """[B, C, H, W] images in [0, 1] normalised as ``model`` expects (:func:`model_input_stats`)."""
+    return normalize(images, *model_input_stats(model))

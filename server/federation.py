@@ -44,7 +44,7 @@ from flwr.serverapp import Grid  # noqa: E402
 from flwr.supercore.run import Run  # noqa: E402
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
-from clients import task  # noqa: E402
+from clients.runconfig import DEFAULTS, resolve_config  # noqa: E402
 from clients.client_app import make_client_app  # noqa: E402
 
 from .rounds import ServerOutcome  # noqa: E402
@@ -63,7 +63,7 @@ class FederationResult(ServerOutcome):
     Attributes (beyond :class:`server.rounds.ServerOutcome`'s history, failures, final_state,
     node_partitions, failed_rounds and ok):
         run_config: the resolved config both apps ran with (num-partitions = number of clients);
-            pass it to :func:`clients.task.private_batch` for the ground truth.
+            pass it to :func:`clients.partition.private_batch` for the ground truth.
         engine: ``simulation`` or ``inprocess``.
         seconds: wall time of the whole run, start-up included.
     """
@@ -182,7 +182,7 @@ def run_federation(run_config: Mapping[str, Any], tap: Optional[Tap] = None, eng
     """Run ``num-server-rounds`` federated rounds and return the outcome.
 
     Args:
-        run_config: run-config keys (see :mod:`clients.task`); ``model-kwargs`` may be a dict.
+        run_config: run-config keys (see :mod:`clients.runconfig`); ``model-kwargs`` may be a dict.
         tap: called in this process with every client update before aggregation.
         engine: ``simulation`` (Flower's ``run_simulation``, Ray backend) or ``inprocess``
             (:class:`LocalGrid`, for tests).
@@ -199,10 +199,10 @@ def run_federation(run_config: Mapping[str, Any], tap: Optional[Tap] = None, eng
     for key, value in OFFLINE_ENV.items():
         os.environ.setdefault(key, value)
     given = dict(run_config)
-    n = int(num_supernodes or given.get("num-partitions", task.DEFAULTS["num-partitions"]))
+    n = int(num_supernodes or given.get("num-partitions", DEFAULTS["num-partitions"]))
     given["num-partitions"] = n
     given.setdefault("min-nodes", n)
-    cfg = task.resolve_config(given)
+    cfg = resolve_config(given)
     outcomes: list[ServerOutcome] = []
     server_app = make_server_app(cfg, tap=tap, on_finish=outcomes.append)
     client_app = make_client_app(cfg)

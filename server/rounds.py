@@ -15,7 +15,10 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
 
-from clients import task
+from clients.partition import public_eval_set
+from clients.runconfig import ROUND_KEYS, model_spec, resolve_config
+from clients.update import clone_state, load_global_model
+from fedmjp.evaluate import loss_and_top1
 from fedmjp.factory import model_input_stats
 
 from .strategy import FedSGD, TappedFedAvg
@@ -86,7 +89,7 @@ def server_metadata(cfg: Mapping[str, Any], model: torch.nn.Module) -> dict[str,
     mean, std = model_input_stats(model)
     meta = {k: cfg[k] for k in ("mode", "setting", "gamma", "per-sample", "batch-size", "local-steps", "lr",
                                 "dal-weight", "image-size")}
-    meta.update({"input-mean": list(mean), "input-std": list(std), "model-spec": task.model_spec(cfg)})
+    meta.update({"input-mean": list(mean), "input-std": list(std), "model-spec": model_spec(cfg)})
     return meta
 
 
@@ -107,8 +110,8 @@ def run_rounds(grid: Grid, run_config: Mapping[str, Any], tap: Optional[Tap] = N
     With ``out-dir`` set in the config, every update is also stored there (:class:`FolderTap`) and
     the outcome is saved, so runs whose server lives in another process can be read back.
     """
-    cfg = task.resolve_config(run_config)
-    model = task.load_global_model(cfg)
+    cfg = resolve_config(run_config)
+    model = load_global_model(cfg)
     taps = [t for t in (tap, FolderTap(Path(cfg["out-dir"]) / "updates") if cfg["out-dir"] else None) if t]
 
     def tap_all(update: Any) -> None:
@@ -122,13 +125,13 @@ def run_rounds(grid: Grid, run_config: Mapping[str, Any], tap: Optional[Tap] = N
     )
     tapped = FedSGD(lr=float(cfg["lr"]), **common) if cfg["mode"] == "fedsgd" else TappedFedAvg(**common)
     strategy = _with_central_dp(tapped, cfg)
-    train_config = ConfigRecord({k: cfg[k] for k in task.ROUND_KEYS})
+    train_config = ConfigRecord({k: cfg[k] for k in ROUND_KEYS})
     # The public split (images of the source no client owns), never the clients' private images.
-    eval_data = task.public_eval_set(cfg) if cfg["server-eval"] else None
+    eval_data = public_eval_set(cfg) if cfg["server-eval"] else None
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> Optional[MetricRecord]:
         model.load_state_dict(arrays.to_torch_state_dict(), strict=True)
-        loss, acc = task.evaluate(model, eval_data.images, eval_data.labels)
+        loss, acc = loss_and_top1(model, eval_data.images, eval_data.labels)
         return MetricRecord({"eval-loss": loss, "eval-acc": acc})
 
     result = strategy.start(
@@ -142,7 +145,7 @@ def run_rounds(grid: Grid, run_config: Mapping[str, Any], tap: Optional[Tap] = N
         if r in result.evaluate_metrics_serverapp:
             row.update({k: float(v) for k, v in result.evaluate_metrics_serverapp[r].items()})
         history.append(row)
-    final = result.arrays.to_torch_state_dict() if result.arrays is not None else task.clone_state(model.state_dict())
+    final = result.arrays.to_torch_state_dict() if result.arrays is not None else clone_state(model.state_dict())
     outcome = ServerOutcome(history, list(tapped.failures), final, dict(tapped.node_partitions))
     if cfg["out-dir"]:
         outcome.save(cfg["out-dir"])

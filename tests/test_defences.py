@@ -13,7 +13,7 @@ import torch
 import attacks
 import defences as D
 import fedmjp  # noqa: F401  (registers the mjp_* models)
-from clients import task
+from clients import partition, runconfig, update
 from clients.defence import defended_local_update
 from server.federation import run_federation
 
@@ -54,8 +54,8 @@ def test_spec_defaults_and_errors_name_the_valid_choices():
         with pytest.raises(ValueError):
             D.validate_defence(bad)
     with pytest.raises(ValueError, match="defence"):
-        task.resolve_config({"defence": '{"name": "nope"}'})
-    assert task.resolve_config({"defence": {"name": "fedavg", "steps": 3}})["local-steps"] == 3
+        runconfig.resolve_config({"defence": '{"name": "nope"}'})
+    assert runconfig.resolve_config({"defence": {"name": "fedavg", "steps": 3}})["local-steps"] == 3
 
 
 # ------------------------------------------------------------------------------------- transforms
@@ -159,7 +159,7 @@ def test_private_gradient_clips_each_example():
 # ------------------------------------------------------------------------------------- client path
 def test_client_reports_cosine_and_epsilon():
     cfg = {**APRIL, "precision": "float32", "defence": {"name": "prune", "keep": 0.1}}
-    state = task.load_global_model(task.resolve_config(cfg)).state_dict()
+    state = update.load_global_model(runconfig.resolve_config(cfg)).state_dict()
     sent, _, _, info = defended_local_update(cfg, state, 0, 1, 2, torch.device("cpu"))
     n = sum(v.numel() for v in sent.values())
     assert sum(int((v != 0).sum()) for v in sent.values()) <= math.ceil(0.1 * n)
@@ -179,9 +179,9 @@ def test_local_dp_defeats_april_on_a_real_image():
         taps = []
         run_federation({**APRIL, "defence": json.dumps(defence)}, tap=taps.append, engine="inprocess", num_supernodes=2)
         u = taps[0]
-        cfg = task.resolve_config({**APRIL, "defence": json.dumps(defence)})
-        model = task.load_global_model(cfg).double()
-        batch = task.private_batch(cfg, u.partition_id, 1, 2)
+        cfg = runconfig.resolve_config({**APRIL, "defence": json.dumps(defence)})
+        model = update.load_global_model(cfg).double()
+        batch = partition.private_batch(cfg, u.partition_id, 1, 2)
         md = {"mean": torch.tensor(u.metadata["input-mean"]), "std": torch.tensor(u.metadata["input-std"])}
         res = attack.reconstruct(model, {k: v.double() for k, v in u.arrays.items()}, md)
         out[name] = _psnr(res.images, batch.images)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import fedmjp  # noqa: F401  (registers the mjp_* models)
-from clients import task
+from clients import partition, runconfig, update
+from fedmjp.factory import model_input
 from fedmjp.jigsaw import unshuffle_images
 from server import run as server_run
 from server.federation import LocalGrid, run_federation
@@ -47,7 +48,7 @@ def fedsgd_run(tmp_path_factory):
 
 def test_defaults_mirror_pyproject():
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]
-    assert config["config"] == task.DEFAULTS
+    assert config["config"] == runconfig.DEFAULTS
     assert config["components"] == {"serverapp": "server.server_app:app", "clientapp": "clients.client_app:app"}
 
 
@@ -87,15 +88,15 @@ def test_tapped_update_matches_the_ground_truth_path(fedsgd_run):
     """The benchmark rebuilds x / x~ with private_batch; the update the server saw came from them."""
     result, taps, _ = fedsgd_run
     for u in taps:
-        batch = task.private_batch(result.run_config, u.partition_id, u.server_round)
+        batch = partition.private_batch(result.run_config, u.partition_id, u.server_round)
         assert batch.plan is not None and batch.shuffled is not None
-        model = task.load_global_model(result.run_config, u.global_state)
-        grads, _ = task.fedsgd_gradients(model, batch)
+        model = update.load_global_model(result.run_config, u.global_state)
+        grads, _ = update.fedsgd_gradients(model, batch)
         for name, g in grads.items():
             torch.testing.assert_close(u.arrays[name], g, rtol=1e-5, atol=1e-7)  # float32 noise floor
         # The gradient was computed on x~, not on x.
-        plain = task.PrivateBatch(batch.images, batch.labels, batch.image_ids, batch.indices, None, None, 0.0)
-        grads_x, _ = task.fedsgd_gradients(model, plain)
+        plain = partition.PrivateBatch(batch.images, batch.labels, batch.image_ids, batch.indices, None, None, 0.0)
+        grads_x, _ = update.fedsgd_gradients(model, plain)
         assert not torch.equal(grads_x["patch_embed.proj.weight"], u.arrays["patch_embed.proj.weight"])
 
 
@@ -119,7 +120,7 @@ def test_settings_shuffle_with_configured_gamma(setting, gamma):
     cfg = {**TINY, "setting": setting, "gamma": gamma, "batch-size": 2, "per-sample": True}
     N = 64  # 32 px / patch 4
     for r in (1, 2, 3):
-        batch = task.private_batch(cfg, 1, r)
+        batch = partition.private_batch(cfg, 1, r)
         assert batch.images.shape == (2, 3, 32, 32) and len(batch.image_ids) == 2
         if setting == "a":
             assert batch.plan is None and batch.shuffled is None and batch.gamma == 0.0
@@ -131,7 +132,7 @@ def test_settings_shuffle_with_configured_gamma(setting, gamma):
         assert batch.gamma == gamma
         torch.testing.assert_close(unshuffle_images(batch.shuffled, batch.plan, 4), batch.images)
         assert not torch.equal(batch.shuffled, batch.images)
-    again = task.private_batch(cfg, 1, 3)
+    again = partition.private_batch(cfg, 1, 3)
     assert again.image_ids == batch.image_ids
     if setting != "a":
         assert torch.equal(again.plan.perm, batch.plan.perm)
@@ -141,21 +142,21 @@ def test_settings_shuffle_with_configured_gamma(setting, gamma):
 def test_partitions_are_disjoint_cover_and_seeded(partitioner):
     # Dirichlet by label needs several images per class: 8 images in 2 classes.
     cfg = {**TINY, "partitioner": partitioner, "num-partitions": 3, "num-classes": 2}
-    parts = [task.partition_indices(cfg, p) for p in range(3)]
+    parts = [partition.partition_indices(cfg, p) for p in range(3)]
     flat = sorted(i for p in parts for i in p)
     assert flat == list(range(8)) and all(parts)
-    assert parts == [task.partition_indices(cfg, p) for p in range(3)]
-    walked = [task.private_batch(cfg, 0, r).indices.item() for r in range(1, len(parts[0]) + 1)]
+    assert parts == [partition.partition_indices(cfg, p) for p in range(3)]
+    walked = [partition.private_batch(cfg, 0, r).indices.item() for r in range(1, len(parts[0]) + 1)]
     assert sorted(walked) == parts[0]  # rounds walk through the partition before repeating
 
 
 def test_fedsgd_gradients_match_attacks_compute_update():
     attacks = pytest.importorskip("attacks")
-    cfg = task.resolve_config({**TINY, "setting": "b"})
-    batch = task.private_batch(cfg, 0, 1)
-    model = task.load_global_model(cfg)
-    grads, _ = task.fedsgd_gradients(model, batch)
-    x = task._normalize(model, batch.shuffled)
+    cfg = runconfig.resolve_config({**TINY, "setting": "b"})
+    batch = partition.private_batch(cfg, 0, 1)
+    model = update.load_global_model(cfg)
+    grads, _ = update.fedsgd_gradients(model, batch)
+    x = model_input(model, batch.shuffled)
     ref = attacks.compute_update(model, x, batch.labels, unk_mask=batch.plan.mask)
     for name, g in grads.items():
         torch.testing.assert_close(g, ref[name].cpu(), rtol=1e-5, atol=1e-7)
@@ -171,8 +172,8 @@ def test_fedavg_round_adds_mean_delta():
         torch.testing.assert_close(result.final_state[k], want, rtol=0, atol=1e-6)
     # The delta is exactly what local SGD on the ground-truth batch produces.
     u = taps[0]
-    model = task.load_global_model(result.run_config, u.global_state)
-    delta, _ = task.fedavg_update(model, task.private_batch(result.run_config, u.partition_id, 1), 2, 0.05)
+    model = update.load_global_model(result.run_config, u.global_state)
+    delta, _ = update.fedavg_update(model, partition.private_batch(result.run_config, u.partition_id, 1), 2, 0.05)
     for name, d in delta.items():
         torch.testing.assert_close(u.arrays[name], d, rtol=1e-5, atol=1e-7)  # float32 noise floor
 
@@ -191,7 +192,7 @@ def test_client_that_raises_does_not_stop_the_round():
 def test_slow_client_times_out_and_is_recorded():
     cfg = {**TINY, "slow-partition": 0, "slow-seconds": 6.0, "round-timeout": 3.0, "num-server-rounds": 1,
            "server-eval": False}
-    task.private_batch(task.resolve_config(cfg), 1, 1)  # warm the data caches: the fast client must finish in time
+    partition.private_batch(runconfig.resolve_config(cfg), 1, 1)  # warm the data caches: the fast client must finish in time
     result = run_federation(cfg, engine="inprocess", num_supernodes=2)
     assert result.ok and result.history[0]["replies"] == 1
     assert [f.reason for f in result.failures] == ["no reply within the round timeout"]

@@ -20,13 +20,14 @@ import yaml
 from helpers import set_dotted
 import attacks
 from attacks.base import Attack, AttackFailure, register_attack
-from clients import task
+from clients import partition, runconfig, update
 from benchmark import scoring
 from benchmark.errors import OutputLockedError
 from benchmark.report import bootstrap_ci
 from benchmark.store import RunFolder, read_jsonl
 from fedmjp.data import load_images
-from fedmjp.factory import build_model
+from fedmjp.devices import resolve_device
+from fedmjp.factory import build_model, model_input
 from run_benchmark import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,7 +90,7 @@ def trained_checkpoint(tmp_path_factory) -> Path:
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     for _ in range(60):
         opt.zero_grad()
-        F.cross_entropy(model(task._normalize(model, data.images)), data.labels).backward()
+        F.cross_entropy(model(model_input(model, data.images)), data.labels).backward()
         opt.step()
     torch.set_num_threads(threads)
     path = tmp_path_factory.mktemp("ckpt") / "plain.pt"
@@ -103,8 +104,8 @@ def test_acc_is_measured_on_the_unmodified_model(trained_checkpoint: Path, tmp_p
     data = load_images("embedded", 32, 16, 10)
     plain, cut = build_model(spec), build_model({**spec, "april": "surgery"})
     with torch.no_grad():
-        acc_plain = (plain(task._normalize(plain, data.images)).argmax(-1) == data.labels).float().mean()
-        acc_cut = (cut(task._normalize(cut, data.images)).argmax(-1) == data.labels).float().mean()
+        acc_plain = (plain(model_input(plain, data.images)).argmax(-1) == data.labels).float().mean()
+        acc_cut = (cut(model_input(cut, data.images)).argmax(-1) == data.labels).float().mean()
     assert acc_plain == 1.0 and acc_cut < 0.8  # the surgery changes what the model predicts
 
     # 2 clients x batch 8 x 1 round: all 16 images, attacked at the checkpoint's weights (round 1)
@@ -300,12 +301,12 @@ def test_lock_stops_a_second_writer(tmp_path: Path, capsys) -> None:
 # ------------------------------------------------------------------ 8-9. server eval, device
 def test_server_eval_uses_a_public_split() -> None:
     cfg = {"num-images": 8, "image-size": 32}
-    private = task.private_image_set(cfg)
-    public = task.public_eval_set(cfg)
+    private = partition.private_image_set(cfg)
+    public = partition.public_eval_set(cfg)
     assert len(public) > 0 and not set(public.names) & set(private.names)
-    assert task.DEFAULTS["server-eval"] is False and task.DEFAULTS["device"] == "auto"
+    assert runconfig.DEFAULTS["server-eval"] is False and runconfig.DEFAULTS["device"] == "auto"
     with pytest.raises(ValueError, match="public split"):
-        task.public_eval_set({"num-images": 0, "image-size": 32})
+        partition.public_eval_set({"num-images": 0, "image-size": 32})
 
 
 def test_benchmark_device_reaches_the_clients() -> None:
@@ -315,16 +316,16 @@ def test_benchmark_device_reaches_the_clients() -> None:
     cfg = C.validate(C.apply_overrides(C.load_config(), ["device=cpu"]))
     row = ModelRow(0, "x", "x", C.model_spec(cfg, 0), torch.nn.Identity(), False)
     run_config = client_run_config(cfg, row, "shuffled")
-    assert run_config["device"] == "cpu" and task.resolve_config(run_config)["device"] == "cpu"
+    assert run_config["device"] == "cpu" and runconfig.resolve_config(run_config)["device"] == "cpu"
     with pytest.raises(ValueError, match="cuda"):
-        task.pick_device("cuda:99" if torch.cuda.is_available() else "cuda")
+        resolve_device("cuda:99" if torch.cuda.is_available() else "cuda")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks that a CUDA request fails on a CPU-only machine")
 def test_local_update_reads_the_device_key() -> None:
     cfg = {"num-images": 4, "image-size": 32, "model-kwargs": {"depth": 1}}
-    state = task.load_global_model(task.resolve_config(cfg)).state_dict()
-    _, _, batch = task.local_update({**cfg, "device": "cpu"}, state, 0, 1)
+    state = update.load_global_model(runconfig.resolve_config(cfg)).state_dict()
+    _, _, batch = update.local_update({**cfg, "device": "cpu"}, state, 0, 1)
     assert batch.images.shape[0] == 1
     with pytest.raises(ValueError, match="cuda"):
-        task.local_update({**cfg, "device": "cuda"}, state, 0, 1)  # 'auto' would have run on the CPU
+        update.local_update({**cfg, "device": "cuda"}, state, 0, 1)  # 'auto' would have run on the CPU

@@ -1,0 +1,136 @@
+"""What a client computes in a round, in plain PyTorch (no Flower import): the loss on its private
+batch, FedSGD gradients or a FedAvg weight delta, and the whole round's :func:`local_update`.
+
+This is the local-compute part of Flower's quickstart ``task.py``; the run config lives in
+:mod:`clients.runconfig`, the private data in :mod:`clients.partition`, defences in
+:mod:`clients.defence` and the Flower wiring in :mod:`clients.client_app`.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any, Mapping, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fedmjp.devices import resolve_device
+from fedmjp.factory import build_model, model_input
+
+from .partition import PrivateBatch, private_batch
+from .runconfig import model_spec, resolve_config
+
+
+def load_global_model(cfg: Mapping[str, Any], state: Optional[Mapping[str, torch.Tensor]] = None,
+                      device: Optional[torch.device] = None) -> nn.Module:
+    """Build the run's model (seeded fresh weights or its checkpoint) and load ``state`` into it."""
+    model = build_model(model_spec(cfg), device=device or "cpu")
+    if state is not None:
+        model.load_state_dict({k: v.to(device or "cpu") for k, v in state.items()}, strict=True)
+    return model
+
+
+def client_loss(model: nn.Module, batch: PrivateBatch, dal_weight: float = 0.0,
+                device: Optional[torch.device] = None) -> torch.Tensor:
+    """Cross-entropy of the model on the batch's model input (x or x~ with E_unk at the shuffled
+    positions), plus ``dal_weight`` times the DAL loss on the unshuffled positions for ``mjp``."""
+    device = device or next(model.parameters()).device
+    x = model_input(model, batch.model_input.to(device=device, dtype=next(model.parameters()).dtype))
+    mask = None if batch.unk_mask is None else batch.unk_mask.to(device)
+    logits = model(x, unk_mask=mask) if mask is not None else model(x)
+    loss = F.cross_entropy(logits, batch.labels.to(device))
+    if dal_weight and getattr(model, "dal_head", None) is not None:
+        loss = loss + dal_weight * model.compute_dal_loss(None if mask is None else ~mask)
+    return loss
+
+
+def fedsgd_gradients(model: nn.Module, batch: PrivateBatch, dal_weight: float = 0.0,
+                     device: Optional[torch.device] = None) -> tuple[dict[str, torch.Tensor], float]:
+    """One batch's gradients by parameter name (FedSGD update), in eval mode so the gradient is a
+    deterministic function of (weights, batch) that an attacker can model.
+
+    Returns:
+        (grads, loss): grads maps every trainable parameter name to a CPU float tensor of its
+        shape (zeros where the loss does not reach it, e.g. E_unk in setting a); loss is a float.
+    """
+    model.eval()
+    model.zero_grad(set_to_none=True)
+    loss = client_loss(model, batch, dal_weight, device)
+    loss.backward()
+    grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().cpu().clone()
+             for name, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad(set_to_none=True)
+    return grads, float(loss.detach())
+
+
+def fedavg_update(model: nn.Module, batch: PrivateBatch, local_steps: int, lr: float,
+                  dal_weight: float = 0.0, device: Optional[torch.device] = None
+                  ) -> tuple[dict[str, torch.Tensor], float]:
+    """Weight delta after ``local_steps`` plain SGD steps on the private batch (FedAvg update).
+
+    Every step uses the same batch (and the same shuffle), so the ground truth of the update is
+    exactly :func:`clients.partition.private_batch`. The model is trained in place.
+
+    Returns:
+        (delta, loss): delta = w_after - w_before by parameter name (CPU tensors); loss is the mean
+        loss over the local steps.
+    """
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
+    model.train()
+    losses = []
+    for _ in range(int(local_steps)):
+        opt.zero_grad(set_to_none=True)
+        loss = client_loss(model, batch, dal_weight, device)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    model.eval()
+    delta = {n: (p.detach() - before[n]).cpu() for n, p in model.named_parameters() if p.requires_grad}
+    return delta, sum(losses) / len(losses)
+
+
+def local_update(cfg: Mapping[str, Any], state: Mapping[str, torch.Tensor], partition_id: int,
+                 server_round: int, num_partitions: Optional[int] = None,
+                 device: Optional[torch.device] = None) -> tuple[dict[str, torch.Tensor], float, PrivateBatch]:
+    """A client's whole round: batch, model at ``state``, FedSGD gradients or FedAvg delta.
+
+    Returns:
+        (update, loss, batch).
+    """
+    cfg = resolve_config(cfg)
+    device = device or resolve_device(str(cfg["device"]))
+    batch = private_batch(cfg, partition_id, server_round, num_partitions)
+    model = round_model(cfg, state, device)
+    if cfg["mode"] == "fedsgd":
+        update, loss = fedsgd_gradients(model, batch, float(cfg["dal-weight"]), device)
+    else:
+        update, loss = fedavg_update(model, batch, int(cfg["local-steps"]), float(cfg["lr"]),
+                                     float(cfg["dal-weight"]), device)
+    return update, loss, batch
+
+
+_models = threading.local()
+
+
+def round_model(cfg: Mapping[str, Any], state: Mapping[str, torch.Tensor], device: torch.device) -> nn.Module:
+    """The run's model at the global ``state``, on ``device`` in the config's precision.
+
+    One model object per thread and spec is reused (clients of the in-process engine run in
+    threads): its weights are always overwritten by ``state``, so only the architecture carries over.
+    """
+    key = (json.dumps(model_spec(cfg), sort_keys=True), str(device), cfg["precision"])
+    cache = getattr(_models, "cache", None)
+    if cache is None or cache[0] != key:
+        model = build_model(json.loads(key[0]), device=device).to(getattr(torch, key[2]))
+        cache = (key, model)
+        _models.cache = cache
+    model = cache[1]
+    model.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=True)
+    return model
+
+
+def clone_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detached CPU copy of a state dict."""
+    return {k: v.detach().cpu().clone() for k, v in state.items()}

@@ -1,0 +1,14 @@
+"""The three threat settings of the MJP privacy study (DESIGN section 3), defined once.
+
+- ``a``: phi(grad M(x), x): the client's gradient is computed on the original image x; the
+  reconstruction is compared with x.
+- ``b``: phi(grad M(x~), x~): the gradient is computed on the MJP-shuffled image x~ (shuffled
+  patches carry E_unk); compared with x~.
+- ``c``: phi(grad M(x~), x): the same gradient as (b); compared with the original x.
+
+The clients' run config, the benchmark config and the report all validate and order settings by
+this tuple, so it lives in the core that every package may import.
+"""
+from __future__ import annotations
+
+SETTINGS: tuple[str, ...] = ("a", "b", "c")
