@@ -1,23 +1,19 @@
 """One configuration mechanism for the benchmark, central training and the Flower run config.
 
-A schema is a dataclass: every key's type and default in one place. Sections are nested dataclasses,
-a choice is ``Literal[...]``, a key that may be null is ``Optional[...]``, a free-form mapping that its
-own code validates (attack options, a defence spec) is ``dict[str, Any]``, and a range is
-``option(default, minimum=..., maximum=...)``. Each schema lives with its owner (training:
-fedmjp/trainconfig.py, the Flower run config: clients/, the benchmark: benchmark/config.py); this
-module loads and checks, and knows none of them.
+A schema is a dataclass holding every key's type and default: sections are nested dataclasses, a
+choice is ``Literal[...]``, a nullable key ``Optional[...]``, a free-form mapping that its own code
+validates ``dict[str, Any]``, a range ``option(default, minimum=..., maximum=...)``. Each schema lives
+with its owner (fedmjp/trainconfig.py, clients/runconfig.py, benchmark/config.py); this module loads
+and checks, and knows none of them. :func:`conform` gives the defaults with the data on top, every
+value checked: an unknown key is named with the valid keys, a wrong value with what the key takes.
+Types are YAML's: a bool is no number, an int is a valid float (and becomes one), null only where
+Optional.
 
-:func:`conform` turns user data (a YAML file, ``key=value`` overrides) into plain data: the schema's
-defaults with the data on top, every value checked. An unknown key is an error that names it and
-lists the valid keys; a value of the wrong type names the key and what it takes. Types are YAML's:
-a bool is not a number, an int is a valid float (and becomes one), null only where Optional.
-
-Why not OmegaConf's structured configs (omegaconf 2.3, installed with breaching): a bool field takes
-3 (as True) and a str field takes 5 (as '5'), so a wrong value passes silently; merging deep-merges a
-free-form mapping (a new ``defence`` would keep the old one's keys); ``Union[list, str]`` is refused;
-and its unknown-key error does not list the valid keys. Why not pydantic 2: strict mode refuses a
-mapping for a dataclass field, and every message would still need rewriting to say what a key takes
-and to list the valid keys. What is left to write is this module.
+Not OmegaConf (2.3, installed with breaching): its bool field takes 3 and its str field takes 5 (as
+True, '5'), merging deep-merges a free-form mapping (a new ``defence`` would keep the old one's
+keys), ``Union[list, str]`` is refused, and an unknown-key error does not list the valid keys. Not
+pydantic 2: strict mode refuses a mapping for a dataclass field, and every message would still need
+rewriting to say what a key takes and which keys are valid.
 """
 from __future__ import annotations
 
@@ -54,19 +50,6 @@ def fields(schema: type) -> dict[str, tuple[Any, dataclasses.Field]]:
     return {(f.name.replace("_", "-") if hyphens else f.name): (hints[f.name], f) for f in dataclasses.fields(schema)}
 
 
-def defaults(schema: type) -> dict[str, Any]:
-    """The schema's defaults as plain data (sections as dicts); required keys are left out."""
-    out = {}
-    for key, (tp, f) in fields(schema).items():
-        if dataclasses.is_dataclass(tp):
-            out[key] = defaults(tp)
-        elif f.default is not dataclasses.MISSING:
-            out[key] = copy.deepcopy(f.default)
-        elif f.default_factory is not dataclasses.MISSING:
-            out[key] = f.default_factory()
-    return out
-
-
 def conform(schema: type, data: Any, where: str = "") -> dict[str, Any]:
     """The schema's defaults with ``data`` on top, every value checked; new plain data.
 
@@ -82,13 +65,24 @@ def conform(schema: type, data: Any, where: str = "") -> dict[str, Any]:
             # "here": inside a section the valid keys are that section's
             valid = f"{'valid keys here' if where else 'valid'}: {', '.join(sorted(schema_fields))}"
             raise ConfigError(f"unknown config key {where + str(key)!r}; {valid}")
-    out = defaults(schema)
+    out = {}
     for key, (tp, f) in schema_fields.items():
         if key in data:
             out[key] = _check(tp, data[key], where + key, f.metadata)
-        elif key not in out:
+        elif dataclasses.is_dataclass(tp):
+            out[key] = conform(tp, {}, f"{where}{key}.")
+        elif f.default is not dataclasses.MISSING:
+            out[key] = copy.deepcopy(f.default)
+        elif f.default_factory is not dataclasses.MISSING:
+            out[key] = f.default_factory()
+        else:
             raise ConfigError(f"config key {where + key!r} is required ({describe(tp)})")
     return out
+
+
+def defaults(schema: type) -> dict[str, Any]:
+    """The schema's defaults as plain data (sections as dicts)."""
+    return conform(schema, {})
 
 
 def describe(tp: Any) -> str:
@@ -126,6 +120,9 @@ def _matches(tp: Any, value: Any) -> Any:
 
 def _check(tp: Any, value: Any, key: str, meta: Mapping[str, Any]) -> Any:
     member = _matches(tp, value)
+    if member is None and typing.get_origin(tp) is Literal:
+        choices = ", ".join(map(str, typing.get_args(tp)))
+        raise ConfigError(f"config key {key!r}: unknown value {value!r}; valid: {choices}")
     if member is None:
         raise ConfigError(f"config key {key!r} must be {describe(tp)}, got {value!r}")
     if dataclasses.is_dataclass(member):

@@ -82,7 +82,7 @@ def test_an_unknown_key_is_named_with_the_valid_ones(data, message) -> None:
     ({"section": {"lr": "abc"}}, "config key 'section.lr' must be a number, got 'abc'"),
     ({"section": {"lr": float("nan")}}, "config key 'section.lr' must be a number >= 0.0, got nan"),
     ({"section": {"lr": None}}, "config key 'section.lr' must be a number, got None"),
-    ({"section": {"mode": "c"}}, "config key 'section.mode' must be one of a, b, got 'c'"),
+    ({"section": {"mode": "c"}}, "config key 'section.mode': unknown value 'c'; valid: a, b"),
     ({"section": {"limit": "3"}}, "config key 'section.limit' must be an integer or null, got '3'"),
     ({"section": 5}, "config key 'section' must be a mapping, got 5"),
     ({"rows": [{"seed": 1}]}, "config key 'rows.0.name' is required (a string)"),
@@ -145,3 +145,51 @@ def test_training_config_checks_types_of_recipes_and_overrides(tmp_path) -> None
         load_config(tmp_path / "c.yaml")
     for recipe in sorted((ROOT / "configs" / "train").glob("*.yaml")):
         assert isinstance(load_config(recipe), TrainConfig), recipe
+
+
+def test_pyproject_run_config_is_the_run_config_schema() -> None:
+    """Flower reads [tool.flwr.app.config]: the same keys and defaults as clients/runconfig.py's
+    schema, each written in the TOML type the schema takes (600.0, not 600, for a float)."""
+    from clients.runconfig import DEFAULTS, RunConfig, resolve_config
+
+    toml = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    assert list(toml) == list(DEFAULTS) and toml == DEFAULTS
+    assert {k: type(v) for k, v in toml.items()} == {k: type(v) for k, v in DEFAULTS.items()}
+    assert conform(RunConfig, toml) == toml
+    assert resolve_config(toml)["defence"] == '{"name": "none"}'
+
+
+def test_run_config_errors_name_the_key() -> None:
+    from clients.runconfig import ROUND_KEYS, resolve_config
+
+    assert ROUND_KEYS[:3] == ("mode", "setting", "gamma") and "defence" in ROUND_KEYS and "seed" not in ROUND_KEYS
+    assert resolve_config({"lr": 1, "model-kwargs": {"depth": 2}})["lr"] == 1.0
+    for bad, message in (({"batch_size": 2}, "unknown config key 'batch_size'; valid: batch-size, "),
+                         ({"mode": "fedprox"}, "config key 'mode': unknown value 'fedprox'; valid: fedsgd, fedavg"),
+                         ({"gamma": 2.0}, r"config key 'gamma' must be a number in \[0.0, 1.0\], got 2.0"),
+                         ({"per-sample": "yes"}, "config key 'per-sample' must be true or false, got 'yes'"),
+                         ({"num-partitions": 0}, "config key 'num-partitions' must be an integer >= 1, got 0")):
+        with pytest.raises(ValueError, match=message):
+            resolve_config(bad)
+
+
+def test_benchmark_keys_feed_the_run_config_from_the_schema() -> None:
+    """Every run-config key that a benchmark field names (``client=``) exists in the run-config
+    schema, and the benchmark's run config of a federation passes the clients' check."""
+    import torch
+
+    from benchmark import config as C
+    from benchmark.pipeline import ModelRow, client_run_config
+    from clients.runconfig import DEFAULTS, resolve_config
+
+    cfg = C.validate(C.apply_overrides(C.load_config(), ["data.num_images=null", "federation.lr=1", "dry_run=true",
+                                                         "federation.options={round-timeout: 30.0}"]))
+    values = C.client_values(cfg)
+    assert set(values) <= set(DEFAULTS)
+    assert values["num-images"] == 0 and values["lr"] == 1.0 and isinstance(values["lr"], float)
+    assert values["num-partitions"] == values["min-nodes"] == cfg["federation"]["clients"]
+    row = ModelRow(3, cfg["models"][3]["name"], "x", C.model_spec(cfg, 3), torch.nn.Identity(), False)
+    run_config = client_run_config(cfg, row, "shuffled")
+    assert run_config["num-server-rounds"] == 1 and run_config["setting"] == "c" and run_config["round-timeout"] == 30.0
+    assert (run_config["model-name"], run_config["model-variant"], run_config["model-seed"]) == ("DeiT+MJP", "mjp", 3)
+    assert resolve_config(run_config)["model-kwargs"] == '{"depth": 4}'
