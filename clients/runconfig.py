@@ -37,7 +37,6 @@ import json
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Mapping, Union
 
-from defences import validate_defence
 from fedmjp.config import conform, defaults, fields, option
 from fedmjp.settings import SETTINGS
 
@@ -120,6 +119,10 @@ def _resolve_defence(cfg: dict[str, Any]) -> str:
             raw = json.loads(raw) if raw.strip() else None
         except json.JSONDecodeError as err:
             raise ValueError(f"defence must be JSON like '{{\"name\": \"local_dp\"}}', got {raw!r}: {err}") from err
+    # imported here: defences imports opacus, which adds a root logging handler on import, and the
+    # benchmark's config imports this module before run_benchmark.py sets up logging
+    from defences import validate_defence
+
     spec = validate_defence(raw)
     if spec["name"] == "fedavg":
         cfg["mode"], cfg["local-steps"] = "fedavg", int(spec["steps"])
