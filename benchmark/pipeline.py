@@ -27,7 +27,7 @@ from fedmjp.data import DataError, ImageSet, load_images
 from fedmjp.devices import resolve_device
 
 from . import scoring
-from .config import SETTING_GROUPS, attack_entries, model_label, model_spec, row_defence
+from .config import SETTING_GROUPS, attack_entries, client_values, model_label, model_spec, row_defence
 from .errors import AttackErrors, ConfigError, FederationFailed, InputDataError, ModelCheckpointError
 from .report import Tables, write_distributions, write_grids, write_tables
 from .store import RunFolder, row_key
@@ -196,37 +196,16 @@ def check_partitions(cfg: dict, row: ModelRow) -> None:
 
 # ------------------------------------------------------------------------------------ federation
 def client_run_config(cfg: dict, row: ModelRow, group: str) -> dict:
-    """The flat Flower run config (clients/runconfig.py keys) of one federation."""
-    fed, data = cfg["federation"], cfg["data"]
-    spec = row.spec
-    run_config = {
-        "num-server-rounds": 1 if cfg["dry_run"] else fed["rounds"],
-        "mode": fed["algorithm"],
-        "setting": GROUP_SETTING[group],
-        "gamma": float(cfg["gamma"]),
-        "batch-size": fed["batch_size"],
-        "local-steps": fed["local_steps"],
-        "lr": float(fed["lr"]),
-        "seed": int(cfg["seed"]),
-        "images": str(data["source"]),
-        "image-size": data["image_size"],
-        "num-images": data["num_images"] or 0,
-        "num-classes": data["num_classes"],
-        "num-partitions": fed["clients"],
-        "min-nodes": fed["clients"],
-        "partitioner": fed["partition"],
-        "precision": fed["precision"],
-        "model-name": row.name,
-        "model-arch": spec["arch"],
-        "model-variant": spec["variant"],
-        "model-kwargs": spec["kwargs"],
-        "model-checkpoint": spec["checkpoint"] or "",
-        "model-april": spec["april"] or "",
-        "model-seed": int(spec["seed"]),
-        "device": str(cfg["device"]),
-    }
-    run_config["defence"] = json.dumps(row_defence(cfg, row.index), sort_keys=True)
-    run_config.update(fed.get("options") or {})
+    """The flat Flower run config (clients/runconfig.py keys) of one federation: the benchmark keys
+    that feed run-config keys (``client=`` in benchmark/config.py's schema), the row's model spec and
+    defence, then ``federation.options`` on top."""
+    from clients.runconfig import model_keys
+
+    run_config = {**client_values(cfg), **model_keys(row.spec), "setting": GROUP_SETTING[group],
+                  "defence": json.dumps(row_defence(cfg, row.index), sort_keys=True)}
+    if cfg["dry_run"]:
+        run_config["num-server-rounds"] = 1
+    run_config.update(cfg["federation"]["options"])
     return run_config
 
 

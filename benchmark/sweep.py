@@ -22,7 +22,6 @@ the defence on (:mod:`benchmark.utility`, ``utility.jsonl`` in each point folder
 """
 from __future__ import annotations
 
-import copy
 import itertools
 import json
 import logging
@@ -74,19 +73,10 @@ def point_config(cfg: dict, point: dict[str, Any]) -> dict:
     """The validated config of one grid point (no sweep; the point's values set)."""
     from . import config as C
 
-    base = copy.deepcopy(cfg)
-    base["sweep"] = {}
-    # the override machinery checks each dotted key (unknown keys list the valid ones); the value is
-    # then set as the Python object itself (a text round trip would turn 1e-06 into a YAML string)
-    out = C.apply_overrides(base, [f"{k}=null" for k in point])
-    for key, value in point.items():
-        node: Any = out
-        *path, last = key.split(".")
-        for part in path:
-            node = node[int(part)] if isinstance(node, list) else node[part]
-        node[int(last) if isinstance(node, list) else last] = copy.deepcopy(value)
-    out = C.apply_overrides(out, [])  # re-merge onto DEFAULTS, resolve paths
-    return C.validate(out)
+    # the values are set as the Python objects themselves (a text round trip would turn 1e-06 into a
+    # YAML string); the schema check names an unknown key and the valid ones
+    changes = [(["sweep"], {})] + [(key.split("."), value) for key, value in point.items()]
+    return C.validate(C.with_values(cfg, changes))
 
 
 def validate_sweep(cfg: dict) -> None:

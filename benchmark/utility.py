@@ -23,18 +23,12 @@ from typing import Any, Callable, Optional
 
 _logger = logging.getLogger(__name__)
 
-#: ``utility:`` keys and defaults (rounds 0: off).
-UTILITY_DEFAULTS: dict[str, Any] = {
-    "rounds": 0, "source": "../shared/data/cifar10.tar.gz", "num_train": 64, "num_eval": 200,
-    "clients": 2, "local_steps": 2, "batch_size": 8, "lr": 0.05,
-}
-
 
 def defence_utility(cfg: dict, row: Any, federate: Optional[Callable[..., Any]] = None) -> dict[str, Any]:
     """Top-1 of ``row`` after ``cfg['utility']['rounds']`` FedAvg rounds with its defence.
 
     Args:
-        cfg: a validated benchmark config with a ``utility`` mapping (:data:`UTILITY_DEFAULTS` keys).
+        cfg: a validated benchmark config with a ``utility`` section (benchmark/config.py's ``Utility``).
         row: a :class:`benchmark.pipeline.ModelRow`.
         federate: the federation runner (default :func:`server.federation.run_federation`).
     Returns:
@@ -48,7 +42,7 @@ def defence_utility(cfg: dict, row: Any, federate: Optional[Callable[..., Any]] 
 
     from .pipeline import client_run_config
 
-    u = {**UTILITY_DEFAULTS, **(cfg.get("utility") or {})}
+    u = cfg["utility"]
     group = "shuffled" if set(cfg["settings"]) & {"b", "c"} else "clean"
     run_config = client_run_config(cfg, row, group)
     run_config.update({

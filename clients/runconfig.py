@@ -1,7 +1,8 @@
 """The clients' Flower run config: its keys, their defaults, validation and the model spec.
 
-Run-config keys (Flower style, flat, hyphenated; defaults in :data:`DEFAULTS`, mirrored by
-``[tool.flwr.app.config]`` in pyproject.toml):
+Run-config keys (Flower style, flat, hyphenated; types and defaults in :class:`RunConfig`, checked by
+:mod:`fedmjp.config`; ``[tool.flwr.app.config]`` in pyproject.toml holds the same, a test keeps them
+equal):
 
 =================  ==========================================================================
 key                meaning
@@ -33,76 +34,80 @@ defence            JSON of a :mod:`defences` spec, e.g. '{"name": "local_dp", "c
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, Mapping, Union
 
-from defences import validate_defence
+from fedmjp.config import conform, defaults, fields, option
 from fedmjp.settings import SETTINGS
 
 MODES = ("fedsgd", "fedavg")
 PARTITIONERS = ("iid", "dirichlet")
 PRECISIONS = ("float32", "float64")
 
-DEFAULTS: dict[str, Any] = {
-    "num-server-rounds": 2,
-    "mode": "fedsgd",
-    "setting": "a",
-    "gamma": 0.27,
-    "per-sample": False,
-    "batch-size": 1,
-    "local-steps": 1,
-    "lr": 0.1,
-    "dal-weight": 0.0,
-    "seed": 0,
-    "images": "embedded",
-    "image-size": 32,
-    "num-images": 16,
-    "num-classes": 10,
-    "num-partitions": 2,
-    "partitioner": "iid",
-    "dirichlet-alpha": 0.5,
-    "model-name": "ViT+MJP",
-    "model-arch": "mjp_vit_cifar_patch4_32",
-    "model-variant": "mjp",
-    "model-kwargs": "{}",
-    "model-checkpoint": "",
-    "model-april": "",
-    "model-seed": 0,
-    "precision": "float32",
-    "fraction-train": 1.0,
-    "min-nodes": 2,
-    "round-timeout": 600.0,
-    "server-eval": False,
-    "device": "auto",
-    "out-dir": "",
-    "fail-partition": -1,
-    "slow-partition": -1,
-    "slow-seconds": 0.0,
-    "defence": '{"name": "none"}',
-}
+@dataclass
+class RunConfig:
+    """Every run-config key with its type and default. pyproject.toml's ``[tool.flwr.app.config]``
+    holds the same keys and defaults in the same TOML types (tests/test_config.py checks it);
+    ``round=True`` marks the keys the server sends to the clients each round."""
+
+    HYPHENATED: ClassVar[bool] = True  # Flower's keys: field batch_size is key batch-size
+
+    num_server_rounds: int = option(2, minimum=1)
+    mode: Literal[MODES] = option("fedsgd", round=True)
+    setting: Literal[SETTINGS] = option("a", round=True)
+    gamma: float = option(0.27, minimum=0.0, maximum=1.0, round=True)
+    per_sample: bool = option(False, round=True)
+    batch_size: int = option(1, minimum=1, round=True)
+    local_steps: int = option(1, minimum=1, round=True)
+    lr: float = option(0.1, round=True)
+    dal_weight: float = option(0.0, round=True)
+    seed: int = 0
+    images: str = "embedded"
+    image_size: int = 32
+    num_images: int = 16  # 0: all images of the source
+    num_classes: int = 10
+    num_partitions: int = option(2, minimum=1)
+    partitioner: Literal[PARTITIONERS] = "iid"
+    dirichlet_alpha: float = 0.5
+    model_name: str = "ViT+MJP"
+    model_arch: str = "mjp_vit_cifar_patch4_32"
+    model_variant: str = "mjp"
+    model_kwargs: Union[str, dict[str, Any]] = "{}"  # JSON (a TOML value cannot nest) or, in Python, a dict
+    model_checkpoint: str = ""
+    model_april: str = ""
+    model_seed: int = 0
+    precision: Literal[PRECISIONS] = "float32"
+    fraction_train: float = 1.0
+    min_nodes: int = 2
+    round_timeout: float = 600.0
+    server_eval: bool = False
+    device: str = "auto"
+    out_dir: str = ""
+    fail_partition: int = option(-1, round=True)
+    slow_partition: int = option(-1, round=True)
+    slow_seconds: float = option(0.0, round=True)
+    defence: Union[str, dict[str, Any]] = option('{"name": "none"}', round=True)  # JSON or a dict
+
+
+#: Every run-config key with its default (pyproject.toml's [tool.flwr.app.config]).
+DEFAULTS: dict[str, Any] = defaults(RunConfig)
 
 #: Keys the server sends to clients each round (the rest comes from the client's run config).
-ROUND_KEYS = ("mode", "setting", "gamma", "per-sample", "batch-size", "local-steps", "lr", "dal-weight",
-              "fail-partition", "slow-partition", "slow-seconds", "defence")
+ROUND_KEYS = tuple(key for key, (_, f) in fields(RunConfig).items() if f.metadata.get("round"))
 
 
 def resolve_config(run_config: Mapping[str, Any]) -> dict[str, Any]:
-    """Defaults overlaid with ``run_config``, checked. ``model-kwargs`` may be a dict or JSON."""
-    unknown = set(run_config) - set(DEFAULTS)
-    if unknown:
-        raise ValueError(f"unknown run-config keys {sorted(unknown)}; valid: {', '.join(DEFAULTS)}")
-    cfg = {**DEFAULTS, **dict(run_config)}
+    """Defaults overlaid with ``run_config``, checked against :class:`RunConfig`; ``model-kwargs``
+    and ``defence`` become canonical JSON.
+
+    Raises:
+        ValueError (:class:`fedmjp.config.ConfigError`): an unknown key (the valid ones listed), a
+            value of the wrong type or out of range, a bad defence spec.
+    """
+    cfg = conform(RunConfig, run_config)
     if isinstance(cfg["model-kwargs"], Mapping):
         cfg["model-kwargs"] = json.dumps(dict(cfg["model-kwargs"]), sort_keys=True)
     cfg["defence"] = _resolve_defence(cfg)
-    for key, valid in (("mode", MODES), ("setting", SETTINGS), ("partitioner", PARTITIONERS),
-                       ("precision", PRECISIONS)):
-        if cfg[key] not in valid:
-            raise ValueError(f"{key} must be one of {', '.join(valid)}, got {cfg[key]!r}")
-    if not 0.0 <= float(cfg["gamma"]) <= 1.0:
-        raise ValueError(f"gamma must be in [0, 1], got {cfg['gamma']}")
-    for key in ("batch-size", "local-steps", "num-server-rounds", "num-partitions"):
-        if int(cfg[key]) < 1:
-            raise ValueError(f"{key} must be >= 1, got {cfg[key]}")
     return cfg
 
 
@@ -114,6 +119,10 @@ def _resolve_defence(cfg: dict[str, Any]) -> str:
             raw = json.loads(raw) if raw.strip() else None
         except json.JSONDecodeError as err:
             raise ValueError(f"defence must be JSON like '{{\"name\": \"local_dp\"}}', got {raw!r}: {err}") from err
+    # imported here: defences imports opacus, which adds a root logging handler on import, and the
+    # benchmark's config imports this module before run_benchmark.py sets up logging
+    from defences import validate_defence
+
     spec = validate_defence(raw)
     if spec["name"] == "fedavg":
         cfg["mode"], cfg["local-steps"] = "fedavg", int(spec["steps"])
@@ -129,3 +138,10 @@ def model_spec(cfg: Mapping[str, Any]) -> dict[str, Any]:
         "kwargs": kwargs, "checkpoint": cfg["model-checkpoint"] or None,
         "april": cfg["model-april"] or None, "seed": int(cfg["model-seed"]),
     }
+
+
+def model_keys(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The run-config keys of a :func:`fedmjp.factory.build_model` spec (the inverse of :func:`model_spec`)."""
+    return {"model-name": spec["name"], "model-arch": spec["arch"], "model-variant": spec["variant"],
+            "model-kwargs": dict(spec["kwargs"]), "model-checkpoint": spec["checkpoint"] or "",
+            "model-april": spec["april"] or "", "model-seed": int(spec["seed"])}

@@ -1,9 +1,10 @@
-"""Training configuration: one flat dataclass, loaded from YAML and ``--key value`` overrides.
+"""Training configuration: one flat dataclass (the schema), loaded from YAML and ``--key value`` overrides.
 
-Values are data: YAML is read with ``yaml.safe_load`` and command-line overrides are parsed the same
-way (``--gamma 0.1`` -> float, ``--train_subset null`` -> None), never evaluated as code. The
-resolved config is stored in every checkpoint as a plain dict of str/int/float/bool/None/list/dict,
-so checkpoints stay loadable with ``torch.load(weights_only=True)``.
+Loading and checking is :mod:`fedmjp.config`'s (unknown keys list the valid ones, a value of the
+wrong type names the key). Values are data: YAML is read with ``yaml.safe_load`` and command-line
+overrides are parsed the same way (``--gamma 0.1`` -> float, ``--train_subset null`` -> None), never
+evaluated as code. The resolved config is stored in every checkpoint as a plain dict of
+str/int/float/bool/None/list/dict, so checkpoints stay loadable with ``torch.load(weights_only=True)``.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-import yaml
+from .config import conform, parse_value, read_yaml
 
 
 @dataclass
@@ -36,7 +37,7 @@ class TrainConfig:
     img_size: int = 224
     num_classes: Optional[int] = None  # None: number of class folders in train/
     drop_path: float = 0.1
-    model_kwargs: dict = field(default_factory=dict)  # extra timm kwargs (depth, embed_dim, ...)
+    model_kwargs: dict[str, Any] = field(default_factory=dict)  # extra timm kwargs (depth, embed_dim, ...)
 
     # ---- data
     data_path: Optional[str] = None  # ImageFolder root (train/, val/) or a .tar.gz of one
@@ -96,34 +97,26 @@ class TrainConfig:
                     pe_init=self.pe_init, first_block=self.first_block)
 
 
-FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
-
-
 def config_from_dict(values: dict) -> TrainConfig:
-    """Build a config from a dict; unknown keys raise a ValueError listing the valid ones."""
-    unknown = sorted(set(values) - set(FIELDS))
-    if unknown:
-        raise ValueError(f"unknown config keys {unknown}; valid: {', '.join(sorted(FIELDS))}")
-    return TrainConfig(**values)
+    """Build a config from a dict (defaults for absent keys).
+
+    Raises:
+        ValueError (:class:`fedmjp.config.ConfigError`): an unknown key (the valid ones listed) or
+            a value of the wrong type.
+    """
+    return TrainConfig(**conform(TrainConfig, values))
 
 
 def load_config(path: Optional[str | Path] = None, overrides: Optional[dict] = None) -> TrainConfig:
     """YAML file (optional) then ``overrides`` on top of the defaults."""
-    values: dict = {}
-    if path is not None:
-        with open(path) as f:
-            loaded = yaml.safe_load(f) or {}
-        if not isinstance(loaded, dict):
-            raise ValueError(f"{path}: a training config must be a mapping, got {type(loaded).__name__}")
-        values.update(loaded)
-    values.update(overrides or {})
-    return config_from_dict(values)
+    return config_from_dict({**(read_yaml(path) if path is not None else {}), **(overrides or {})})
 
 
 def parse_overrides(items: list[str]) -> dict:
     """``["--gamma", "0.2", "--per_sample=true"]`` -> ``{"gamma": 0.2, "per_sample": True}``.
 
-    Dashes in keys become underscores; values are parsed as YAML scalars/lists/maps.
+    Dashes in keys become underscores; values are YAML data (:func:`fedmjp.config.parse_value`),
+    checked against the schema.
     """
     out: dict = {}
     i = 0
@@ -137,9 +130,7 @@ def parse_overrides(items: list[str]) -> dict:
                 raise ValueError(f"missing value for {item}")
             value = items[i + 1]
             i += 1
-        key = key.replace("-", "_")
-        if key not in FIELDS:
-            raise ValueError(f"unknown config key {key!r}; valid: {', '.join(sorted(FIELDS))}")
-        out[key] = yaml.safe_load(value)
+        out[key.replace("-", "_")] = parse_value(value, item)
         i += 1
+    conform(TrainConfig, out)  # unknown keys and wrong types fail here, before any training
     return out

@@ -7,11 +7,14 @@ message and exit status without touching finished work.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 import shutil
 import subprocess
 import sys
+import typing
 from pathlib import Path
+from typing import Literal, Union
 
 import numpy as np
 import pandas as pd
@@ -23,6 +26,7 @@ from PIL import Image
 from helpers import set_dotted
 
 from benchmark import config as C
+from fedmjp.config import fields
 from run_benchmark import main
 from benchmark.report import GridLayout, grid_columns, to_latex
 from benchmark.store import read_jsonl
@@ -332,35 +336,39 @@ def test_failed_client_becomes_failed_rows(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------- value fuzzing
-def _leaf_keys(node: dict, where: str = "") -> list[tuple[str, object]]:
+def _leaf_keys(schema: type = C.BenchmarkConfig, where: str = "") -> list[tuple[str, object]]:
+    """Every key of the schema with its type (sections walked; free-form mappings are leaves)."""
     out = []
-    for key, value in node.items():
-        if isinstance(value, dict) and key not in C.FREE_MAPPINGS:
-            out += _leaf_keys(value, f"{where}{key}.")
-        else:
-            out.append((f"{where}{key}", value))
+    for key, (tp, _) in fields(schema).items():
+        out += _leaf_keys(tp, f"{where}{key}.") if dataclasses.is_dataclass(tp) else [(f"{where}{key}", tp)]
     return out
 
 
-def _wrong_values(key: str, default: object) -> list[str]:
+def _wrong_values(tp: object) -> list[str]:
     """YAML texts of a type the key does not take."""
-    if key in C.NULLABLE:
-        return ["[1, 2]", "{a: 1}"]
-    if isinstance(default, bool):
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) is Union:
+        if type(None) in args:
+            return ["[1, 2]", "{a: 1}"]
+        tp = args[0]  # settings: a list (or "all"); sweep: a mapping (or a list of points)
+    if tp is bool:
         return ["abc", "3"]
-    if isinstance(default, (int, float)):
+    if tp in (int, float):
         return ["abc", "[1]", "{a: 1}", "true"]
-    if isinstance(default, str):
+    if tp is str or typing.get_origin(tp) is Literal:
         return ["[1, 2]", "{a: 1}"]
-    if isinstance(default, list):
+    if typing.get_origin(tp) is list:
         return ["5", "{a: 1}"]
     return ["5", "abc", "[1]"]  # mappings
 
 
-FUZZ_CASES = ([(key, value) for key, default in _leaf_keys(C.load_config()) if key != "models"
-               for value in _wrong_values(key, default)]
-              + [(f"models.0.{key}", value) for key, types in C.MODEL_ROW_TYPES.items()
-                 for value in (["[1, 2]"] if str in types else ["abc", "[1]"])]
+def _is_str(tp: object) -> bool:
+    return tp is str or typing.get_origin(tp) is Union and str in typing.get_args(tp)
+
+
+FUZZ_CASES = ([(key, value) for key, tp in _leaf_keys() if key != "models" for value in _wrong_values(tp)]
+              + [(f"models.0.{key}", value) for key, tp in _leaf_keys(C.ModelRow)
+                 for value in (["[1, 2]"] if _is_str(tp) else ["abc", "[1]"])]
               + [("federation.partition", "foo"), ("federation.lr", "abc"), ("federation.lr", "-1"),
                  ("federation.lr", ".nan"), ("gamma", ".nan"), ("federation.options", "{no-such-key: 1}"),
                  ("federation.options", "{lr: abc}"), ("models.0.kwargs", "{depth: abc}"),

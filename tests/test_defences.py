@@ -226,7 +226,7 @@ def _bench_cfg(tmp_path, **top) -> dict:
     """One design-A MJP row (surgery), 4 embedded images, 2 clients x 1 round, float64, no LPIPS."""
     from benchmark import config as C
 
-    cfg = C._merge(C.DEFAULTS, {
+    cfg = C.conform({
         "name": "tiny", "device": "cpu", "settings": ["c"], "gamma": 0.27,
         "data": {"source": "embedded", "image_size": 32, "num_images": 4, "num_classes": 10},
         "federation": {"engine": "inprocess", "rounds": 1, "clients": 2, "precision": "float64", "lr": 0.01},

@@ -1,0 +1,198 @@
+"""One configuration mechanism for the benchmark, central training and the Flower run config.
+
+A schema is a dataclass holding every key's type and default: sections are nested dataclasses, a
+choice is ``Literal[...]``, a nullable key ``Optional[...]``, a free-form mapping that its own code
+validates ``dict[str, Any]``, a range ``option(default, minimum=..., maximum=...)``. Each schema lives
+with its owner (fedmjp/trainconfig.py, clients/runconfig.py, benchmark/config.py); this module loads
+and checks, and knows none of them. :func:`conform` gives the defaults with the data on top, every
+value checked: an unknown key is named with the valid keys, a wrong value with what the key takes.
+Types are YAML's: a bool is no number, an int is a valid float (and becomes one), null only where
+Optional.
+
+Not OmegaConf (2.3, installed with breaching): its bool field takes 3 and its str field takes 5 (as
+True, '5'), merging deep-merges a free-form mapping (a new ``defence`` would keep the old one's
+keys), ``Union[list, str]`` is refused, and an unknown-key error does not list the valid keys. Not
+pydantic 2: strict mode refuses a mapping for a dataclass field, and every message would still need
+rewriting to say what a key takes and which keys are valid.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import math
+import typing
+from pathlib import Path
+from typing import Any, Literal, Mapping, Optional, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config names an unknown key or holds a value its schema does not take."""
+
+
+def option(default: Any, minimum: Optional[float] = None, maximum: Optional[float] = None, **metadata: Any) -> Any:
+    """A schema field with a range that :func:`conform` checks, and owner metadata (e.g. the Flower
+    run-config key a benchmark key feeds). Mutable defaults are copied per instance."""
+    meta = {**metadata, **{k: v for k, v in (("min", minimum), ("max", maximum)) if v is not None}}
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+@functools.cache
+def fields(schema: type) -> dict[str, tuple[Any, dataclasses.Field]]:
+    """Config key -> (type, dataclass field). A schema with ``HYPHENATED = True`` (Flower's run
+    config) spells its keys with hyphens: field ``batch_size`` is key ``batch-size``."""
+    hints = typing.get_type_hints(schema)
+    hyphens = getattr(schema, "HYPHENATED", False)
+    return {(f.name.replace("_", "-") if hyphens else f.name): (hints[f.name], f) for f in dataclasses.fields(schema)}
+
+
+def conform(schema: type, data: Any, where: str = "") -> dict[str, Any]:
+    """The schema's defaults with ``data`` on top, every value checked; new plain data.
+
+    Raises:
+        ConfigError: an unknown key (the valid keys listed), a missing required key, or a value
+            of the wrong type or outside its range (the key and what it takes named).
+    """
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"config key {where.rstrip('.')!r} must be a mapping, got {data!r}")
+    schema_fields = fields(schema)
+    for key in data:
+        if key not in schema_fields:
+            # "here": inside a section the valid keys are that section's
+            valid = f"{'valid keys here' if where else 'valid'}: {', '.join(sorted(schema_fields))}"
+            raise ConfigError(f"unknown config key {where + str(key)!r}; {valid}")
+    out = {}
+    for key, (tp, f) in schema_fields.items():
+        if key in data:
+            out[key] = _check(tp, data[key], where + key, f.metadata)
+        elif dataclasses.is_dataclass(tp):
+            out[key] = conform(tp, {}, f"{where}{key}.")
+        elif f.default is not dataclasses.MISSING:
+            out[key] = copy.deepcopy(f.default)
+        elif f.default_factory is not dataclasses.MISSING:
+            out[key] = f.default_factory()
+        else:
+            raise ConfigError(f"config key {where + key!r} is required ({describe(tp)})")
+    return out
+
+
+def defaults(schema: type) -> dict[str, Any]:
+    """The schema's defaults as plain data (sections as dicts)."""
+    return conform(schema, {})
+
+
+def describe(tp: Any) -> str:
+    """What a type takes, in YAML words (``an integer``, ``one of a, b``, ``a string or null``)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Union:
+        return " or ".join("null" if a is type(None) else describe(a) for a in args)
+    if origin is Literal:
+        return "one of " + ", ".join(map(str, args))
+    if origin is list or tp is list:
+        return "a list"
+    if origin is dict or tp is dict or dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
+
+
+def _matches(tp: Any, value: Any) -> Any:
+    """The member of ``tp`` that ``value`` is an instance of (``tp`` itself unless a Union), or None."""
+    origin = typing.get_origin(tp)
+    if origin is Union:
+        return next((a for a in typing.get_args(tp) if _matches(a, value) is not None), None)
+    if tp is Any or (tp is type(None) and value is None):
+        return tp
+    if origin is Literal:
+        return tp if any(value == a and type(value) is type(a) for a in typing.get_args(tp)) else None
+    if dataclasses.is_dataclass(tp):
+        return tp if isinstance(value, Mapping) else None
+    if isinstance(value, bool):  # YAML's true is no number
+        return tp if tp is bool else None
+    if tp is float:
+        return tp if isinstance(value, (int, float)) else None
+    base = origin or tp
+    return tp if isinstance(base, type) and isinstance(value, base) else None
+
+
+def _check(tp: Any, value: Any, key: str, meta: Mapping[str, Any]) -> Any:
+    member = _matches(tp, value)
+    if member is None and typing.get_origin(tp) is Literal:
+        choices = ", ".join(map(str, typing.get_args(tp)))
+        raise ConfigError(f"config key {key!r}: unknown value {value!r}; valid: {choices}")
+    if member is None:
+        raise ConfigError(f"config key {key!r} must be {describe(tp)}, got {value!r}")
+    if dataclasses.is_dataclass(member):
+        return conform(member, value, f"{key}.")
+    args = typing.get_args(member)
+    item = args[-1] if args and typing.get_origin(member) in (list, dict) else Any
+    if item is not Any:  # typed items (rows of a list, values of a mapping): each checked
+        if isinstance(value, list):
+            return [_check(item, v, f"{key}.{i}", {}) for i, v in enumerate(value)]
+        return {k: _check(item, v, f"{key}.{k}", {}) for k, v in value.items()}
+    if member is float:
+        value = float(value)
+    if value is not None and ("min" in meta or "max" in meta):
+        lo, hi = meta.get("min", -math.inf), meta.get("max", math.inf)
+        if not (math.isfinite(value) and lo <= value <= hi):
+            bounds = (f"in [{lo}, {hi}]" if "min" in meta and "max" in meta
+                      else f">= {lo}" if "min" in meta else f"<= {hi}")
+            raise ConfigError(f"config key {key!r} must be {describe(member)} {bounds}, got {value!r}")
+    return copy.deepcopy(value)
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """A YAML mapping read with ``yaml.safe_load`` (data, never code); an empty file is ``{}``."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {path} is not valid YAML: {err}") from err
+    if not isinstance(data, (dict, type(None))):
+        raise ConfigError(f"config file {path} must hold a mapping, got {type(data).__name__}")
+    return data or {}
+
+
+def parse_value(text: str, what: str) -> Any:
+    """A command-line value as YAML data (``0.5`` -> float, ``null`` -> None, ``{a: 1}`` -> dict)."""
+    try:
+        return yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{what}: value is not a YAML scalar: {err}") from err
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``"a.b=0.5"`` -> (["a", "b"], 0.5); the value is YAML data (:func:`parse_value`)."""
+    key, eq, raw = text.partition("=")
+    if not eq:
+        raise ConfigError(f"override {text!r} must look like key=value (e.g. federation.rounds=3)")
+    if not key.strip() or any(not part for part in key.strip().split(".")):
+        raise ConfigError(f"override {text!r} has an empty key part")
+    return key.strip().split("."), parse_value(raw, f"override {text!r}")
+
+
+def set_dotted(data: dict, parts: list[str], value: Any) -> None:
+    """Set ``data[p0][p1]... = value`` in place; a digit part indexes a list, missing mappings are
+    created (the schema check afterwards names a key that does not exist)."""
+    node: Any = data
+    for i, part in enumerate(parts):
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise ConfigError(f"{'.'.join(parts)}: {part!r} is not a row index below {len(node)}")
+            key: Any = int(part)
+        elif isinstance(node, dict):
+            key = part
+            if i < len(parts) - 1 and node.get(key) is None:
+                node[key] = {}
+        else:
+            raise ConfigError(f"{'.'.join(parts)}: {'.'.join(parts[:i])!r} is not a mapping")
+        if i == len(parts) - 1:
+            node[key] = value
+        else:
+            node = node[key]
+
