@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
@@ -88,6 +89,10 @@ DEFAULTS: dict[str, Any] = {
         "lpips_backbone": None,  # AlexNet features file; None: $FEDMJP_LPIPS_BACKBONE or torchvision
         "lpips": True,
     },
+    # Attacks on N Ray workers (0: in this process); on one machine N <= its CPUs. ray_address: a
+    # running Ray cluster (e.g. ray://head:10001) to spread them over many machines (None: local).
+    "attack_workers": 0,
+    "ray_address": None,
     "report": {
         "grid_images": 4,  # the first N images attacked (by round, client) appear in the grids
         "tile": 96,  # grid tile side in pixels
@@ -95,7 +100,7 @@ DEFAULTS: dict[str, Any] = {
 }
 
 #: Keys that do not change any result; a resumed run may differ in them.
-NON_RESULT_KEYS = ("output", "train_data")
+NON_RESULT_KEYS = ("output", "train_data", "attack_workers", "ray_address")
 
 
 def _merge(base: dict, update: Mapping, where: str = "") -> dict:
@@ -233,7 +238,7 @@ def _check_int(value: Any, what: str, minimum: int = 1, allow_none: bool = False
 
 #: Keys whose default is None (or whose values may be None): the types they take besides None.
 NULLABLE: dict[str, tuple[type, ...]] = {"output": (str,), "train_data": (str,), "data.num_images": (int,),
-                                         "metrics.lpips_backbone": (str,)}
+                                         "metrics.lpips_backbone": (str,), "ray_address": (str,)}
 #: Keys that take another form besides their default's type (``settings: all``; a sweep as a list of points).
 ALTERNATIVE_TYPES: dict[str, tuple[type, ...]] = {"settings": (list, str), "sweep": (dict, list)}
 #: Model row keys and the types they take (None allowed where listed in MODEL_ROW_NULLABLE).
@@ -331,6 +336,11 @@ def validate(cfg: dict) -> dict:
     if not cfg["device"].strip():
         raise ConfigError("device must be auto, cpu, cuda or cuda:N, got an empty string")
     _check_choice(cfg["attack"]["labels"], LABEL_MODES, "attack.labels")
+    _check_int(cfg["attack_workers"], "attack_workers", minimum=0)
+    cores = os.cpu_count() or 1
+    if not cfg["ray_address"] and cfg["attack_workers"] > cores:  # Ray would wait for CPUs that never come
+        raise ConfigError(f"attack_workers must be <= {cores} (this machine's CPUs) without a ray_address, "
+                          f"got {cfg['attack_workers']}")
     _check_int(cfg["report"]["grid_images"], "report.grid_images", minimum=0)
     _check_int(cfg["report"]["tile"], "report.tile", minimum=8)
     _validate_models(cfg)
