@@ -87,3 +87,30 @@ def test_attack_workers_are_checked(tmp_path: Path) -> None:
         _config(tmp_path, attack_workers=(os.cpu_count() or 1) + 1)
     with pytest.raises(C.ConfigError, match="attack_workers must be an integer >= 0"):
         _config(tmp_path, attack_workers=-1)
+
+
+def test_a_second_build_of_a_seeded_model_equals_a_fresh_one() -> None:
+    """build_model fills later builds of a (arch, variant, kwargs, seed) from stored tensors:
+    every parameter and buffer (non-persistent ones too) and the output equal a fresh build, and
+    the copies share no storage."""
+    import torch
+
+    from fedmjp import factory
+
+    spec = {"arch": "mjp_vit_cifar_patch4_32", "variant": "mjp", "kwargs": {"depth": 2}, "april": "surgery",
+            "seed": 7}
+    factory._FRESH.clear()
+    first = factory.build_model(spec)
+    second = factory.build_model(spec)
+    assert len(factory._FRESH) == 1
+    tensors = lambda m: {**dict(m.named_parameters()), **dict(m.named_buffers())}  # noqa: E731
+    a, b = tensors(first), tensors(second)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not any(v.is_meta for v in b.values())
+    x = torch.rand(2, 3, 32, 32)
+    mask = first.draw_plan(2, gamma=0.27, seed=1).mask
+    assert torch.equal(first(x, unk_mask=mask), second(x, unk_mask=mask))
+    with torch.no_grad():
+        next(second.parameters()).add_(1.0)
+    assert torch.equal(next(factory.build_model(spec).parameters()), next(first.parameters()))
+    assert not torch.equal(next(factory.build_model({**spec, "seed": 8}).parameters()), next(first.parameters()))
