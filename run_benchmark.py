@@ -21,6 +21,10 @@ from benchmark.cli import FLOWER_OFFLINE_ENV, setup_logging, build_parser, defau
 from benchmark.errors import EXIT_INTERRUPTED, BenchmarkError
 
 
+def _print_trained(jobs: list) -> None:
+    print(f"trained: {', '.join(job.row for job in jobs) or 'nothing (all checkpoints finished)'}")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the CLI; returns the exit status (see :mod:`benchmark.errors`)."""
     args = build_parser().parse_args(argv)
@@ -40,6 +44,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from benchmark.sweep import run_sweep
 
             with logging_redirect_tqdm():
+                if args.train_missing:  # every point attacks the same checkpoints: train them once, first
+                    _print_trained(train_missing(cfg, progress=not args.no_progress))
                 swept = run_sweep(cfg, output, progress=not args.no_progress)
             print(Path(swept["csv"]).read_text())
             print(f"output: {swept['folder']} (results.jsonl with a sweep column, sweep.csv, "
@@ -50,8 +56,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 from benchmark.store import RunFolder
 
                 RunFolder(output).check(cfg)  # a conflicting output folder fails before any training
-                trained = train_missing(cfg, progress=not args.no_progress)
-                print(f"trained: {', '.join(job.row for job in trained) or 'nothing (all checkpoints finished)'}")
+                _print_trained(train_missing(cfg, progress=not args.no_progress))
             summary = run_benchmark(cfg, output, progress=not args.no_progress)
     except BenchmarkError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -62,3 +62,16 @@ def test_train_missing_finishes_a_stopped_training_then_attacks(tmp_path: Path, 
     before = ckpt.stat().st_mtime_ns
     assert main(args + ["--train-missing"]) == 0
     assert "trained: nothing" in capsys.readouterr().out and ckpt.stat().st_mtime_ns == before
+
+
+def test_train_missing_before_a_sweep(tmp_path: Path, capsys) -> None:
+    """A sweep attacks the same checkpoints at every point: --train-missing trains them once, first."""
+    config, _, ckpt = _setup(tmp_path)
+    out = tmp_path / "sweep"
+    args = ["--config", str(config), "--output", str(out), "--no-progress", "--sweep", "federation.lr=0.0,0.01"]
+    assert main(args) == 5 and not ckpt.exists()
+    capsys.readouterr()
+    assert main(args + ["--train-missing"]) == 0
+    assert "trained: ViT" in capsys.readouterr().out and load_checkpoint_state(ckpt)["epoch"] == 2
+    rows = read_jsonl(out / "results.jsonl")
+    assert len(rows) == 4 and all(r["trained"] and not r["failed"] for r in rows)
