@@ -112,6 +112,17 @@ def _gradient_of_Z(vit: nn.Module, grads: dict[str, torch.Tensor], info: dict) -
     return torch.cat(rows + [g_pe], dim=0)
 
 
+def _pinv_and_rank(W: torch.Tensor, rcond: Optional[float]) -> tuple[torch.Tensor, int]:
+    """(pseudo-inverse, rank) of W [m, n] from one SVD, with the cut-offs of ``torch.linalg.pinv``
+    (relative ``rcond``, default max(m, n) * eps) and ``torch.linalg.matrix_rank`` (max(m, n) * eps):
+    two SVDs of the patch embedding cost more than the rest of a batch-1 solve at 224 px."""
+    U, S, Vh = torch.linalg.svd(W, full_matrices=False)
+    default = max(W.shape) * torch.finfo(W.dtype).eps * S.max()
+    keep = S > (rcond * S.max() if rcond else default)
+    inv = torch.where(keep, 1.0 / S, torch.zeros_like(S))
+    return (Vh.mT * inv) @ U.mT, int((S > default).sum())
+
+
 @register_attack("april_analytic")
 class AprilAnalytic(Attack):
     """Closed-form APRIL on design-A ViTs, vectorised over independent batch-1 updates.
@@ -219,9 +230,8 @@ class AprilAnalytic(Attack):
         W_e = proj.weight.detach().to("cpu", dt).reshape(D, -1)  # [D, C p^2]
         b_e = proj.bias.detach().to("cpu", dt) if proj.bias is not None else W_e.new_zeros(D)
         target = emb[:, prefix:] - b_e  # [K, N, D]
-        W_pinv = torch.linalg.pinv(W_e, rtol=self.rcond) if self.rcond else torch.linalg.pinv(W_e)
+        W_pinv, patch_rank = _pinv_and_rank(W_e, self.rcond)
         patches = target @ W_pinv.T  # [K, N, C p^2], minimum-norm where underdetermined
-        patch_rank = int(torch.linalg.matrix_rank(W_e))
         patch_res = ((patches @ W_e.T - target).flatten(1).norm(dim=1)
                      / target.flatten(1).norm(dim=1).clamp_min(1e-300))
         images = self._unpatchify(patches, vit, info)

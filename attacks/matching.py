@@ -235,7 +235,9 @@ class GradientMatching(Attack):
         K = shape[0]
         gen = torch.Generator(device="cpu")
         gen.manual_seed(self.seed + trial if self.seed is not None else torch.seed())
-        x = torch.randn(shape, generator=gen).to(self.device).requires_grad_(True)
+        # Every update starts from the same seeded draw, so an update's reconstruction does not
+        # depend on which other updates share the batched call (one-at-a-time gives the same).
+        x = torch.randn(shape[1:], generator=gen).expand(shape).contiguous().to(self.device).requires_grad_(True)
         opt = torch.optim.Adam([x], lr=self.lr)
         its = self.iterations
         milestones = [its // 2.667, its // 1.6, its // 1.142] if self.scheduler == "step-lr" else []

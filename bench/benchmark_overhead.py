@@ -15,11 +15,18 @@ Two measurements of the same images and model rows, side by side:
 The ratio benchmark / bare gradients is what issue 14 aims to bring to 1.5. Model building and image
 loading happen on both sides once and are not part of the bare time; the benchmark's time includes
 them (they are part of what a user waits for), so the ratio is an upper bound of the per-image overhead.
+
+Measurement: both sides are warmed up first (a ``--dry-run`` of the benchmark's first model row:
+imports, LPIPS, image cache, oneDNN kernels; one bare gradient per model), then timed ``--repeats`` times in alternating
+order (benchmark first on even repeats, bare first on odd ones) and reported as median [min, max]
+with the ratio of the medians, and the load average before and after.
 """
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import statistics
 import sys
 import tempfile
 import time
@@ -35,8 +42,8 @@ from benchmark.pipeline import build_rows, client_run_config  # noqa: E402
 from run_benchmark import main as benchmark_main  # noqa: E402
 
 
-def bare_gradients(cfg: dict) -> tuple[float, int]:
-    """(seconds, updates) of the victims' forward+backward passes alone."""
+def bare_work(cfg: dict) -> list:
+    """[(model, batches)] per model row and gradient group: the victims' models and private batches."""
     from clients.partition import private_batch
     from clients.runconfig import resolve_config
     from clients.update import fedsgd_gradients, load_global_model
@@ -52,7 +59,15 @@ def bare_gradients(cfg: dict) -> tuple[float, int]:
             batches = [private_batch(run_config, p, r, clients)
                        for r in range(1, rounds + 1) for p in range(clients)]
             work.append((model, batches))
-    fedsgd_gradients(work[0][0], work[0][1][0])  # warm-up
+    for model, batches in work:  # warm-up: one gradient per model
+        fedsgd_gradients(model, batches[0])
+    return work
+
+
+def bare_gradients(work: list) -> tuple[float, int]:
+    """(seconds, updates) of the victims' forward+backward passes alone."""
+    from clients.update import fedsgd_gradients
+
     t0 = time.perf_counter()
     n = 0
     for model, batches in work:
@@ -62,11 +77,27 @@ def bare_gradients(cfg: dict) -> tuple[float, int]:
     return time.perf_counter() - t0, n
 
 
+def run_once(flags: list[str]) -> float:
+    """Wall seconds of one benchmark run into a fresh folder."""
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        code = benchmark_main(flags + ["--output", str(Path(tmp) / "run")])
+        seconds = time.perf_counter() - t0
+    if code != 0:
+        raise SystemExit(f"benchmark exited {code}")
+    return seconds
+
+
+def summary(times: list[float]) -> str:
+    return f"median {statistics.median(times):7.1f} s [min {min(times):.1f}, max {max(times):.1f}]"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default=str(ROOT / "configs" / "paper.yaml"))
     p.add_argument("--num-images", type=int, default=9)
     p.add_argument("--setting", default="all")
+    p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--set", dest="overrides", action="append", default=[])
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -80,20 +111,28 @@ def main() -> int:
     from benchmark.cli import build_parser, resolve
 
     cfg = resolve(build_parser().parse_args(flags))
-    torch.set_num_threads(torch.get_num_threads())
-    with tempfile.TemporaryDirectory() as tmp:
-        t0 = time.perf_counter()
-        code = benchmark_main(flags + ["--output", str(Path(tmp) / "run")])
-        bench = time.perf_counter() - t0
-    if code != 0:
-        print(f"benchmark exited {code}", file=sys.stderr)
-        return code
-    bare, n = bare_gradients(cfg)
+    load_before = os.getloadavg()
+    # warm-up of the benchmark side: one update of the first model row (imports, LPIPS, images, kernels)
+    run_once(flags + ["--dry-run", "--models", cfg["models"][0]["name"]])
+    work = bare_work(cfg)  # models, batches and one warm-up gradient per model
+    bench, bare = [], []
+    n = 0
+    for i in range(args.repeats):
+        for side in (("bench", "bare") if i % 2 == 0 else ("bare", "bench")):
+            if side == "bench":
+                bench.append(run_once(flags))
+            else:
+                seconds, n = bare_gradients(work)
+                bare.append(seconds)
+    load_after = os.getloadavg()
     print(f"\n{len(cfg['models'])} model rows, settings {''.join(cfg['settings'])}, {args.num_images} images, "
-          f"{n} victim updates, {torch.get_num_threads()} torch threads")
-    print(f"benchmark (run_benchmark.py, in-process engine): {bench:8.1f} s")
-    print(f"bare victim gradients (forward+backward only):   {bare:8.1f} s")
-    print(f"ratio: {bench / bare:.2f}x (aim: <= 1.5x)")
+          f"{n} victim updates, {torch.get_num_threads()} torch threads, {args.repeats} repeat(s), "
+          f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after")
+    print(f"benchmark (run_benchmark.py, in-process engine): {summary(bench)}")
+    print(f"bare victim gradients (forward+backward only):   {summary(bare)}")
+    ratio = statistics.median(bench) / statistics.median(bare)
+    print(f"ratio of medians: {ratio:.2f}x (aim: <= 1.5x); per image: benchmark "
+          f"{statistics.median(bench) / max(n, 1):.2f} s, bare {statistics.median(bare) / max(n, 1):.2f} s")
     return 0
 
 

@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, metavar="N", help="seed of model init, partitions, shuffles")
     p.add_argument("--device", metavar="DEV", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--engine", choices=C.ENGINES, help="Flower simulation (Ray) or the in-process engine")
+    p.add_argument("--attack-workers", type=int, metavar="N",
+                   help="attack on N Ray workers (0: in this process; at most the CPUs here without --ray-address)")
+    p.add_argument("--ray-address", metavar="ADDR", help="a running Ray cluster for the attack workers (ray://host:10001)")
     p.add_argument("--on-corrupt", choices=("skip", "fail"), help="corrupt image files: skip (listed) or stop")
     p.add_argument("--train-missing", action="store_true",
                    help="first train the checkpoints of model rows that name a recipe and whose checkpoint is "
@@ -62,7 +65,8 @@ def resolve(args: argparse.Namespace) -> dict:
         cfg["data"]["source"] = source  # a flag path is relative to the working directory
     for flag, key in (("num_images", "data.num_images"), ("attack", "attack.name"), ("rounds", "federation.rounds"),
                       ("clients", "federation.clients"), ("gamma", "gamma"), ("seed", "seed"), ("device", "device"),
-                      ("engine", "federation.engine"), ("on_corrupt", "data.on_corrupt")):
+                      ("engine", "federation.engine"), ("on_corrupt", "data.on_corrupt"),
+                      ("attack_workers", "attack_workers"), ("ray_address", "ray_address")):
         value = getattr(args, flag)
         if value is not None:
             flags.append(f"{key}={value}")

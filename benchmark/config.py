@@ -16,6 +16,7 @@ import contextlib
 import copy
 import dataclasses
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Literal, Mapping, Optional, Sequence, Union
@@ -147,6 +148,10 @@ class BenchmarkConfig:
     # Several attackers per model row; empty: the one attack above
     attacks: list[AttackEntry] = option([])
     metrics: Metrics = field(default_factory=Metrics)
+    # Attacks on N Ray workers (0: in this process); on one machine N <= its CPUs. ray_address: a
+    # running Ray cluster (e.g. ray://head:10001) to spread them over many machines (None: local).
+    attack_workers: int = option(0, minimum=0)
+    ray_address: Optional[str] = None
     report: Report = field(default_factory=Report)
 
 
@@ -154,7 +159,7 @@ class BenchmarkConfig:
 DEFAULTS: dict[str, Any] = core.defaults(BenchmarkConfig)
 
 #: Keys that do not change any result; a resumed run may differ in them.
-NON_RESULT_KEYS = ("output", "train_data")
+NON_RESULT_KEYS = ("output", "train_data", "attack_workers", "ray_address")
 
 
 @contextlib.contextmanager
@@ -261,6 +266,10 @@ def validate(cfg: dict) -> dict:
         core.conform(RunConfig, cfg["federation"]["options"], "federation.options.")
     if not cfg["device"].strip():
         raise ConfigError("device must be auto, cpu, cuda or cuda:N, got an empty string")
+    cores = os.cpu_count() or 1
+    if not cfg["ray_address"] and cfg["attack_workers"] > cores:  # Ray would wait for CPUs that never come
+        raise ConfigError(f"attack_workers must be <= {cores} (this machine's CPUs) without a ray_address, "
+                          f"got {cfg['attack_workers']}")
     _validate_models(cfg)
     _validate_attack(cfg["attack"]["name"])
     _validate_attack_list(cfg)

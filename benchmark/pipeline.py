@@ -248,7 +248,7 @@ def grid_image_ids(cfg: dict, run_config: dict) -> set[str]:
 
 
 def run_benchmark(cfg: dict, output: str, federate: Optional[Callable[..., Any]] = None,
-                  progress: bool = True) -> RunSummary:
+                  progress: bool = True, batched: bool = True) -> RunSummary:
     """Run (or resume) a benchmark into ``output``; write tables and grids at the end.
 
     Args:
@@ -256,6 +256,8 @@ def run_benchmark(cfg: dict, output: str, federate: Optional[Callable[..., Any]]
         output: the output folder; a stored config must equal ``cfg``.
         federate: the federation runner (default :func:`server.federation.run_federation`).
         progress: show tqdm bars.
+        batched: attack each round's updates in one ``reconstruct_many`` call per attacker (False:
+            one ``reconstruct`` call per update; the same rows, slower).
     Raises:
         BenchmarkError subclasses for bad input (before any work) and a failed federation.
     """
@@ -267,14 +269,16 @@ def run_benchmark(cfg: dict, output: str, federate: Optional[Callable[..., Any]]
 
     run.init(cfg, collect(cfg, prepared.device))
     try:
-        return _run_locked(cfg, run, prepared, federate, progress, t0)
+        return _run_locked(cfg, run, prepared, federate, progress, t0, batched)
     finally:
         run.unlock()
 
 
 def _run_locked(cfg: dict, run: RunFolder, prepared: Prepared, federate: Optional[Callable[..., Any]],
-                progress: bool, t0: float) -> RunSummary:
+                progress: bool, t0: float, batched: bool = True) -> RunSummary:
     """The body of :func:`run_benchmark`, with the folder locked."""
+    from .workers import make_runner
+
     done = run.done_keys()
     kept = len(done)
     if kept:
@@ -284,20 +288,28 @@ def _run_locked(cfg: dict, run: RunFolder, prepared: Prepared, federate: Optiona
     quiet_flower(_logger.isEnabledFor(logging.DEBUG))
     new_rows = failed = federations = errors = 0
     bar = tqdm(jobs, desc="federations", unit="fed", disable=None if progress else True)  # None: off a terminal
-    for row, group in bar:
-        bar.set_postfix_str(f"{row.name} ({group})")
-        settings = [s for s in cfg["settings"] if SETTING_GROUPS[s] == group]
-        todo = expected_keys(cfg, row, group, settings) - done
-        if not todo:
-            _logger.info("%s/%s: all rows stored, federation skipped", row.name, group)
-            continue
-        attacker = GroupAttacker(prepared, run, row, group, settings, done, progress)
-        federations += 1
-        attacker.run(federate)
-        new_rows += attacker.new_rows
-        failed += attacker.failed_rows
-        errors += attacker.error_rows
-    _shutdown_ray()
+    runner = None
+    try:
+        for row, group in bar:
+            bar.set_postfix_str(f"{row.name} ({group})")
+            settings = [s for s in cfg["settings"] if SETTING_GROUPS[s] == group]
+            todo = expected_keys(cfg, row, group, settings) - done
+            if not todo:
+                _logger.info("%s/%s: all rows stored, federation skipped", row.name, group)
+                continue
+            if runner is None:  # Ray workers start only when there is work for them
+                runner = make_runner([a.attack for a in prepared.attackers], int(cfg["attack_workers"]),
+                                     cfg["ray_address"])
+            attacker = GroupAttacker(prepared, run, row, group, settings, done, progress, runner, batched)
+            federations += 1
+            attacker.run(federate)
+            new_rows += attacker.new_rows
+            failed += attacker.failed_rows
+            errors += attacker.error_rows
+    finally:
+        if runner is not None:
+            runner.close()
+        _shutdown_ray()
     tables = write_tables(run)
     grids = write_grids(run, cfg["settings"], cfg["report"]["grid_images"], cfg["report"]["tile"])
     grids += write_distributions(run, cfg["settings"])
@@ -346,25 +358,63 @@ def defence_columns(run_config: dict, metrics: dict) -> dict:
     return out
 
 
+@dataclass
+class _Round:
+    """One round's tapped updates of one federation, on their way through attack and scoring.
+
+    ``jobs`` holds, per attacker, the runner's job and the positions (in ``updates``) it attacks.
+    """
+
+    rnd: int
+    updates: list
+    batches: list
+    keys: list[dict]
+    correct: list[torch.Tensor]
+    pred: list[torch.Tensor]
+    correct_attacked: list[torch.Tensor]
+    jobs: list[tuple[Attacker, Any, list[int]]] = field(default_factory=list)
+
+
 class GroupAttacker:
-    """Runs one federation and attacks its tapped updates as they arrive (the tap callback)."""
+    """Runs one federation and attacks its tapped updates, one round at a time (the tap callback).
+
+    A round's updates are collected as the tap hands them over; once every expected client of the
+    round has replied (or the next round starts, or the federation ends), each attacker gets all of
+    them in one ``reconstruct_many`` call on the runner (batched attacks solve them together; on Ray
+    workers, the federation goes on meanwhile), and the results are scored per round and setting
+    in one metrics call and appended. ``batched=False`` attacks one update per ``reconstruct`` call
+    (the reference path; the rows are the same).
+    """
 
     def __init__(self, prepared: Prepared, run: RunFolder, row: ModelRow, group: str, settings: list[str],
-                 done: set[tuple], progress: bool) -> None:
+                 done: set[tuple], progress: bool, runner: Any = None, batched: bool = True) -> None:
+        from .workers import LocalRunner
+
         self.p, self.run_folder, self.row, self.group, self.settings = prepared, run, row, group, settings
         self.cfg = prepared.cfg
         self.done = done
+        self.runner = runner if runner is not None else LocalRunner([a.attack for a in prepared.attackers])
+        self.batched = batched
         self.run_config = client_run_config(self.cfg, row, group)
         from clients.runconfig import resolve_config
 
         self.resolved = resolve_config(self.run_config)
         self.wanted = set(expected_updates(self.cfg))
-        self.model = copy.deepcopy(row.model)  # the server's copy; the row's model stays pristine
-        self.acc_model = copy.deepcopy(row.acc_model) if row.acc_model is not None else None
+        # The server's copy is the row's own model: every use loads the federation's weights first
+        # (strict, so nothing of an earlier federation survives; block-0 norm1, which the surgery
+        # removed, is never in them), and run() restores the row's weights at the end. A deepcopy
+        # per federation cost more than the attacks of a round.
+        self.model = row.model
+        self.acc_model = row.acc_model
+        self.pristine = {k: v.detach().clone() for k, v in row.model.state_dict().items()}
         self.grid_ids = grid_image_ids(self.cfg, self.run_config)
         self.index_of = {name: i for i, name in enumerate(prepared.image_names)}
         self.new_rows = self.failed_rows = self.error_rows = 0
         self.seen: set[tuple[int, int]] = set()  # (round, partition) pairs tapped
+        self.buffer: list[Any] = []  # the current round's updates not attacked yet
+        self.pending: list[_Round] = []  # rounds submitted to the runner, not scored yet
+        # Rounds allowed in flight before the tap waits: keeps the updates held in memory bounded.
+        self.max_pending = 2 * len(getattr(self.runner, "actors", [None]))
         self.error: Optional[BaseException] = None
         self.bar = tqdm(total=len(self.wanted), desc=f"attack {row.name} [{group}]", unit="upd",
                         leave=False, disable=None if progress else True)  # None: off a terminal
@@ -373,13 +423,19 @@ class GroupAttacker:
         from server.federation import run_federation
 
         t0 = time.perf_counter()
-        if federate is None:
-            # Ray stays up between federations of one benchmark (its start-up is paid once);
-            # run_benchmark shuts it down at the end.
-            result = run_federation(self.run_config, tap=self.tap, engine=self.cfg["federation"]["engine"],
-                                    keep_ray=True)
-        else:
-            result = federate(self.run_config, tap=self.tap, engine=self.cfg["federation"]["engine"])
+        try:
+            if federate is None:
+                # Ray stays up between federations of one benchmark (its start-up is paid once);
+                # run_benchmark shuts it down at the end.
+                result = run_federation(self.run_config, tap=self.tap, engine=self.cfg["federation"]["engine"],
+                                        keep_ray=True)
+            else:
+                result = federate(self.run_config, tap=self.tap, engine=self.cfg["federation"]["engine"])
+            if self.error is None:
+                self.flush()
+                self.drain(block=True)
+        finally:
+            self.model.load_state_dict(self.pristine, strict=True)
         self.bar.close()
         if self.error is not None:
             raise self.error
@@ -399,47 +455,102 @@ class GroupAttacker:
 
     # ---------------------------------------------------------------------------------- the tap
     def on_update(self, update: Any) -> None:
-        """Attack one client's update with every attacker, score each result under each setting of
-        the group, append the rows."""
-        from clients.partition import private_batch
-
+        """Collect one client's update; attack the round once it is complete."""
         rnd, part = int(update.server_round), int(update.partition_id)
         if (rnd, part) not in self.wanted:
             return
+        if self.buffer and int(self.buffer[0].server_round) != rnd:
+            self.flush()  # a round with a missing client: its updates are attacked now
         self.seen.add((rnd, part))
-        batch = private_batch(self.run_config, part, rnd, self.cfg["federation"]["clients"])
-        keys = {(a.label, s, b): row_key({"model": self.row.name, "attack": a.label, "setting": s, "round": rnd,
-                                          "partition_id": part, "batch_index": b, "image_id": image_id})
-                for a in self.p.attackers for s in self.settings for b, image_id in enumerate(batch.image_ids)}
-        if all(k in self.done for k in keys.values()):
-            self.bar.update(1)
+        self.buffer.append(update)
+        if {(r, p) for r, p in self.wanted if r == rnd} <= self.seen:
+            self.flush()
+        self.drain(block=False)
+
+    def flush(self) -> None:
+        """Submit the collected round (if any) to the runner."""
+        updates, self.buffer = self.buffer, []
+        if updates:
+            self.submit_round(updates)
+
+    def submit_round(self, updates: list) -> None:
+        """Top-1 of the round's images (one forward per model), then one runner job per attacker
+        over the updates that still miss rows of that attacker."""
+        from clients.partition import private_batch
+
+        rnd = int(updates[0].server_round)
+        clients = self.cfg["federation"]["clients"]
+        batches, keys = [], []
+        for u in updates:
+            part = int(u.partition_id)
+            batch = private_batch(self.run_config, part, rnd, clients)
+            batches.append(batch)
+            keys.append({(a.label, s, b): row_key({"model": self.row.name, "attack": a.label, "setting": s,
+                                                   "round": rnd, "partition_id": part, "batch_index": b,
+                                                   "image_id": image_id})
+                         for a in self.p.attackers for s in self.settings
+                         for b, image_id in enumerate(batch.image_ids)})
+        todo = [i for i, k in enumerate(keys) if not all(v in self.done for v in k.values())]
+        self.bar.update(len(updates) - len(todo))
+        if not todo:
             return
-        state = {k: v.to(self.p.device) for k, v in update.global_state.items()}
-        model = self.model
-        model.load_state_dict(state, strict=True)
-        model.eval()
-        correct, pred = scoring.top1(self.acc_model_at(state), batch, self.p.device)
-        correct_attacked = correct if self.acc_model is None else scoring.top1(model, batch, self.p.device)[0]
-        metadata = self.attack_metadata(batch, update)
-        rows = []
-        for attacker in self.p.attackers:
-            if all(keys[(attacker.label, s, b)] in self.done for s in self.settings
-                   for b in range(len(batch.image_ids))):
+        updates, batches, keys = [updates[i] for i in todo], [batches[i] for i in todo], [keys[i] for i in todo]
+        # Every update of a round carries the same global weights (the state the server sent).
+        state = {k: v.to(self.p.device) for k, v in updates[0].global_state.items()}
+        self.model.load_state_dict(state, strict=True)
+        self.model.eval()
+        correct, pred = scoring.top1_many(self.acc_model_at(state), batches, self.p.device)
+        correct_attacked = (correct if self.acc_model is None
+                            else scoring.top1_many(self.model, batches, self.p.device)[0])
+        round_ = _Round(rnd, updates, batches, keys, correct, pred, correct_attacked)
+        from .workers import RayRunner
+
+        # Ray: the model with this round's weights is shipped once per round, for every attacker.
+        model = self.runner.ray.put(self.model) if isinstance(self.runner, RayRunner) else self.model
+        for index, attacker in enumerate(self.p.attackers):
+            mine = [i for i, (batch, k) in enumerate(zip(batches, keys))
+                    if not all(k[(attacker.label, s, b)] in self.done for s in self.settings
+                               for b in range(len(batch.image_ids)))]
+            if not mine:
                 continue
-            t_attack = time.perf_counter()
-            result = attacker.attack.reconstruct(model, dict(update.arrays), metadata)
-            t_attack = time.perf_counter() - t_attack
-            if result.error is not None:
-                self.record_error(attacker.label, rnd, part, result.error)
+            job = self.runner.submit(index, model, [dict(updates[i].arrays) for i in mine],
+                                     [self.attack_metadata(batches[i], updates[i]) for i in mine], self.batched)
+            round_.jobs.append((attacker, job, mine))
+        self.pending.append(round_)
+        if len(self.pending) > self.max_pending:
+            self.drain(block=True, keep=self.max_pending)
+
+    def drain(self, block: bool, keep: int = 0) -> None:
+        """Score and append the rounds whose attacks are done (``block``: wait until at most
+        ``keep`` rounds are left in flight)."""
+        while self.pending:
+            oldest = self.pending[0]
+            if not (block and len(self.pending) > keep) and not all(self.runner.ready(j) for _, j, _ in oldest.jobs):
+                ready = [r for r in self.pending if all(self.runner.ready(j) for _, j, _ in r.jobs)]
+                if not ready:
+                    return
+                oldest = ready[0]
+            self.pending.remove(oldest)
+            self.finish_round(oldest)
+
+    def finish_round(self, r: _Round) -> None:
+        """Score every attacker's results of the round under each setting; append the rows."""
+        rows = []
+        for attacker, job, mine in r.jobs:
+            results, seconds = self.runner.result(job)
+            n_images = sum(len(r.batches[i].image_ids) for i in mine)
+            for i, result in zip(mine, results):
+                if result.error is not None:
+                    self.record_error(attacker.label, r.rnd, int(r.updates[i].partition_id), result.error)
             for s in self.settings:
-                rows += self.score_rows(attacker, result, s, batch, update, keys, correct, pred, correct_attacked,
-                                        t_attack)
+                rows += self.score_rows(attacker, r, mine, results, s, seconds / max(n_images, 1))
         self.run_folder.append(rows)
-        self.done.update(keys.values())
+        for k in r.keys:
+            self.done.update(k.values())
         self.new_rows += len(rows)
-        self.failed_rows += sum(bool(r["failed"]) for r in rows)
-        self.error_rows += sum(bool(r.get("error")) for r in rows)
-        self.bar.update(1)
+        self.failed_rows += sum(bool(x["failed"]) for x in rows)
+        self.error_rows += sum(bool(x.get("error")) for x in rows)
+        self.bar.update(len(r.updates))
 
     def acc_model_at(self, state: dict) -> nn.Module:
         """The model as trained at the global weights ``state``: the row's unmodified model with the
@@ -454,59 +565,86 @@ class GroupAttacker:
                                f"weights (missing {removed}, unexpected {result.unexpected_keys})")
         return self.acc_model.eval()
 
-    def score_rows(self, attacker: Attacker, result: Any, s: str, batch: Any, update: Any, keys: dict,
-                   correct: torch.Tensor, pred: torch.Tensor, correct_attacked: torch.Tensor,
+    def score_rows(self, attacker: Attacker, r: _Round, mine: list[int], results: list, s: str,
                    t_attack: float) -> list[dict]:
-        """Rows of one attack result under setting ``s``: pair reconstructions with the true images,
-        score them (and the MJP regions), one row per image not stored yet."""
+        """Rows of one attacker's results on a round under setting ``s``: pair each update's
+        reconstructions with its true images, score all of them in one metrics call (and the MJP
+        regions of the updates with shuffled patches), one row per image not stored yet.
+
+        Args:
+            mine: positions (in ``r.updates``) of the updates attacked, in the order of ``results``.
+            t_attack: attack seconds per image.
+        """
         from metrics.regions import region_scores
 
-        rnd, part, n = int(update.server_round), int(update.partition_id), len(batch.image_ids)
-        estimate = "unshuffled" if (s == "c" and result.unshuffled is not None) else "images"
-        recon = result.unshuffled if estimate == "unshuffled" else result.images
-        reference = batch.shuffled if s == "b" else batch.images
-        order = scoring.pair_reconstructions(recon, reference, result.failed_images) if n > 1 else [0]
-        recon = recon[order]
+        recons, refs, estimates, orders = [], [], [], []
+        for i, result in zip(mine, results):
+            batch = r.batches[i]
+            estimate = "unshuffled" if (s == "c" and result.unshuffled is not None) else "images"
+            recon = result.unshuffled if estimate == "unshuffled" else result.images
+            reference = batch.shuffled if s == "b" else batch.images
+            n = len(batch.image_ids)
+            order = scoring.pair_reconstructions(recon, reference, result.failed_images) if n > 1 else [0]
+            recons.append(recon[order])
+            refs.append(reference)
+            estimates.append(estimate)
+            orders.append(order)
         t_score = time.perf_counter()
-        scores = self.p.scorer.score(s, recon, batch.images, batch.shuffled)
-        mask = batch.unk_mask
-        regions = None
-        if s in ("b", "c") and mask is not None and bool(mask.any()):
+        x = torch.cat([r.batches[i].images for i in mine])
+        xs = None if r.batches[mine[0]].shuffled is None else torch.cat([r.batches[i].shuffled for i in mine])
+        scores = self.p.scorer.score(s, torch.cat(recons), x, xs)
+        regions: dict[int, dict] = {}
+        with_mask = [j for j, i in enumerate(mine) if s in ("b", "c") and r.batches[i].unk_mask is not None
+                     and bool(r.batches[i].unk_mask.any())]
+        if with_mask:
             patch = int(self.model.patch_embed.patch_size[0])
-            regions = region_scores(recon.float().cpu(), reference.float().cpu(), mask.cpu(), patch)
-        t_score = time.perf_counter() - t_score
+            got = region_scores(torch.cat([recons[j] for j in with_mask]).float().cpu(),
+                                torch.cat([refs[j] for j in with_mask]).float().cpu(),
+                                torch.cat([r.batches[mine[j]].unk_mask for j in with_mask]).cpu(), patch)
+            start = 0
+            for j in with_mask:
+                n = len(r.batches[mine[j]].image_ids)
+                regions[j] = {k: v[start:start + n] for k, v in got.items()}
+                start += n
+        n_scored = sum(len(r.batches[i].image_ids) for i in mine)
+        t_score = (time.perf_counter() - t_score) / max(n_scored, 1)
         rows = []
-        for b, image_id in enumerate(batch.image_ids):
-            if keys[(attacker.label, s, b)] in self.done:
-                continue
-            j = order[b]  # the reconstruction paired with image b
-            stats = dict(result.stats[j]) if j < len(result.stats) else {}
-            attack_failed = bool(result.failed or stats.get("failed", False))
-            metric_row = scores[b]
-            failed = bool(attack_failed or metric_row["failed"])
-            reason = (result.reason or stats.get("reason")) if attack_failed else metric_row["failure"]
-            row = {
-                "model": self.row.name, "label": self.row.label, "trained": self.row.trained,
-                "arch": self.row.spec["arch"], "variant": self.row.spec["variant"], "april": self.row.spec["april"],
-                "setting": s, "group": self.group, "round": rnd, "partition_id": part,
-                "node_id": int(update.node_id), "batch_index": b, "image_id": image_id,
-                "image_index": self.index_of.get(image_id, int(batch.indices[b])),
-                "class": int(batch.labels[b]), "pred": int(pred[b]), "correct": float(correct[b]),
-                "correct_attacked_model": float(correct_attacked[b]),
-                "gamma": float(batch.gamma), "attack": attacker.label, "attack_name": attacker.name,
-                "seed": self.cfg["seed"], "recon_index": int(j), "scored_estimate": estimate,
-                **{k: v for k, v in metric_row.items() if k not in ("failed", "failure")},
-                **({k: float(v[b]) for k, v in regions.items()} if regions is not None else {}),
-                "failed": failed, "reason": reason, "error": attack_failed and result.error is not None,
-                "attack_stats": {k: v for k, v in stats.items() if k not in ("failed", "reason")},
-                "time_attack_s": t_attack / max(n, 1),
-                "time_score_s": t_score / max(n, 1),
-                "image_stored": image_id in self.grid_ids,
-                **defence_columns(self.run_config, update.metrics),
-            }
-            if row["image_stored"]:
-                self.store_images(row, batch, b, recon[b])
-            rows.append(row)
+        start = 0
+        for j, (i, result) in enumerate(zip(mine, results)):
+            batch, update, keys = r.batches[i], r.updates[i], r.keys[i]
+            rnd, part = int(update.server_round), int(update.partition_id)
+            for b, image_id in enumerate(batch.image_ids):
+                metric_row = scores[start + b]
+                if keys[(attacker.label, s, b)] in self.done:
+                    continue
+                jj = orders[j][b]  # the reconstruction paired with image b
+                stats = dict(result.stats[jj]) if jj < len(result.stats) else {}
+                attack_failed = bool(result.failed or stats.get("failed", False))
+                failed = bool(attack_failed or metric_row["failed"])
+                reason = (result.reason or stats.get("reason")) if attack_failed else metric_row["failure"]
+                row = {
+                    "model": self.row.name, "label": self.row.label, "trained": self.row.trained,
+                    "arch": self.row.spec["arch"], "variant": self.row.spec["variant"],
+                    "april": self.row.spec["april"], "setting": s, "group": self.group, "round": rnd,
+                    "partition_id": part, "node_id": int(update.node_id), "batch_index": b, "image_id": image_id,
+                    "image_index": self.index_of.get(image_id, int(batch.indices[b])),
+                    "class": int(batch.labels[b]), "pred": int(r.pred[i][b]), "correct": float(r.correct[i][b]),
+                    "correct_attacked_model": float(r.correct_attacked[i][b]),
+                    "gamma": float(batch.gamma), "attack": attacker.label, "attack_name": attacker.name,
+                    "seed": self.cfg["seed"], "recon_index": int(jj), "scored_estimate": estimates[j],
+                    **{k: v for k, v in metric_row.items() if k not in ("failed", "failure")},
+                    **({k: float(v[b]) for k, v in regions[j].items()} if j in regions else {}),
+                    "failed": failed, "reason": reason, "error": attack_failed and result.error is not None,
+                    "attack_stats": {k: v for k, v in stats.items() if k not in ("failed", "reason")},
+                    "time_attack_s": t_attack,
+                    "time_score_s": t_score,
+                    "image_stored": image_id in self.grid_ids,
+                    **defence_columns(self.run_config, update.metrics),
+                }
+                if row["image_stored"]:
+                    self.store_images(row, batch, b, recons[j][b])
+                rows.append(row)
+            start += len(batch.image_ids)
         return rows
 
     def record_error(self, attack: str, rnd: int, part: int, text: str) -> None:

@@ -12,7 +12,10 @@ A spec is a mapping::
 """
 from __future__ import annotations
 
+import json
 import logging
+import threading
+from collections import OrderedDict
 from typing import Any, Mapping, Sequence
 
 import timm
@@ -70,9 +73,7 @@ def spec_kwargs(spec: Mapping[str, Any]) -> dict[str, Any]:
 def build_model(spec: Mapping[str, Any], device: str | torch.device = "cpu") -> nn.Module:
     """Create the model a spec describes, in eval mode. Fresh weights are seeded by ``spec['seed']``."""
     validate_spec(spec)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(int(spec.get("seed", 0)))
-        model = create_model(spec["arch"], **spec_kwargs(spec))
+    model = _fresh_model(spec["arch"], spec_kwargs(spec), int(spec.get("seed", 0)))
     if spec.get("checkpoint"):
         report = load_checkpoint(model, spec["checkpoint"])
         _logger.info("loaded %s%s", report.path, " (official MJP format)" if report.official_format else "")
@@ -80,6 +81,45 @@ def build_model(spec: Mapping[str, Any], device: str | torch.device = "cpu") -> 
         april_surgery(model)
     model.fedmjp_trained = bool(spec.get("checkpoint"))
     return model.to(device).eval()
+
+
+#: Seeded fresh weights by (arch, variant, kwargs, seed): a benchmark builds the same model in its
+#: rows, in the server and in every client thread, and timm's initialisation (trunc_normal_ over
+#: every weight) costs ~1 s for a DeiT-S on a CPU; a copy of the stored tensors costs ~30 ms.
+_FRESH: "OrderedDict[str, dict[str, torch.Tensor]]" = OrderedDict()
+_FRESH_SIZE = 8
+_FRESH_LOCK = threading.Lock()
+
+
+def _fresh_model(arch: str, kwargs: Mapping[str, Any], seed: int) -> nn.Module:
+    """:func:`create_model` with the weights seeded by ``seed`` (global RNG untouched): built once
+    per key, later built on the meta device and filled with a copy of the stored parameters and
+    buffers (non-persistent ones too), which equals a fresh build exactly."""
+    key = json.dumps([arch, kwargs, seed], sort_keys=True, default=str)
+    with _FRESH_LOCK:
+        stored = _FRESH.get(key)
+        if stored is not None:
+            _FRESH.move_to_end(key)
+    if stored is None:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = create_model(arch, **kwargs)
+        tensors = {f"p:{k}": v.detach().clone() for k, v in model.named_parameters()}
+        tensors.update({f"b:{k}": v.detach().clone() for k, v in model.named_buffers()})
+        with _FRESH_LOCK:
+            _FRESH[key] = tensors
+            while len(_FRESH) > _FRESH_SIZE:
+                _FRESH.popitem(last=False)
+        return model
+    with torch.device("meta"):
+        model = create_model(arch, **kwargs)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for k, v in model.named_parameters():
+            v.copy_(stored[f"p:{k}"])
+        for k, v in model.named_buffers():
+            v.copy_(stored[f"b:{k}"])
+    return model
 
 
 def model_input_stats(model: nn.Module) -> tuple[tuple[float, ...], tuple[float, ...]]:

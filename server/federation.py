@@ -81,7 +81,8 @@ class LocalGrid(Grid):
         num_nodes: number of nodes; node ``i`` gets ``partition-id=i``.
         run_config: the nodes' ``context.run_config``.
         seed: seeds the (Flower-like, random 63-bit) node ids.
-        max_workers: client threads running at once (default: all nodes).
+        max_workers: client threads running at once (default: the CPU count, at most all nodes:
+            more threads only oversubscribe the cores, and every client thread builds its own model).
     """
 
     def __init__(self, client_app: ClientApp, num_nodes: int, run_config: Mapping[str, Any],
@@ -95,7 +96,8 @@ class LocalGrid(Grid):
                              state=RecordDict(), run_config=dict(run_config))
             for i, node_id in enumerate(self.node_ids)
         }
-        self._pool = ThreadPoolExecutor(max_workers=max_workers or num_nodes, thread_name_prefix="clientapp")
+        workers = max_workers or min(num_nodes, os.cpu_count() or 1)
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="clientapp")
         self._pending: dict[str, Future] = {}
 
     def set_run(self, run: Run) -> None:
