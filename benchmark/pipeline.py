@@ -12,7 +12,6 @@ stored), so an interrupted run resumes where it stopped.
 """
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import time

@@ -45,7 +45,7 @@ from clients.client_app import make_client_app  # noqa: E402
 
 from .rounds import ServerOutcome  # noqa: E402
 from .server_app import make_server_app  # noqa: E402
-from .tap import Failure, Tap  # noqa: E402
+from .tap import Tap  # noqa: E402
 
 _logger = logging.getLogger(__name__)
 
