@@ -398,6 +398,11 @@ class GroupAttacker:
         from clients.runconfig import resolve_config
 
         self.resolved = resolve_config(self.run_config)
+        # The classifier-bias gradient carries the attacked model's prediction when the update is a
+        # plain FedSGD gradient (no defence transforms it); see attacked_model_top1.
+        plain = self.resolved["mode"] == "fedsgd" and json.loads(self.resolved["defence"])["name"] == "none"
+        self.gradient_readout = scoring.classifier_bias_name(row.model) if plain else None
+        self.forward_top1 = 0  # updates whose attacked-model top-1 needed a forward pass
         self.wanted = set(expected_updates(self.cfg))
         # The server's copy is the row's own model: every use loads the federation's weights first
         # (strict, so nothing of an earlier federation survives; block-0 norm1, which the surgery
@@ -498,9 +503,11 @@ class GroupAttacker:
         state = {k: v.to(self.p.device) for k, v in updates[0].global_state.items()}
         self.model.load_state_dict(state, strict=True)
         self.model.eval()
-        correct, pred = scoring.top1_many(self.acc_model_at(state), batches, self.p.device)
-        correct_attacked = (correct if self.acc_model is None
-                            else scoring.top1_many(self.model, batches, self.p.device)[0])
+        correct_attacked, pred_attacked = self.attacked_model_top1(updates, batches)
+        if self.acc_model is None:
+            correct, pred = correct_attacked, pred_attacked
+        else:
+            correct, pred = scoring.top1_many(self.acc_model_at(state), batches, self.p.device)
         round_ = _Round(rnd, updates, batches, keys, correct, pred, correct_attacked)
         from .workers import RayRunner
 
@@ -518,6 +525,28 @@ class GroupAttacker:
         self.pending.append(round_)
         if len(self.pending) > self.max_pending:
             self.drain(block=True, keep=self.max_pending)
+
+    def attacked_model_top1(self, updates: list, batches: list) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Top-1 of the attacked model (with this round's weights loaded) on each update's input.
+
+        A plain FedSGD gradient of one image already holds the prediction the client's model made
+        (:func:`scoring.prediction_from_gradient`): read it there and run a forward only for the
+        updates where that is not exact (batches of several images, FedAvg deltas, defences, near ties).
+        """
+        preds: list[Optional[torch.Tensor]] = [None] * len(updates)
+        if self.gradient_readout is not None:
+            for i, (u, batch) in enumerate(zip(updates, batches)):
+                grad = u.arrays.get(self.gradient_readout)
+                if getattr(u, "kind", None) == "gradients" and len(batch.labels) == 1 and grad is not None:
+                    got = scoring.prediction_from_gradient(grad, int(batch.labels[0]))
+                    preds[i] = None if got is None else torch.tensor([got])
+        todo = [i for i, p in enumerate(preds) if p is None]
+        if todo:
+            _, forward = scoring.top1_many(self.model, [batches[i] for i in todo], self.p.device)
+            for i, p in zip(todo, forward):
+                preds[i] = p
+        self.forward_top1 += len(todo)
+        return [(p == b.labels.cpu()).float() for p, b in zip(preds, batches)], preds
 
     def drain(self, block: bool, keep: int = 0) -> None:
         """Score and append the rounds whose attacks are done (``block``: wait until at most

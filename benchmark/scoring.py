@@ -114,6 +114,49 @@ def top1(model: nn.Module, batch: Any, device: torch.device) -> tuple[torch.Tens
     return (pred == batch.labels.cpu()).float(), pred
 
 
+#: Top-two margin (in probability) below which :func:`prediction_from_gradient` declines: the
+#: read-out p_y = g_y + 1 is exact to half an ulp of 1 in float32 (6e-8), other entries exactly;
+#: float32 softmax ties (logits within ~1e-7) show up as a zero margin.
+GRADIENT_MARGIN = 1e-6
+
+
+def classifier_bias_name(model: nn.Module) -> Optional[str]:
+    """Parameter name of the classifier's bias (``head.bias`` for timm ViTs), or None if it has none."""
+    get = getattr(model, "get_classifier", None)
+    head = get() if callable(get) else None
+    if not isinstance(head, nn.Linear) or head.bias is None:
+        return None
+    return next((f"{name}.bias" for name, module in model.named_modules() if module is head), None)
+
+
+def prediction_from_gradient(bias_grad: torch.Tensor, label: int) -> Optional[int]:
+    """The class a model predicted for one image, read off its cross-entropy gradient.
+
+    For one image, dL/db of the classifier bias is softmax(logits) - onehot(label), so p = g + e_y
+    is the model's output distribution and argmax p its prediction, with no forward pass (iDLG
+    reads the label off the same vector). Here the server knows the label and the gradient is the
+    client's own, so this is the client model's prediction on exactly the input it saw.
+
+    Args:
+        bias_grad: [K] gradient of the classifier bias for a single image.
+        label: the image's true class.
+    Returns:
+        The predicted class, or None where the read-out is not safe: p is not a distribution
+        (not a plain single-image cross-entropy gradient: a defence, another loss) or its top two
+        are within :data:`GRADIENT_MARGIN` (rounding could swap them). Callers fall back to a forward.
+    """
+    p = bias_grad.detach().to("cpu", torch.float64).flatten().clone()
+    if not 0 <= label < p.numel():
+        return None
+    p[label] += 1.0
+    if not bool(torch.isfinite(p).all()) or float(p.min()) < -GRADIENT_MARGIN or abs(float(p.sum()) - 1.0) > 1e-4:
+        return None
+    top = p.topk(min(2, p.numel())).values
+    if top.numel() > 1 and float(top[0] - top[1]) <= GRADIENT_MARGIN:
+        return None
+    return int(p.argmax())
+
+
 @torch.no_grad()
 def top1_many(model: nn.Module, batches: list, device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """:func:`top1` of several batches in one forward pass (one per batch costs more on a CPU):

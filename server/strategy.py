@@ -48,6 +48,7 @@ class TappedFedAvg(FedAvg):
         self.node_partitions: dict[int, int] = {}
         self.rounds: dict[int, dict[str, Any]] = {}
         self._global: dict[str, torch.Tensor] = {}
+        self._arrays: Optional[ArrayRecord] = None  # the record sent this round
         self._sent: list[int] = []
         self._started = 0.0
 
@@ -57,6 +58,7 @@ class TappedFedAvg(FedAvg):
         """Flower's sampling and messages; remembers the weights sent and the nodes sampled."""
         self._started = time.perf_counter()
         messages = list(super().configure_train(server_round, arrays, config, grid))
+        self._arrays = arrays
         self._global = arrays.to_torch_state_dict()
         self._sent = [m.metadata.dst_node_id for m in messages]
         return messages
@@ -104,11 +106,20 @@ class TappedFedAvg(FedAvg):
         if not usable:
             _logger.warning("round %d: no usable client update; the global model is unchanged", server_round)
             return None, None
-        mean = self._weighted_mean(usable)
-        new_state = self.apply(self._global, mean)
         metrics = MetricRecord({k: float(v) for k, v in self.rounds[server_round].items()
                                 if k != "round"})
+        if self.leaves_weights_unchanged():
+            # w - 0 * g == w exactly (updates are finite, _parse checks): the record sent this round
+            # goes out again, with no mean and no re-serialisation of the weights (the paper protocol
+            # attacks a fixed model: 1110 rounds of ~88 MB each).
+            return self._arrays, metrics
+        mean = self._weighted_mean(usable)
+        new_state = self.apply(self._global, mean)
         return ArrayRecord(new_state), metrics
+
+    def leaves_weights_unchanged(self) -> bool:
+        """True when aggregation cannot change the global weights (FedSGD with a zero server step)."""
+        return False
 
     def _parse(self, server_round: int, node_id: int, msg: Message) -> TappedUpdate:
         content = msg.content
@@ -138,8 +149,15 @@ class TappedFedAvg(FedAvg):
         names = set().union(*(u.arrays for u in updates))
         mean = {}
         for name in names:
-            acc = sum(u.arrays[name].double() * u.num_examples for u in updates if name in u.arrays)
-            mean[name] = acc / total
+            # Accumulated in place in float64, in the order of ``updates``: the same values as
+            # sum(double * n), with one temporary at a time instead of two per client.
+            acc: Optional[torch.Tensor] = None
+            for u in updates:
+                if name not in u.arrays:
+                    continue
+                term = u.arrays[name].to(torch.float64, copy=True).mul_(u.num_examples)
+                acc = term if acc is None else acc.add_(term)
+            mean[name] = acc.div_(total)
         return mean
 
     def _fail(self, server_round: int, node_id: int, reason: str) -> None:
@@ -160,6 +178,9 @@ class FedSGD(TappedFedAvg):
     def __init__(self, *, lr: float, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.lr = float(lr)
+
+    def leaves_weights_unchanged(self) -> bool:
+        return self.lr == 0.0
 
     def apply(self, global_state: dict[str, torch.Tensor], mean_update: dict[str, torch.Tensor]
               ) -> dict[str, torch.Tensor]:

@@ -221,3 +221,46 @@ def test_flower_simulation_engine_end_to_end():
     local = run_federation(cfg, engine="inprocess", num_supernodes=2)
     for k, v in local.final_state.items():
         torch.testing.assert_close(sim.final_state[k], v, rtol=0, atol=1e-6)
+
+
+def _update(rnd: int, node: int, arrays: dict, n: int, global_state: dict):
+    from server.tap import TappedUpdate
+
+    return TappedUpdate(rnd, node, node, "gradients", arrays, global_state, n, {"loss": 1.0}, {})
+
+
+def test_weighted_mean_is_the_float64_sum_of_count_weighted_updates():
+    """The in-place accumulation gives exactly sum(double(u) * n) / total, and leaves the updates
+    (float32 and float64 alike) untouched."""
+    from server.strategy import TappedFedAvg
+
+    g = torch.Generator().manual_seed(0)
+    updates = [_update(1, i, {"w": torch.randn(5, 7, generator=g, dtype=dtype),
+                              "b": torch.randn(7, generator=g, dtype=dtype)}, n, {})
+               for i, (n, dtype) in enumerate([(1, torch.float32), (3, torch.float64), (2, torch.float32)])]
+    before = {(i, k): v.clone() for i, u in enumerate(updates) for k, v in u.arrays.items()}
+    mean = TappedFedAvg()._weighted_mean(updates)
+    for name in ("w", "b"):
+        assert torch.equal(mean[name], _weighted_mean(updates, name))
+    assert all(torch.equal(u.arrays[k], before[(i, k)]) for i, u in enumerate(updates) for k in u.arrays)
+
+
+def test_fedsgd_with_zero_step_sends_the_same_weights_without_aggregating(monkeypatch):
+    """lr = 0 (the paper's fixed model): every round starts from the initial weights, bit for bit,
+    and the strategy never averages the updates (it resends the record it received)."""
+    from server.strategy import FedSGD
+
+    calls = []
+    original = FedSGD._weighted_mean
+    monkeypatch.setattr(FedSGD, "_weighted_mean", lambda self, u: calls.append(len(u)) or original(self, u))
+    taps = []
+    result = run_federation({**TINY, "lr": 0.0}, tap=taps.append, engine="inprocess", num_supernodes=2)
+    assert result.ok and len(taps) == 4 and calls == []
+    first = taps[0].global_state
+    for u in taps[1:]:
+        assert u.global_state.keys() == first.keys()
+        assert all(torch.equal(u.global_state[k], first[k]) for k in first)
+    assert all(torch.equal(result.final_state[k], first[k]) for k in first)
+    # A non-zero step does aggregate.
+    run_federation({**TINY, "lr": 0.05, "num-server-rounds": 1}, engine="inprocess", num_supernodes=2)
+    assert calls == [2]

@@ -124,6 +124,43 @@ def test_acc_is_measured_on_the_unmodified_model(trained_checkpoint: Path, tmp_p
     assert "norm1 and attention residual removed" in table
 
 
+def test_attacked_model_top1_is_read_off_single_image_gradients(trained_checkpoint: Path, tmp_path: Path,
+                                                                 monkeypatch) -> None:
+    """Batch size 1, plain FedSGD: the attacked (surgery) model's prediction comes from the update's
+    classifier-bias gradient, image by image equal to its forward pass, and the only forward the
+    benchmark runs for Acc. is the unmodified model's (16 images, not 32)."""
+    from benchmark import scoring
+
+    forwarded = []
+    original = scoring.top1_many
+    monkeypatch.setattr(scoring, "top1_many",
+                        lambda model, batches, device: forwarded.append(sum(len(b.labels) for b in batches))
+                        or original(model, batches, device))
+    spec = {"name": "t", "arch": ARCH, "variant": "plain", "kwargs": {"depth": 2}, "seed": 0,
+            "checkpoint": str(trained_checkpoint)}
+    cfg = _config(tmp_path, **{"data.num_images": 16, "federation.rounds": 8, "federation.lr": 0.0, "settings": ["a"],
+                               "models": [{"name": "Plain", "arch": ARCH, "variant": "plain", "kwargs": {"depth": 2},
+                                           "april": "surgery", "checkpoint": str(trained_checkpoint)}]})
+    out = tmp_path / "out"
+    assert _run(cfg, out) == 0
+    rows = read_jsonl(out / "results.jsonl")
+    assert len(rows) == 16 and sum(forwarded) == 16
+    data = load_images("embedded", 32, 16, 10)
+    cut = build_model({**spec, "april": "surgery"}).double()
+    with torch.no_grad():
+        logits = cut(model_input(cut, data.images.double()))
+    by_id = {name: i for i, name in enumerate(data.names)}
+    compared = 0
+    for r in rows:
+        i = by_id[r["image_id"]]
+        top = logits[i].topk(2).values
+        if float(top[0] - top[1]) > 1e-6:  # clear of float64 noise
+            compared += 1
+            assert r["correct_attacked_model"] == float(int(logits[i].argmax()) == int(data.labels[i]))
+        assert r["correct"] == 1.0
+    assert compared >= 12
+
+
 # ------------------------------------------------------------------ 2. failures and exit status
 def test_unexpected_attack_error_is_recorded_and_fails_the_run(tmp_path: Path, capsys) -> None:
     cfg = _config(tmp_path, attacks=[{"name": "april_analytic"}, {"name": "test_buggy"},
