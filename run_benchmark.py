@@ -18,6 +18,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from benchmark.cli import setup_logging, build_parser, default_output, resolve
 from benchmark.errors import EXIT_INTERRUPTED, BenchmarkError
+from fedmjp.allocator import tune_malloc
 from server.offline import keep_flower_offline
 
 
@@ -30,6 +31,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose)
     keep_flower_offline()  # before anything imports flwr
+    tune_malloc()  # freed tensors' memory is reused instead of faulted in again (fedmjp/allocator.py)
     t0 = time.perf_counter()
     output = None
     try:

@@ -101,6 +101,9 @@ def main() -> int:
     p.add_argument("--set", dest="overrides", action="append", default=[])
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    from fedmjp.allocator import tune_malloc
+
+    tune_malloc()  # as run_benchmark.py does: the bare side gets the same allocator settings
     clients = min(args.num_images, 9)
     rounds = max(args.num_images // clients, 1)
     flags = ["--config", args.config, "--setting", args.setting, "--num-images", str(args.num_images),

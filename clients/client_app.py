@@ -16,6 +16,8 @@ from typing import Any, Mapping, Optional
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from fedmjp.allocator import tune_malloc
+
 from .defence import defended_local_update
 from .runconfig import resolve_config
 
@@ -34,6 +36,7 @@ def make_client_app(run_config: Optional[Mapping[str, Any]] = None) -> ClientApp
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
+        tune_malloc()  # once per process (a Ray worker or flwr-clientapp): see fedmjp/allocator.py
         round_config = dict(msg.content["config"])
         server_round = int(round_config.pop("server-round"))
         cfg = resolve_config({**dict(context.run_config), **overrides, **round_config})

@@ -27,6 +27,7 @@ from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
 
+from .allocator import tune_malloc
 from .dal import dal_weight
 from .engine import StepContext, TrainStep, train_one_epoch, validate
 from .factory import create_model
@@ -225,6 +226,7 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, di
 def main(argv: Optional[list[str]] = None) -> int:
     args, overrides = parse_args(argv)
     cfg = load_config(args.config, overrides)
+    tune_malloc()
     rank0 = os.environ.get("RANK", "0") == "0"
     logging.basicConfig(level=logging.INFO if rank0 else logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     result = run_training(cfg, resume=args.resume, progress=not args.no_progress)
