@@ -17,12 +17,15 @@ import argparse
 import os
 import random
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import timm
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout without pip install -e
 import fedmjp  # noqa: F401  (registers mjp_* models)
 
 
