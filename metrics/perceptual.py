@@ -26,6 +26,8 @@ import functools
 import logging
 import os
 import socket
+import threading
+import time
 import urllib.parse
 import warnings
 from dataclasses import dataclass
@@ -83,13 +85,38 @@ def hub_cache_file() -> Path:
 
 
 def _reachable(url: str, timeout: float) -> bool:
-    """Whether a TCP connection to the URL's host opens within ``timeout`` seconds."""
+    """Whether a TCP connection to the URL's host opens within ``timeout`` seconds, name lookup included.
+
+    ``socket.create_connection``'s timeout does not cover the DNS lookup, which on a machine with an
+    unreachable resolver blocks for the resolver's own timeouts (often 10-30 s); the lookup runs in
+    a daemon thread here, so the whole check ends by ``timeout``.
+    """
     parts = urllib.parse.urlparse(url)
-    try:
-        with socket.create_connection((parts.hostname, parts.port or 443), timeout=timeout):
-            return True
-    except OSError:
-        return False
+    host, port = parts.hostname, parts.port or 443
+    deadline = time.monotonic() + timeout
+    found: list = []
+
+    def lookup() -> None:
+        try:
+            found.extend(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
+        except OSError:
+            pass
+
+    thread = threading.Thread(target=lookup, name="lpips-dns", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    for family, kind, proto, _, address in list(found):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        try:
+            with socket.socket(family, kind, proto) as sock:
+                sock.settimeout(left)
+                sock.connect(address)
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def resolve_lpips_route(

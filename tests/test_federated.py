@@ -190,9 +190,13 @@ def test_client_that_raises_does_not_stop_the_round():
 
 
 def test_slow_client_times_out_and_is_recorded():
-    cfg = {**TINY, "slow-partition": 0, "slow-seconds": 6.0, "round-timeout": 3.0, "num-server-rounds": 1,
+    """The fast client needs well under a second once warm; the timeout leaves it 10x that on a
+    loaded 2-core machine, and the slow one sleeps twice the timeout."""
+    cfg = {**TINY, "slow-partition": 0, "slow-seconds": 16.0, "round-timeout": 8.0, "num-server-rounds": 1,
            "server-eval": False}
-    partition.private_batch(runconfig.resolve_config(cfg), 1, 1)  # warm the data caches: the fast client must finish in time
+    resolved = runconfig.resolve_config(cfg)
+    # warm the data and model caches: the fast client must finish in time
+    update.fedsgd_gradients(update.load_global_model(resolved), partition.private_batch(resolved, 1, 1))
     result = run_federation(cfg, engine="inprocess", num_supernodes=2)
     assert result.ok and result.history[0]["replies"] == 1
     assert [f.reason for f in result.failures] == ["no reply within the round timeout"]

@@ -276,3 +276,23 @@ def test_lpips_torchvision_cache_route_offline(no_local_weights: Path, real: tor
     rec = _noisy(real, 0.1)
     torch.testing.assert_close(M.lpips(rec, real, model=model), M.lpips(rec, real, model=lpips_model))
     assert math.isfinite(M.lpips(rec, real, model=model).sum().item())
+
+
+def test_reachable_bounds_the_name_lookup_too(monkeypatch) -> None:
+    """A resolver that hangs (no network, unreachable DNS) must not stall the LPIPS route check
+    beyond its timeout; a host that listens is reachable."""
+    import socket
+    import threading
+
+    real_lookup = socket.getaddrinfo
+    release = threading.Event()
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: release.wait(30) and [])
+    t0 = time.perf_counter()
+    assert perceptual._reachable("https://download.example.invalid/x.pth", 0.5) is False
+    assert time.perf_counter() - t0 < 5.0
+    release.set()
+    monkeypatch.setattr(socket, "getaddrinfo", real_lookup)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        assert perceptual._reachable(f"http://127.0.0.1:{server.getsockname()[1]}/", 5.0) is True
