@@ -539,7 +539,7 @@ class GroupAttacker:
         if self.gradient_readout is not None:
             for i, (u, batch) in enumerate(zip(updates, batches)):
                 grad = u.arrays.get(self.gradient_readout)
-                if getattr(u, "kind", None) == "gradients" and len(batch.labels) == 1 and grad is not None:
+                if u.kind == "gradients" and len(batch.labels) == 1 and grad is not None:
                     got = scoring.prediction_from_gradient(grad, int(batch.labels[0]))
                     preds[i] = None if got is None else torch.tensor([got])
         todo = [i for i, p in enumerate(preds) if p is None]

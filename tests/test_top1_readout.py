@@ -22,7 +22,7 @@ SPEC = {"name": "t", "arch": "mjp_vit_cifar_patch4_32", "variant": "mjp", "april
 CLEAR_MARGIN = 1e-4
 
 
-def _batch(images: torch.Tensor, labels: torch.Tensor, mask=None) -> PrivateBatch:
+def _batch(images: torch.Tensor, labels: torch.Tensor) -> PrivateBatch:
     return PrivateBatch(images, labels, [f"i{i}" for i in range(len(labels))], torch.arange(len(labels)),
                         None, None, 0.0)
 
