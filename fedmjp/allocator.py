@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 import platform
@@ -33,14 +34,10 @@ M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 32 * 1024 * 1024  # glibc's upper limit on 64-bit
 TRIM_THRESHOLD = 1024**3  # mallopt takes an int
 
-_done = False
-
-
+@functools.cache
 def tune_malloc() -> bool:
-    """Apply the settings above once per process; True if glibc took them."""
-    global _done
-    if _done:
-        return True
+    """Apply the settings above once per process; True if glibc took them. The outcome is cached
+    (the ClientApp calls this every round; ``platform.libc_ver`` reads the interpreter's binary)."""
     if os.environ.get("FEDMJP_MALLOC", "").strip().lower() == "default":
         return False
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
@@ -52,7 +49,6 @@ def tune_malloc() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     ok = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
-    _done = ok
     if not ok:
         _logger.debug("glibc mallopt refused the thresholds; malloc left as is")
     return ok
