@@ -101,8 +101,25 @@ class Reduction:
     stats: dict[str, Any]
 
 
+#: A gap ratio (largest dropped / smallest kept singular value) above this is reported as weak.
+WEAK_GAP = 1e-2
+
+
+def expected_null_dims(n_shuffled: int, patch_dim: int, D: int) -> int:
+    """Dimension of the null space of (I - Pi) W_e for |S| shuffled patches (generic data):
+    {x : W_e x in span{z_s}}, z_s = W_e x_s + c with c = b_e + E_unk.
+
+    Where the patch embedding is injective (C p^2 < D) and c lies outside its range, that is the
+    span of differences of the shuffled patches, |S| - 1 dims; where C p^2 >= D (W_e onto R^D, e.g.
+    DeiT-S/16: 768 > 384) it is null(W_e) plus a preimage of all of span{z_s}: C p^2 - D + |S|.
+    """
+    if n_shuffled == 0:
+        return max(patch_dim - D, 0)
+    return n_shuffled - 1 if patch_dim < D else patch_dim - D + n_shuffled
+
+
 def mjp_reduction(vit: nn.Module, G_Z: torch.Tensor, G_W: torch.Tensor, shuffled: torch.Tensor,
-                  rcond: float = 1e-4) -> Reduction:
+                  rcond: Optional[float] = None) -> Reduction:
     """Analytic reduction on a design-A model (module docstring, step 2).
 
     Args:
@@ -110,7 +127,11 @@ def mjp_reduction(vit: nn.Module, G_Z: torch.Tensor, G_W: torch.Tensor, shuffled
         G_Z: [T, D] dL/dZ rows (dL/dP with the prefix rows; zero at S), DAL term removed.
         G_W: [3D, D] dL/dW_qkv of block 0.
         shuffled: [N] bool.
-        rcond: relative singular-value cut-off of the null space of (I - Pi) W_e.
+        rcond: None (default): the null space of (I - Pi) W_e has the dimension the theory gives
+            (:func:`expected_null_dims`), as the span step takes rank |S|. A float: the relative
+            singular-value cut-off instead. A fixed cut-off is fragile: the "null" singular values
+            sit at the noise floor of Pi (1e-6..1e-4 relative on real images, float64), so one
+            cut-off at 1e-4 gave k = 15 on one CPU and 16 on another for the same update.
     """
     dt = torch.float64
     info = check_conditions(vit)
@@ -145,8 +166,10 @@ def mjp_reduction(vit: nn.Module, G_Z: torch.Tensor, G_W: torch.Tensor, shuffled
     unk = vit.unk_embed.detach().to("cpu", dt).reshape(D)
     A = I_P @ W_e  # [D, C p^2]
     U_a, s_a, Vh_a = torch.linalg.svd(A, full_matrices=True)
-    keep = s_a > rcond * s_a[0]
-    r = int(keep.sum())
+    if rcond is None:
+        r = max(W_e.shape[1] - expected_null_dims(nS, W_e.shape[1], D), 0)
+    else:
+        r = int((s_a > rcond * s_a[0]).sum())
     pinv = Vh_a[:r].T @ torch.diag(1 / s_a[:r]) @ U_a[:, :r].T  # [C p^2, D]
     N_basis = Vh_a[r:].T  # [C p^2, k]
     targets = Z_U_perp[prefix:] - (P[prefix:][~shuffled.cpu()] + b_e) @ I_P  # (I - Pi) W_e x_u
@@ -161,8 +184,12 @@ def mjp_reduction(vit: nn.Module, G_Z: torch.Tensor, G_W: torch.Tensor, shuffled
                  cls_residual_perp=cls_res, null_dims=int(N_basis.shape[1]),
                  span_gap=float(s_q[nS] / s_q[nS - 1]) if 0 < nS < len(s_q) else float("nan"),
                  null_gap=float(s_a[r] / s_a[r - 1]) if 0 < r < len(s_a) else float("nan"))
-    if N_basis.shape[1] != max(nS - 1, 0):
-        stats["note"] = f"null space has {N_basis.shape[1]} dims, expected |S| - 1 = {nS - 1}"
+    if N_basis.shape[1] != expected_null_dims(nS, W_e.shape[1], D):  # only with an explicit rcond
+        stats["note"] = (f"null space has {N_basis.shape[1]} dims, expected "
+                         f"{expected_null_dims(nS, W_e.shape[1], D)} (rcond={rcond})")
+    elif stats["null_gap"] > WEAK_GAP or stats["span_gap"] > WEAK_GAP:
+        stats["note"] = (f"weak spectral gap (span {stats['span_gap']:.1e}, null space {stats['null_gap']:.1e}): "
+                         "the split into known and unknown directions is noisy for this image")
     if r_u < G_U.shape[0]:
         # e.g. a depth-1 model: dL/dZ has rank ~ 2 heads + 1; the closed form is not unique either.
         stats["note"] = (f"rank(dL/dP known rows) = {r_u} < {G_U.shape[0]}: the unshuffled tokens are not "
@@ -322,7 +349,8 @@ class MJPAdaptive(Attack):
         rounds: alternating rounds (shuffled block, then all parameters).
         prior_weight: weight of the smoothness prior inside gradient matching (relative units).
         unshuffle: solve the jigsaw and return ``result.unshuffled``.
-        rcond: null-space cut-off of the reduction.
+        rcond: None: the reduction's null space has the dimension the theory gives; a float: a
+            relative singular-value cut-off instead (see :func:`mjp_reduction`).
         dal_weight: the client's DAL weight if known; None estimates it from the DAL head's gradient.
         fallback_iterations: iterations of the MJP-aware ``april_optimization`` on non-design-A models.
         seed: seed of the shuffled patches' initialisation.
@@ -331,7 +359,7 @@ class MJPAdaptive(Attack):
     name = "mjp_adaptive"
 
     def __init__(self, refine: str = "prior", iterations: int = 30, rounds: int = 1, prior_weight: float = 1e-3,
-                 unshuffle: bool = True, rcond: float = 1e-4, dal_weight: Optional[float] = None,
+                 unshuffle: bool = True, rcond: Optional[float] = None, dal_weight: Optional[float] = None,
                  cg_iterations: int = 40, joint_prior: bool = False, tv_prior: bool = True,
                  fallback_iterations: int = 200, seed: int = 0, raise_errors: bool = False) -> None:
         super().__init__(raise_errors)
@@ -340,7 +368,8 @@ class MJPAdaptive(Attack):
         if iterations < 0 or rounds < 0:
             raise ValueError("iterations and rounds must be >= 0")
         self.refine, self.iterations, self.rounds = refine, int(iterations), int(rounds)
-        self.prior_weight, self.unshuffle, self.rcond = float(prior_weight), bool(unshuffle), float(rcond)
+        self.prior_weight, self.unshuffle = float(prior_weight), bool(unshuffle)
+        self.rcond = None if rcond is None else float(rcond)
         self.dal_weight, self.fallback_iterations, self.seed = dal_weight, int(fallback_iterations), int(seed)
         self.cg_iterations, self.joint_prior, self.tv_prior = int(cg_iterations), bool(joint_prior), bool(tv_prior)
 
@@ -436,9 +465,12 @@ class MJPAdaptive(Attack):
         std = meta.std.to(torch.float64)
         b = torch.zeros(nU, k, dtype=torch.float64)
         gen = torch.Generator().manual_seed(self.seed)
-        # Break the permutation symmetry: distinct random points of the affine hull, spread like the
-        # unshuffled patches' own null-space coordinates.
-        a = 0.1 * torch.randn(nS, k, generator=gen, dtype=torch.float64)
+        # Break the permutation symmetry: distinct random points of the affine hull. Every draw is
+        # made in pixel space or over the unshuffled patches and mapped into the null space, never
+        # per coordinate of null_basis: inside the null space the singular values are rounding
+        # noise, so the SVD's basis there is arbitrary (it rotates between CPUs and thread counts),
+        # and a per-coordinate draw would give another image for the same seed and update.
+        a = 0.1 * torch.randn(nS, red.null_basis.shape[0], generator=gen, dtype=torch.float64) @ red.null_basis
         if k == 0:
             stats.setdefault("note", "no null directions: the reduction leaves nothing to refine")
         elif self.refine in ("prior", "match"):
@@ -446,9 +478,12 @@ class MJPAdaptive(Attack):
             if self.tv_prior:
                 b = tv_prior_refine(red, b, grid, C, p, std)
             if not self.joint_prior:
+                # Gaussian with the mean and full covariance of the unshuffled patches' null-space
+                # coordinates (spread like them; equivariant under a rotation of the basis).
                 coords = (red.x_unshuffled + b @ red.null_basis.T - red.x_bar) @ red.null_basis
-                a = coords.std(dim=0, keepdim=True) * torch.randn(nS, k, generator=gen, dtype=torch.float64) \
-                    + coords.mean(dim=0, keepdim=True)
+                centred = coords - coords.mean(dim=0, keepdim=True)
+                z = torch.randn(nS, nU, generator=gen, dtype=torch.float64) / max(nU - 1, 1) ** 0.5
+                a = coords.mean(dim=0, keepdim=True) + z @ centred
         if self.refine in ("match", "gauss_newton") and self.iterations > 0 and nS > 0 and k > 0:
             labels = self._labels(vit, grads, meta)
             solver = self._match if self.refine == "match" else self._gauss_newton

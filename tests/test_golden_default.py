@@ -6,6 +6,13 @@ on this preset (2026-11-23): PSNR 6e-4 dB (mjp_adaptive's iterative TV refinemen
 summation-order differences), SSIM 2e-5, LPIPS 1.1e-5, MSE 5e-6, FFT2D 3e-6. PSNR is compared capped
 at 100 dB: above that the float64 closed form's digits are noise (MSE ~1e-23).
 
+Rows scored on mjp_adaptive's unshuffled estimate (``scored_estimate == "unshuffled"``, setting c)
+pass through the jigsaw solver, a discrete local search: a rounding-level change of its patches can
+end it in another local optimum of nearly the same cost (another CPU's rounding did, 2026-11-24).
+Their tolerances (DISCRETE_TOLERANCE) sit ~5x above the spread measured over relative 1e-13
+perturbations of every update of this preset (PSNR 0.03 dB, SSIM 0.012, MSE 3.3e-4, FFT2D 1.4e-3):
+wide enough for another optimum, far below what a broken solver or attack costs (several dB).
+
 Regenerate the reference only for an intended change of results, and say so in the commit:
     FEDMJP_REGENERATE_GOLDEN=1 python -m pytest tests/test_golden_default.py
 """
@@ -26,11 +33,13 @@ KEY = ("model", "attack", "setting", "round", "partition_id", "batch_index")
 EXACT = ("image_id", "class", "gamma", "failed", "reason", "error", "recon_index", "scored_estimate", "defence")
 #: metric prefix -> absolute tolerance (about 100x the measured thread-count noise).
 TOLERANCE = {"psnr": 0.05, "ssim": 2e-3, "lpips": 2e-3, "mse": 1e-4, "fft2d": 3e-4}
+#: the same for rows scored through the jigsaw solver (module docstring).
+DISCRETE_TOLERANCE = {"psnr": 0.25, "ssim": 0.06, "lpips": 0.03, "mse": 2e-3, "fft2d": 6e-3}
 CAP = 100.0
 
 
-def _tolerance(column: str) -> float | None:
-    for prefix, tol in TOLERANCE.items():
+def _tolerance(column: str, table: dict[str, float] = TOLERANCE) -> float | None:
+    for prefix, tol in table.items():
         if column == prefix or column.startswith(prefix + "_"):
             return tol
     return None
@@ -70,8 +79,9 @@ def test_default_preset_results_unchanged(tmp_path):
         for column in EXACT:
             if row.get(column) != ref.get(column):
                 problems.append(f"{key} {column}: {row.get(column)!r} != {ref.get(column)!r}")
+        table = DISCRETE_TOLERANCE if ref.get("scored_estimate") == "unshuffled" else TOLERANCE
         for column, expected in ref.items():
-            tol = _tolerance(column)
+            tol = _tolerance(column, table)
             if tol is None:
                 continue
             actual, expected = _value(row.get(column)), _value(expected)
