@@ -10,6 +10,7 @@ delay into that partition's client, for fault tests.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any, Mapping, Optional
 
@@ -19,9 +20,22 @@ from flwr.clientapp import ClientApp
 from fedmjp.allocator import tune_malloc
 
 from .defence import defended_local_update
+from .records import DecodeCache, encode_state
 from .runconfig import resolve_config
 
 _logger = logging.getLogger(__name__)
+
+
+_decoders = threading.local()
+
+
+def global_state(record: ArrayRecord) -> dict:
+    """The weights a message carries, decoded once per thread for a record sent again unchanged
+    (:class:`clients.records.DecodeCache`; the in-process engine runs clients in threads). Read-only."""
+    cache = getattr(_decoders, "cache", None)
+    if cache is None:
+        cache = _decoders.cache = DecodeCache()
+    return cache(record)
 
 
 class InjectedClientFailure(RuntimeError):
@@ -46,13 +60,13 @@ def make_client_app(run_config: Optional[Mapping[str, Any]] = None) -> ClientApp
             raise InjectedClientFailure(f"injected failure in partition {partition_id}, round {server_round}")
         if partition_id == int(cfg["slow-partition"]):
             time.sleep(float(cfg["slow-seconds"]))
-        state = msg.content["arrays"].to_torch_state_dict()
+        state = global_state(msg.content["arrays"])
         update, loss, batch, info = defended_local_update(cfg, state, partition_id, server_round, num_partitions)
         metrics = MetricRecord({
             "num-examples": int(batch.labels.numel()), "loss": loss, "partition-id": partition_id,
             "num-partitions": num_partitions, "server-round": server_round, **info,
         })
-        return Message(RecordDict({"arrays": ArrayRecord(update), "metrics": metrics}), reply_to=msg)
+        return Message(RecordDict({"arrays": encode_state(update), "metrics": metrics}), reply_to=msg)
 
     return app
 

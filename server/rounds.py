@@ -16,6 +16,7 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
 
 from clients.partition import public_eval_set
+from clients.records import decode_state, encode_state
 from clients.runconfig import ROUND_KEYS, model_spec, resolve_config
 from clients.update import clone_state, load_global_model
 from fedmjp.evaluate import loss_and_top1
@@ -130,12 +131,12 @@ def run_rounds(grid: Grid, run_config: Mapping[str, Any], tap: Optional[Tap] = N
     eval_data = public_eval_set(cfg) if cfg["server-eval"] else None
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> Optional[MetricRecord]:
-        model.load_state_dict(arrays.to_torch_state_dict(), strict=True)
+        model.load_state_dict(decode_state(arrays), strict=True)
         loss, acc = loss_and_top1(model, eval_data.images, eval_data.labels)
         return MetricRecord({"eval-loss": loss, "eval-acc": acc})
 
     result = strategy.start(
-        grid=grid, initial_arrays=ArrayRecord(model.state_dict()), num_rounds=int(cfg["num-server-rounds"]),
+        grid=grid, initial_arrays=encode_state(model.state_dict()), num_rounds=int(cfg["num-server-rounds"]),
         timeout=float(cfg["round-timeout"]), train_config=train_config,
         evaluate_fn=evaluate_fn if eval_data is not None else None,
     )
@@ -145,7 +146,7 @@ def run_rounds(grid: Grid, run_config: Mapping[str, Any], tap: Optional[Tap] = N
         if r in result.evaluate_metrics_serverapp:
             row.update({k: float(v) for k, v in result.evaluate_metrics_serverapp[r].items()})
         history.append(row)
-    final = result.arrays.to_torch_state_dict() if result.arrays is not None else clone_state(model.state_dict())
+    final = decode_state(result.arrays) if result.arrays is not None else clone_state(model.state_dict())
     outcome = ServerOutcome(history, list(tapped.failures), final, dict(tapped.node_partitions))
     if cfg["out-dir"]:
         outcome.save(cfg["out-dir"])

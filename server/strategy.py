@@ -23,6 +23,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
+from clients.records import DecodeCache, decode_state, encode_state
+
 from .tap import Failure, Tap, TappedUpdate
 
 _logger = logging.getLogger(__name__)
@@ -48,6 +50,7 @@ class TappedFedAvg(FedAvg):
         self.node_partitions: dict[int, int] = {}
         self.rounds: dict[int, dict[str, Any]] = {}
         self._global: dict[str, torch.Tensor] = {}
+        self._decode_global = DecodeCache()
         self._arrays: Optional[ArrayRecord] = None  # the record sent this round
         self._sent: list[int] = []
         self._started = 0.0
@@ -59,7 +62,7 @@ class TappedFedAvg(FedAvg):
         self._started = time.perf_counter()
         messages = list(super().configure_train(server_round, arrays, config, grid))
         self._arrays = arrays
-        self._global = arrays.to_torch_state_dict()
+        self._global = self._decode_global(arrays)  # decoded once while the same record is resent
         self._sent = [m.metadata.dst_node_id for m in messages]
         return messages
 
@@ -115,7 +118,7 @@ class TappedFedAvg(FedAvg):
             return self._arrays, metrics
         mean = self._weighted_mean(usable)
         new_state = self.apply(self._global, mean)
-        return ArrayRecord(new_state), metrics
+        return encode_state(new_state), metrics
 
     def leaves_weights_unchanged(self) -> bool:
         """True when aggregation cannot change the global weights (FedSGD with a zero server step)."""
@@ -123,7 +126,7 @@ class TappedFedAvg(FedAvg):
 
     def _parse(self, server_round: int, node_id: int, msg: Message) -> TappedUpdate:
         content = msg.content
-        arrays = content[self.arrayrecord_key].to_torch_state_dict()
+        arrays = decode_state(content[self.arrayrecord_key])
         metrics = dict(content["metrics"])
         num_examples = int(metrics[self.weighted_by_key])
         if num_examples < 1:
