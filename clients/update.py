@@ -64,7 +64,9 @@ def gradients(model: nn.Module, loss_fn: Callable[[], torch.Tensor]) -> tuple[di
     model.zero_grad(set_to_none=True)
     loss = loss_fn()
     loss.backward()
-    grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().cpu().clone()
+    # The .grad tensors are handed over, not copied: zero_grad(set_to_none) below detaches them
+    # from the parameters, so nothing else holds them (a copy cost ~10% of a DeiT-S client's round).
+    grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().cpu()
              for name, p in model.named_parameters() if p.requires_grad}
     model.zero_grad(set_to_none=True)
     return grads, float(loss.detach())
