@@ -12,6 +12,7 @@ A spec is a mapping::
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import threading
@@ -83,43 +84,35 @@ def build_model(spec: Mapping[str, Any], device: str | torch.device = "cpu") -> 
     return model.to(device).eval()
 
 
-#: Seeded fresh weights by (arch, variant, kwargs, seed): a benchmark builds the same model in its
-#: rows, in the server and in every client thread, and timm's initialisation (trunc_normal_ over
-#: every weight) costs ~1 s for a DeiT-S on a CPU; a copy of the stored tensors costs ~30 ms.
-_FRESH: "OrderedDict[str, dict[str, torch.Tensor]]" = OrderedDict()
+#: Seeded fresh models by (arch, variant, kwargs, seed): a benchmark builds the same model in its
+#: rows, in the server and in every client thread of every federation, and timm's initialisation
+#: (trunc_normal_ over every weight) costs ~1 s for a DeiT-S on a CPU; even a meta-device build
+#: filled from stored tensors cost ~0.5 s (timm's init runs through the meta dispatcher). A deep copy
+#: of a stored template costs ~40 ms.
+_FRESH: "OrderedDict[str, nn.Module]" = OrderedDict()
 _FRESH_SIZE = 8
 _FRESH_LOCK = threading.Lock()
 
 
 def _fresh_model(arch: str, kwargs: Mapping[str, Any], seed: int) -> nn.Module:
     """:func:`create_model` with the weights seeded by ``seed`` (global RNG untouched): built once
-    per key, later built on the meta device and filled with a copy of the stored parameters and
-    buffers (non-persistent ones too), which equals a fresh build exactly."""
+    per key and kept as a template that nobody else holds; every call returns a deep copy of it
+    (parameters, buffers, non-persistent ones too, and attributes), which equals a fresh build
+    exactly and shares no storage with it."""
     key = json.dumps([arch, kwargs, seed], sort_keys=True, default=str)
     with _FRESH_LOCK:
-        stored = _FRESH.get(key)
-        if stored is not None:
+        template = _FRESH.get(key)
+        if template is not None:
             _FRESH.move_to_end(key)
-    if stored is None:
+    if template is None:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = create_model(arch, **kwargs)
-        tensors = {f"p:{k}": v.detach().clone() for k, v in model.named_parameters()}
-        tensors.update({f"b:{k}": v.detach().clone() for k, v in model.named_buffers()})
+            template = create_model(arch, **kwargs)
         with _FRESH_LOCK:
-            _FRESH[key] = tensors
+            _FRESH[key] = template
             while len(_FRESH) > _FRESH_SIZE:
                 _FRESH.popitem(last=False)
-        return model
-    with torch.device("meta"):
-        model = create_model(arch, **kwargs)
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        for k, v in model.named_parameters():
-            v.copy_(stored[f"p:{k}"])
-        for k, v in model.named_buffers():
-            v.copy_(stored[f"b:{k}"])
-    return model
+    return copy.deepcopy(template)
 
 
 def model_input_stats(model: nn.Module) -> tuple[tuple[float, ...], tuple[float, ...]]:
