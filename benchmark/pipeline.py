@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -33,7 +35,8 @@ from .store import RunFolder, row_key
 
 _logger = logging.getLogger(__name__)
 
-GROUP_SETTING = {"clean": "a", "shuffled": "c"}  # the setting the clients are told (b == c on the client)
+GROUP_SETTING = {"clean": "a", "shuffled": "c"}
+_END, _ABORT = object(), object()  # what the federation's end tells the attack thread  # the setting the clients are told (b == c on the client)
 
 
 def rec_kind(attack: str, setting: str) -> str:
@@ -375,9 +378,13 @@ class _Round:
 
 
 class GroupAttacker:
-    """Runs one federation and attacks its tapped updates, one round at a time (the tap callback).
+    """Runs one federation and attacks its tapped updates, one round at a time, in an attack thread.
 
-    A round's updates are collected as the tap hands them over; once every expected client of the
+    The server's tap only queues each update (:meth:`tap`); the attack thread (:meth:`work`) takes
+    them in the server's order, so the clients compute round r + 1 while round r is attacked and
+    scored (on 2 CPU cores the two overlap; the rows do not depend on it: the attack thread alone
+    touches the server's model copy, the scorer and the results file). A round's updates are
+    collected as they arrive; once every expected client of the
     round has replied (or the next round starts, or the federation ends), each attacker gets all of
     them in one ``reconstruct_many`` call on the runner (batched attacks solve them together; on Ray
     workers, the federation goes on meanwhile), and the results are scored per round and setting
@@ -420,6 +427,9 @@ class GroupAttacker:
         # Rounds allowed in flight before the tap waits: keeps the updates held in memory bounded.
         self.max_pending = 2 * len(getattr(self.runner, "actors", [None]))
         self.error: Optional[BaseException] = None
+        # Updates on their way from the server's tap to the attack thread; a round and a half of
+        # them at most, so the server runs one round ahead and no further.
+        self.inbox: "queue.Queue[Any]" = queue.Queue(maxsize=max(1, (3 * self.cfg["federation"]["clients"]) // 2))
         self.bar = tqdm(total=len(self.wanted), desc=f"attack {row.name} [{group}]", unit="upd",
                         leave=False, disable=None if progress else True)  # None: off a terminal
 
@@ -427,6 +437,9 @@ class GroupAttacker:
         from server.federation import run_federation
 
         t0 = time.perf_counter()
+        worker = threading.Thread(target=self.work, name=f"attack-{self.row.name}-{self.group}", daemon=True)
+        worker.start()
+        finished = False
         try:
             if federate is None:
                 # Ray stays up between federations of one benchmark (its start-up is paid once);
@@ -435,10 +448,10 @@ class GroupAttacker:
                                         keep_ray=True)
             else:
                 result = federate(self.run_config, tap=self.tap, engine=self.cfg["federation"]["engine"])
-            if self.error is None:
-                self.flush()
-                self.drain(block=True)
+            finished = True
         finally:
+            self.inbox.put(_END if finished else _ABORT)
+            worker.join()
             self.model.load_state_dict(self.pristine, strict=True)
         self.bar.close()
         if self.error is not None:
@@ -449,15 +462,38 @@ class GroupAttacker:
                      time.perf_counter() - t0, self.forward_top1)
 
     def tap(self, update: Any) -> None:
-        """The server's tap. An error here is kept and re-raised after the federation returns, so
-        that an engine running the ServerApp in a thread cannot swallow it."""
-        if self.error is not None:
-            return
+        """The server's tap: hands the update to the attack thread (:meth:`work`) and returns, so
+        that the clients compute the next round while this one is attacked and scored. Waits while
+        ``inbox`` is full (the updates held in memory stay bounded). An error of the attack thread
+        is raised here (aborting the federation) and again after the federation returns, so that an
+        engine running the ServerApp in a thread cannot swallow it."""
+        while True:
+            if self.error is not None:
+                raise self.error
+            try:
+                self.inbox.put(update, timeout=0.2)
+                return
+            except queue.Full:
+                continue
+
+    def work(self) -> None:
+        """The attack thread: every tapped update in the order the server saw them, then (at the
+        end of the federation) the last round and every round still in flight."""
         try:
-            self.on_update(update)
-        except BaseException as err:  # re-raised in run(); never swallowed
+            while True:
+                update = self.inbox.get()
+                if update is _ABORT:
+                    return
+                if update is _END:
+                    self.flush()
+                    self.drain(block=True)
+                    return
+                if self.error is None:
+                    self.on_update(update)
+        except BaseException as err:  # re-raised by tap() and run(); never swallowed
             self.error = err
-            raise
+            while self.inbox.get() not in (_END, _ABORT):  # let tap() return; run() sends the marker
+                pass
 
     # ---------------------------------------------------------------------------------- the tap
     def on_update(self, update: Any) -> None:

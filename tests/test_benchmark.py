@@ -84,9 +84,13 @@ def assert_same_scores(got: list[dict], want: list[dict]) -> None:
     errors and distances of float64 reconstructions to 1e-9 absolute; LPIPS (AlexNet in float32) to
     1e-5; everything else exactly.
     """
+    def number(v):  # results.jsonl keeps +-inf (PSNR of an exact copy) as the strings "inf"/"-inf"
+        return float(v) if v in ("inf", "-inf") else v
+
     assert len(got) == len(want)
     for a, b in zip(got, want):
         assert a.keys() == b.keys()
+        a, b = {k: number(v) for k, v in a.items()}, {k: number(v) for k, v in b.items()}
         for k in a:
             if isinstance(a[k], float) and isinstance(b[k], float):
                 if k.startswith("psnr"):
