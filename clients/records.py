@@ -15,8 +15,10 @@ the weights it gets and encodes its reply. Here:
   Flower's own ``Array.numpy()``;
 * :class:`DecodeCache` decodes a payload it has decoded before (the same bytes objects) only once.
 
-Measured on 2 CPU cores (DeiT-S state, 152 tensors, 88 MB; ``bench/fl_overhead.py --codec``): see
-the README's Speed checks.
+One copy is the floor for data that must end up in a fresh tensor (or a fresh bytes object).
+``python bench/codec_throughput.py`` (DeiT-S state, 88 MB, 2 shared cores, load 3.7): encode 22.7
+-> 17.8 ms, decode 27.4 -> 17.5 ms (medians of 7); the cache saves the decode of the unchanged
+weights altogether (one per client thread and federation instead of one per message).
 """
 from __future__ import annotations
 
