@@ -21,7 +21,7 @@ from skimage.metrics import structural_similarity
 
 from ._inner import pair_gram
 from ._validate import check_pair, float64_chunks
-from .structural import SSIM_WORKERS_ENV, default_ssim_workers, ssim_scipy, ssim_torch
+from .structural import SSIM_WORKERS_ENV, default_ssim_workers, ssim_scipy, ssim_torch  # noqa: F401 (re-export)
 
 #: Environment variable that picks the default SSIM backend (:data:`SSIM_BACKENDS`).
 SSIM_BACKEND_ENV = "FEDMJP_SSIM_BACKEND"
