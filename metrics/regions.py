@@ -14,12 +14,14 @@ Scores are per image ([B] float64); an empty region gives NaN.
 Per-region metrics: MSE and PSNR over the region's pixels; SSIM as the mean of scikit-image's SSIM
 map (``structural_similarity(..., full=True)`` with the settings of :func:`metrics.ssim`: Gaussian
 window sigma 1.5, data_range 1, the border filled by reflection) over the region's pixels, averaged
-over channels. The map comes from :func:`metrics.structural.ssim_with_map` (float64 torch, scikit-image's
-map to ~1e-12, tests/test_regions.py). The SSIM window (about 11 px) reaches across region borders,
+over channels. The map is computed in float64 by :mod:`metrics.structural` (scikit-image's map to
+~1e-12, tests/test_ssim_torch.py). The SSIM window (about 11 px) reaches across region borders,
 so the region SSIM also sees neighbouring pixels; MSE/PSNR see only the region.
 
-A caller that also needs the whole-image SSIM of the same pair can compute the map once with
-:func:`metrics.structural.ssim_with_map` and take region means with :func:`masked_map_mean`.
+:func:`masked_ssim` reduces each map to its region mean in the worker threads
+(:func:`metrics.structural.ssim_region_means`). A caller that also needs the whole-image SSIM of the
+same pair can compute the map once with :func:`metrics.structural.ssim_with_map` (it returns both)
+and take region means with :func:`masked_map_mean`.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ import numpy as np
 import torch
 from scipy.optimize import linear_sum_assignment
 
-from .structural import ssim_with_map
+from .structural import ssim_region_means
 
 #: PSNR of a region reproduced exactly (MSE 0) is capped here, as the table caps per-image PSNR.
 PSNR_CAP_DB = 100.0
@@ -136,8 +138,7 @@ def masked_ssim(reconstruction: torch.Tensor, reference: torch.Tensor, pixels: t
     """Mean of the SSIM map (scikit-image's ``full=True`` map, Gaussian sigma 1.5, data_range 1) over
     ``pixels`` [B, H, W] bool; images [B, 3, H, W] in [0, 1], H, W >= 11. Returns [B] float64, NaN
     where ``pixels`` selects nothing."""
-    _, smap = ssim_with_map(reconstruction, reference, validate=False)
-    return masked_map_mean(smap, pixels.cpu())
+    return ssim_region_means(reconstruction, reference, pixels, validate=False)
 
 
 def region_scores(reconstruction: torch.Tensor, reference: torch.Tensor, mask: torch.Tensor,

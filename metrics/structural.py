@@ -52,9 +52,10 @@ thread, 5.1-5.5 ms with its 2-thread pool when the load was lowest):
 """
 from __future__ import annotations
 
+import math
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -199,31 +200,28 @@ def default_ssim_workers() -> int:
 
 
 def _per_image_numpy(reconstruction: torch.Tensor, reference: torch.Tensor, workers: Optional[int],
-                     keep_map: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(ssim [B], map [B, C, H, W] or None) of a checked pair on the CPU, one image per task.
+                     reduce: Callable[[np.ndarray, int], Any]) -> list[Any]:
+    """``reduce(map [C, H, W], index)`` for every image of a checked pair on the CPU, in order.
 
     A Python thread pool rather than torch threads: NumPy's ufuncs and SciPy's correlate1d release
     the GIL, and independent threads keep their speed when other processes share the cores, where
-    torch's OpenMP barriers do not (module docstring).
+    torch's OpenMP barriers do not (module docstring). ``reduce`` runs in the worker too, so maps
+    need not be kept.
     """
     n_workers = default_ssim_workers() if workers is None else max(1, int(workers))
-
-    def one(pair: tuple[np.ndarray, np.ndarray]) -> tuple[float, Optional[np.ndarray]]:
-        smap = _ssim_map_numpy(pair[0], pair[1], "reflect")
-        # scikit-image's mean: the map without the 5-pixel border the padding reaches.
-        value = float(smap[:, RADIUS:-RADIUS, RADIUS:-RADIUS].mean())
-        return value, (smap if keep_map else None)
-
-    values: list[float] = []
-    maps: list[np.ndarray] = []
+    out: list[Any] = []
     with ThreadPoolExecutor(max_workers=n_workers) as pool:
+        start = 0
         for x, y in float64_chunks(reconstruction, reference):
-            for value, smap in pool.map(one, zip(x.numpy(), y.numpy())):
-                values.append(value)
-                if smap is not None:
-                    maps.append(smap)
-    full = torch.from_numpy(np.stack(maps)) if keep_map else None
-    return torch.tensor(values, dtype=torch.float64), full
+            tasks = zip(x.numpy(), y.numpy(), range(start, start + x.shape[0]))
+            out.extend(pool.map(lambda t: reduce(_ssim_map_numpy(t[0], t[1], "reflect"), t[2]), tasks))
+            start += x.shape[0]
+    return out
+
+
+def _interior_mean(smap: np.ndarray) -> float:
+    """scikit-image's SSIM from its full map [C, H, W]: the mean without the 5-pixel border."""
+    return float(smap[:, RADIUS:-RADIUS, RADIUS:-RADIUS].mean())
 
 
 def _prepare(reconstruction: torch.Tensor, reference: torch.Tensor, pad: int, validate: bool) -> None:
@@ -280,7 +278,8 @@ def ssim_scipy(
         [B] CPU float64 in [-1, 1]; exactly 1 for identical images; scikit-image's values to ~1e-14.
     """
     _prepare(reconstruction, reference, 0, validate)
-    return _per_image_numpy(reconstruction, reference, workers, keep_map=False)[0]
+    values = _per_image_numpy(reconstruction, reference, workers, lambda smap, i: _interior_mean(smap))
+    return torch.tensor(values, dtype=torch.float64)
 
 
 def ssim_with_map(
@@ -304,9 +303,35 @@ def ssim_with_map(
     """
     _prepare(reconstruction, reference, 0, validate)
     if reference.device.type == "cpu" and reconstruction.device.type == "cpu":
-        values, maps = _per_image_numpy(reconstruction, reference, workers, keep_map=True)
-        return values, maps
+        pairs = _per_image_numpy(reconstruction, reference, workers, lambda smap, i: (_interior_mean(smap), smap))
+        return torch.tensor([v for v, _ in pairs], dtype=torch.float64), torch.from_numpy(np.stack([m for _, m in pairs]))
     return _with_map_torch(reconstruction, reference)
+
+
+def ssim_region_means(
+    reconstruction: torch.Tensor, reference: torch.Tensor, pixels: torch.Tensor, workers: Optional[int] = None,
+    validate: bool = True,
+) -> torch.Tensor:
+    """Mean of scikit-image's full SSIM map (:func:`ssim_with_map`) over channels, then over the
+    pixels where ``pixels`` is True, per image, on the CPU; the maps are reduced in the worker
+    threads and never stacked.
+
+    Args:
+        reconstruction, reference: [B, 3, H, W] in [0, 1], H, W >= 11.
+        pixels: [B, H, W] bool.
+        workers: threads (as :func:`ssim_scipy`).
+        validate: run the input checks.
+    Returns:
+        [B] float64; NaN where ``pixels`` selects nothing.
+    """
+    _prepare(reconstruction, reference, 0, validate)
+    sel = pixels.detach().to("cpu", torch.bool).numpy()
+
+    def region_mean(smap: np.ndarray, i: int) -> float:
+        # Channel mean first, as scikit-image's smap.mean(axis=2)[sel].mean().
+        return float(smap.mean(axis=0)[sel[i]].mean()) if sel[i].any() else math.nan
+
+    return torch.tensor(_per_image_numpy(reconstruction, reference, workers, region_mean), dtype=torch.float64)
 
 
 def _with_map_torch(reconstruction: torch.Tensor, reference: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
