@@ -10,11 +10,14 @@ like ImageNet val (Resize 256, CenterCrop 224), each reused with different Gauss
 
 Measurement: set-up (loading images, building LPIPS) is timed apart from the steady state. Every
 side is warmed up once on ``--warmup`` pairs (oneDNN picks kernels on a first call), then the sides
-are timed round-robin ``--repeats`` times (so that load drifting on a shared machine hits every side
-alike) and reported as median [min, max] wall seconds. The target of issue 14: all five metrics
+are timed round-robin ``--repeats`` times, in reversed order every other round (so that load
+drifting on a shared machine hits every side alike), and reported as median [min, max] wall seconds
+with the load average seen over the rounds. The target of issue 14: all five metrics
 (``metrics.score_all``) over the set in under 20 s on 2 cores, and at most 1.5x LPIPS alone, printed
-as a ratio of medians from this one run. With ``--per-metric``, ``ssim`` (scikit-image, the CPU
-path) is timed on its own, and with ``--ssim-torch`` also ``ssim_torch`` (the exact torch version).
+as a ratio of medians from this one run. With ``--per-metric``, SSIM is timed on its own side by side:
+``metrics.ssim`` (the NumPy/SciPy float64 CPU path) and scikit-image's own loop (the reference), and
+with ``--ssim-torch`` also ``ssim_torch`` (torch float64; fast on idle cores, slow when other
+processes share them: metrics/structural.py).
 """
 from __future__ import annotations
 
@@ -64,12 +67,13 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=999)
     parser.add_argument("--unique", type=int, default=111, help="distinct source images")
     parser.add_argument("--size", type=int, default=224)
-    parser.add_argument("--threads", type=int, default=2, help="torch threads (and scikit-image SSIM workers)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (and CPU SSIM workers)")
     parser.add_argument("--lpips-batch", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=16, help="pairs in each side's warm-up call")
     parser.add_argument("--per-metric", action="store_true", help="also time each metric function on its own")
-    parser.add_argument("--ssim-torch", action="store_true", help="also time metrics.ssim_torch (slow on CPU)")
+    parser.add_argument("--ssim-torch", action="store_true",
+                        help="also time metrics.ssim_torch (slow when other processes share the cores)")
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
     parser.add_argument("--backbone", type=Path, default=None,
                         help="AlexNet features file (default: metrics' route: env var, ../shared, torch hub cache)")
@@ -97,24 +101,30 @@ def main() -> None:
             "mse": metrics.mse,
             "psnr": metrics.psnr,
             "fft2d": metrics.fft2d,
-            "ssim (scikit-image)": lambda a, b: metrics.ssim(a, b, workers=args.threads),
+            "ssim (scipy, default)": lambda a, b: metrics.ssim(a, b, workers=args.threads),
+            "ssim (scikit-image)": lambda a, b: metrics.ssim_skimage(a, b, workers=args.threads),
             "mse+psnr+fft2d (score_all)": lambda a, b: metrics.score_all(a, b, ["mse", "psnr", "fft2d"]),
         })
     if args.ssim_torch:
-        sides["ssim_torch (exact split)"] = metrics.ssim_torch
+        sides["ssim_torch"] = metrics.ssim_torch
     w = min(args.warmup, args.pairs)
     for call in sides.values():
         call(rec[:w], ref[:w])
 
     seconds: dict[str, list[float]] = {name: [] for name in sides}
-    for _ in range(args.repeats):
-        for name, call in sides.items():
-            seconds[name].append(timed(lambda: call(rec, ref))[1])
+    loads: dict[str, list[float]] = {name: [] for name in sides}
+    for round_ in range(args.repeats):
+        names = list(sides) if round_ % 2 == 0 else list(reversed(sides))
+        for name in names:
+            seconds[name].append(timed(lambda: sides[name](rec, ref))[1])
+            loads[name].append(os.getloadavg()[0])
 
-    print(f"steady state, {args.repeats} repeats round-robin: median [min, max] wall seconds for {args.pairs} pairs")
+    print(f"steady state, {args.repeats} repeats round-robin (order reversed every other round): "
+          f"median [min, max] wall seconds for {args.pairs} pairs, 1-minute load average after each")
     for name, values in seconds.items():
         med = statistics.median(values)
-        print(f"  {name:<28}{med:>8.2f} s  [{min(values):.2f}, {max(values):.2f}]  {args.pairs / med:>7.1f} pairs/s")
+        print(f"  {name:<28}{med:>8.2f} s  [{min(values):.2f}, {max(values):.2f}]  {args.pairs / med:>7.1f} pairs/s"
+              f"  load {min(loads[name]):.1f}-{max(loads[name]):.1f}")
     all_five = statistics.median(seconds["all five (score_all)"])
     alone = statistics.median(seconds["lpips alone"])
     ratio = all_five / alone

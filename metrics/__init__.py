@@ -16,7 +16,7 @@ from .perceptual import (
     lpips_source,
     resolve_lpips_route,
 )
-from .pixel import mse, psnr, ssim
+from .pixel import SSIM_BACKENDS, mse, psnr, ssim, ssim_skimage
 from .quantize import quantize_8bit
 from .registry import (
     METRICS,
@@ -29,7 +29,7 @@ from .registry import (
     on_8bit,
 )
 from .scoring import PSNR_CAP_DB, SETTING_REFERENCE, aggregate, reference_for, score, score_all
-from .structural import ssim_official, ssim_torch
+from .structural import ssim_official, ssim_scipy, ssim_torch, ssim_with_map
 
 __all__ = [
     "BACKBONE_ENV",
@@ -45,6 +45,7 @@ __all__ = [
     "PSNR_CAP_DB",
     "RANGE_TOLERANCE",
     "SETTING_REFERENCE",
+    "SSIM_BACKENDS",
     "aggregate",
     "check_image_batch",
     "check_pair",
@@ -66,5 +67,8 @@ __all__ = [
     "score_all",
     "ssim",
     "ssim_official",
+    "ssim_scipy",
+    "ssim_skimage",
     "ssim_torch",
+    "ssim_with_map",
 ]

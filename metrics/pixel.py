@@ -1,6 +1,9 @@
-"""Pixel-space metrics: MSE, PSNR and SSIM (scikit-image), per image.
+"""Pixel-space metrics: MSE, PSNR and SSIM, per image.
 
-The torch SSIM implementations (``ssim_torch``, ``ssim_official``) live in :mod:`metrics.structural`.
+SSIM on the CPU runs the float64 NumPy/SciPy code of :mod:`metrics.structural` (scikit-image's
+values to ~1e-14, faster than scikit-image's own loop; measurements in that module's docstring);
+``backend="torch"`` or ``"skimage"`` (or ``FEDMJP_SSIM_BACKEND``) picks the torch implementation or
+scikit-image itself, the reference of the tests.
 
 Every function takes ``(reconstruction, reference)``, both [B, 3, H, W] in [0, 1], and returns a
 CPU float64 tensor [B]. Inputs are validated by :func:`metrics._validate.check_pair` (ValueError on a
@@ -18,9 +21,12 @@ from skimage.metrics import structural_similarity
 
 from ._inner import pair_gram
 from ._validate import check_pair, float64_chunks
+from .structural import SSIM_WORKERS_ENV, default_ssim_workers, ssim_scipy, ssim_torch  # noqa: F401 (re-export)
 
-#: Environment variable that sets the default number of SSIM worker threads.
-SSIM_WORKERS_ENV = "FEDMJP_SSIM_WORKERS"
+#: Environment variable that picks the default SSIM backend (:data:`SSIM_BACKENDS`).
+SSIM_BACKEND_ENV = "FEDMJP_SSIM_BACKEND"
+#: SSIM backends :func:`ssim` accepts; the first is the default.
+SSIM_BACKENDS = ("scipy", "torch", "skimage")
 
 
 def mse_from_gram(gram: torch.Tensor, numel: int) -> torch.Tensor:
@@ -74,33 +80,24 @@ def _ssim_one(x: np.ndarray, y: np.ndarray) -> float:
     )
 
 
-def _default_ssim_workers() -> int:
-    env = os.environ.get(SSIM_WORKERS_ENV)
-    if env is not None:
-        try:
-            return max(1, int(env))
-        except ValueError as err:
-            raise ValueError(f"{SSIM_WORKERS_ENV} must be an integer, got {env!r}") from err
-    return min(2, os.cpu_count() or 1)
+def _ssim_backend(backend: Optional[str]) -> str:
+    name = backend if backend is not None else os.environ.get(SSIM_BACKEND_ENV, SSIM_BACKENDS[0])
+    if name not in SSIM_BACKENDS:
+        raise ValueError(f"unknown SSIM backend {name!r} (from {'the argument' if backend is not None else SSIM_BACKEND_ENV}); "
+                         f"valid backends: {', '.join(SSIM_BACKENDS)}")
+    return name
 
 
-def ssim(
+def ssim_skimage(
     reconstruction: torch.Tensor, reference: torch.Tensor, workers: Optional[int] = None, validate: bool = True
 ) -> torch.Tensor:
-    """Structural similarity per image via ``skimage.metrics.structural_similarity``.
-
-    The CPU path: faster here than the exact torch implementation :func:`metrics.ssim_torch`
-    (same values to ~1e-7), which is meant for tensors on a GPU.
-
-    Parameters: ``data_range=1``, ``channel_axis`` over RGB (mean of the per-channel SSIM),
-    ``gaussian_weights=True``, ``sigma=1.5`` (an 11x11 window, as the official MJP code),
-    ``use_sample_covariance=False``. Images must be at least 11 pixels on each side.
+    """SSIM per image with ``skimage.metrics.structural_similarity`` in a thread pool (the reference).
 
     Args:
-        reconstruction, reference: [B, 3, H, W] in [0, 1].
+        reconstruction, reference: [B, 3, H, W] in [0, 1], H and W >= 11.
         workers: threads for the per-image loop (SciPy's filters release the GIL in part); default
             from ``FEDMJP_SSIM_WORKERS`` or ``min(2, cpu_count)``. The result does not depend on it.
-        validate: run the input checks (the scorer validates once and passes False).
+        validate: run the input checks.
     Returns:
         [B] float64 in [-1, 1]; 1 for identical images; lower = more private.
     """
@@ -108,10 +105,45 @@ def ssim(
         check_pair(reconstruction, reference)
     if min(reference.shape[-2:]) < 11:
         raise ValueError(f"ssim needs images of at least 11x11 pixels, got {tuple(reference.shape[-2:])}")
-    n_workers = _default_ssim_workers() if workers is None else max(1, int(workers))
+    n_workers = default_ssim_workers() if workers is None else max(1, int(workers))
     values: list[float] = []
     with ThreadPoolExecutor(max_workers=n_workers) as pool:
         for x, y in float64_chunks(reconstruction, reference):
             xs, ys = x.numpy(), y.numpy()
             values.extend(pool.map(_ssim_one, list(xs), list(ys)))
     return torch.tensor(values, dtype=torch.float64)
+
+
+def ssim(
+    reconstruction: torch.Tensor,
+    reference: torch.Tensor,
+    workers: Optional[int] = None,
+    validate: bool = True,
+    backend: Optional[str] = None,
+) -> torch.Tensor:
+    """Structural similarity per image: ``skimage.metrics.structural_similarity``'s values.
+
+    Parameters: ``data_range=1``, ``channel_axis`` over RGB (mean of the per-channel SSIM),
+    ``gaussian_weights=True``, ``sigma=1.5`` (an 11x11 window, as the official MJP code),
+    ``use_sample_covariance=False``. Images must be at least 11 pixels on each side.
+
+    Args:
+        reconstruction, reference: [B, 3, H, W] in [0, 1].
+        workers: threads of the "scipy" and "skimage" backends (the "torch" backend uses torch's
+            intra-op threads); default ``FEDMJP_SSIM_WORKERS`` or ``min(2, cpu_count)``.
+        validate: run the input checks (the scorer validates once and passes False).
+        backend: "scipy" (:func:`metrics.structural.ssim_scipy`, float64 NumPy/SciPy, the fastest
+            on CPU), "torch" (:func:`metrics.ssim_torch`, float64, any device) or "skimage"
+            (:func:`ssim_skimage`, the reference); the first two equal scikit-image to ~1e-14.
+            Default from ``FEDMJP_SSIM_BACKEND``, else "scipy".
+    Returns:
+        [B] CPU float64 in [-1, 1]; 1 for identical images; lower = more private.
+    Raises:
+        ValueError: invalid images or an unknown backend (lists the valid ones).
+    """
+    name = _ssim_backend(backend)
+    if name == "skimage":
+        return ssim_skimage(reconstruction, reference, workers=workers, validate=validate)
+    if name == "torch":
+        return ssim_torch(reconstruction, reference, validate=validate)
+    return ssim_scipy(reconstruction, reference, workers=workers, validate=validate)

@@ -12,9 +12,16 @@ patch positions in row-major order (True = shuffled, carries E_unk), patch side 
 Scores are per image ([B] float64); an empty region gives NaN.
 
 Per-region metrics: MSE and PSNR over the region's pixels; SSIM as the mean of scikit-image's SSIM
-map (the same settings as :func:`metrics.ssim`: Gaussian window sigma 1.5, data_range 1) over the
-region's pixels. The SSIM window (about 11 px) reaches across region borders, so the region SSIM
-also sees neighbouring pixels; MSE/PSNR see only the region.
+map (``structural_similarity(..., full=True)`` with the settings of :func:`metrics.ssim`: Gaussian
+window sigma 1.5, data_range 1, the border filled by reflection) over the region's pixels, averaged
+over channels. The map is computed in float64 by :mod:`metrics.structural` (scikit-image's map to
+~1e-12, tests/test_ssim_torch.py). The SSIM window (about 11 px) reaches across region borders,
+so the region SSIM also sees neighbouring pixels; MSE/PSNR see only the region.
+
+:func:`masked_ssim` reduces each map to its region mean in the worker threads
+(:func:`metrics.structural.ssim_region_means`). A caller that also needs the whole-image SSIM of the
+same pair can compute the map once with :func:`metrics.structural.ssim_with_map` (it returns both)
+and take region means with :func:`masked_map_mean`.
 """
 from __future__ import annotations
 
@@ -23,7 +30,8 @@ import math
 import numpy as np
 import torch
 from scipy.optimize import linear_sum_assignment
-from skimage.metrics import structural_similarity
+
+from .structural import ssim_region_means
 
 #: PSNR of a region reproduced exactly (MSE 0) is capped here, as the table caps per-image PSNR.
 PSNR_CAP_DB = 100.0
@@ -110,19 +118,27 @@ def psnr_from_mse(mse: torch.Tensor, cap: float = PSNR_CAP_DB) -> torch.Tensor:
     return (10.0 * torch.log10(1.0 / mse)).clamp(max=cap)
 
 
+def masked_map_mean(ssim_map: torch.Tensor, pixels: torch.Tensor) -> torch.Tensor:
+    """Mean of an SSIM map over channels and then over the pixels where ``pixels`` is True.
+
+    Args:
+        ssim_map: [B, C, H, W] float64, e.g. the map of :func:`metrics.structural.ssim_with_map`.
+        pixels: [B, H, W] bool.
+    Returns:
+        [B] float64; NaN where ``pixels`` selects nothing.
+    """
+    per_pixel = ssim_map.mean(dim=1)  # channel mean first, as scikit-image's smap.mean(axis=2)
+    sel = pixels.to(per_pixel.device, torch.bool)
+    count = sel.sum(dim=(1, 2))
+    total = torch.where(sel, per_pixel, torch.zeros((), dtype=per_pixel.dtype)).sum(dim=(1, 2))
+    return torch.where(count > 0, total / count.clamp(min=1), torch.full_like(total, math.nan))
+
+
 def masked_ssim(reconstruction: torch.Tensor, reference: torch.Tensor, pixels: torch.Tensor) -> torch.Tensor:
-    """Mean of the SSIM map (scikit-image, Gaussian sigma 1.5, data_range 1) over ``pixels``."""
-    out = torch.full((reference.shape[0],), math.nan, dtype=torch.float64)
-    for b in range(reference.shape[0]):
-        sel = pixels[b].cpu().numpy()
-        if not sel.any():
-            continue
-        x = reconstruction[b].double().permute(1, 2, 0).cpu().numpy()
-        y = reference[b].double().permute(1, 2, 0).cpu().numpy()
-        _, smap = structural_similarity(x, y, data_range=1.0, channel_axis=2, gaussian_weights=True,
-                                        sigma=1.5, use_sample_covariance=False, full=True)
-        out[b] = float(smap.mean(axis=2)[sel].mean())
-    return out
+    """Mean of the SSIM map (scikit-image's ``full=True`` map, Gaussian sigma 1.5, data_range 1) over
+    ``pixels`` [B, H, W] bool; images [B, 3, H, W] in [0, 1], H, W >= 11. Returns [B] float64, NaN
+    where ``pixels`` selects nothing."""
+    return ssim_region_means(reconstruction, reference, pixels, validate=False)
 
 
 def region_scores(reconstruction: torch.Tensor, reference: torch.Tensor, mask: torch.Tensor,

@@ -53,7 +53,7 @@ def _distortions(x: torch.Tensor) -> list[torch.Tensor]:
 def test_ssim_torch_matches_skimage_on_real_images_float32_and_float64() -> None:
     if not IMAGENET.is_dir():
         pytest.skip(f"real images not found at {IMAGENET}")
-    ref = _load(2, 224)  # full size: the float32 filter's error grows with the image
+    ref = _load(2, 224)  # full size, as the benchmark scores
     for rec in _distortions(ref):
         for dtype in (torch.float64, torch.float32):
             a, b = rec.to(dtype), ref.to(dtype)
