@@ -146,11 +146,20 @@ def round_model(cfg: Mapping[str, Any], state: Mapping[str, torch.Tensor], devic
     cache = getattr(_models, "cache", None)
     if cache is None or cache[0] != key:
         model = build_model(json.loads(key[0]), device=device).to(getattr(torch, key[2]))
-        cache = (key, model)
-        _models.cache = cache
+        cache = _models.cache = [key, model, None, None]
     model = cache[1]
-    model.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=True)
+    # The same state object again (a resent record is decoded once: clients.records.DecodeCache)
+    # and no tensor of the model written since it was loaded (every in-place write bumps a tensor's
+    # version counter; a FedAvg step or a defence that trains does): the weights are already there.
+    if cache[2] is not state or cache[3] != _versions(model):
+        model.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=True)
+        cache[2], cache[3] = state, _versions(model)
     return model
+
+
+def _versions(model: nn.Module) -> list[int]:
+    """Version counters of the model's parameters and buffers (bumped by every in-place write)."""
+    return [t._version for t in model.state_dict(keep_vars=True).values()]
 
 
 def clone_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
