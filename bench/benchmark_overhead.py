@@ -2,6 +2,7 @@
 
     python bench/benchmark_overhead.py                        # paper preset, 9 images, 5 rows, settings a/b/c
     python bench/benchmark_overhead.py --num-images 18 --setting c
+    python bench/benchmark_overhead.py --num-images 9 27          # also the marginal (steady-state) ratio
 
 Two measurements of the same images and model rows, side by side:
 
@@ -15,6 +16,12 @@ Two measurements of the same images and model rows, side by side:
 The ratio benchmark / bare gradients is what issue 14 aims to bring to 1.5. Model building and image
 loading happen on both sides once and are not part of the bare time; the benchmark's time includes
 them (they are part of what a user waits for), so the ratio is an upper bound of the per-image overhead.
+
+Set-up apart from steady state: with two sizes (``--num-images 9 27``) both sides run at each, and
+the bench also prints the marginal ratio (benchmark(large) - benchmark(small)) / (bare(large) -
+bare(small)): what each further image costs the benchmark against its bare gradients once the
+start-up (imports, model builds, LPIPS, tables and grids) is paid. That ratio sets the time of a
+long run such as the paper protocol.
 
 Measurement: both sides are warmed up first (a ``--dry-run`` of the benchmark's first model row:
 imports, LPIPS, image cache, oneDNN kernels; one bare gradient per model), then timed ``--repeats`` times in alternating
@@ -92,50 +99,70 @@ def summary(times: list[float]) -> str:
     return f"median {statistics.median(times):7.1f} s [min {min(times):.1f}, max {max(times):.1f}]"
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default=str(ROOT / "configs" / "paper.yaml"))
-    p.add_argument("--num-images", type=int, default=9)
-    p.add_argument("--setting", default="all")
-    p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--set", dest="overrides", action="append", default=[])
-    args = p.parse_args()
-    logging.basicConfig(level=logging.WARNING)
-    from fedmjp.allocator import tune_malloc
-
-    tune_malloc()  # as run_benchmark.py does: the bare side gets the same allocator settings
-    clients = min(args.num_images, 9)
-    rounds = max(args.num_images // clients, 1)
-    flags = ["--config", args.config, "--setting", args.setting, "--num-images", str(args.num_images),
+def flags_for(args: argparse.Namespace, num_images: int) -> list[str]:
+    """run_benchmark.py flags of one size: one round per 9 clients, so every image is attacked once."""
+    clients = min(num_images, 9)
+    rounds = max(num_images // clients, 1)
+    flags = ["--config", args.config, "--setting", args.setting, "--num-images", str(num_images),
              "--clients", str(clients), "--rounds", str(rounds), "--engine", "inprocess", "--device", "cpu",
              "--no-progress"]
     for o in args.overrides:
         flags += ["--set", o]
+    return flags
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default=str(ROOT / "configs" / "paper.yaml"))
+    p.add_argument("--num-images", type=int, nargs="+", default=[9],
+                   help="one size, or two for the marginal (steady-state) ratio as well")
+    p.add_argument("--setting", default="all")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--set", dest="overrides", action="append", default=[])
+    args = p.parse_args()
+    if len(args.num_images) > 2 or any(n < 1 for n in args.num_images):
+        p.error("--num-images takes one or two positive sizes")
+    logging.basicConfig(level=logging.WARNING)
+    from fedmjp.allocator import tune_malloc
+
+    tune_malloc()  # as run_benchmark.py does: the bare side gets the same allocator settings
     from benchmark.cli import build_parser, resolve
 
-    cfg = resolve(build_parser().parse_args(flags))
+    sizes = sorted(set(args.num_images))
+    cfgs = {n: resolve(build_parser().parse_args(flags_for(args, n))) for n in sizes}
     load_before = os.getloadavg()
     # warm-up of the benchmark side: one update of the first model row (imports, LPIPS, images, kernels)
-    run_once(flags + ["--dry-run", "--models", cfg["models"][0]["name"]])
-    work = bare_work(cfg)  # models, batches and one warm-up gradient per model
-    bench, bare = [], []
-    n = 0
+    first = cfgs[sizes[0]]
+    run_once(flags_for(args, sizes[0]) + ["--dry-run", "--models", first["models"][0]["name"]])
+    work = {n: bare_work(cfgs[n]) for n in sizes}  # models, batches and one warm-up gradient per model
+    bench: dict[int, list[float]] = {n: [] for n in sizes}
+    bare: dict[int, list[float]] = {n: [] for n in sizes}
+    updates: dict[int, int] = {}
     for i in range(args.repeats):
-        for side in (("bench", "bare") if i % 2 == 0 else ("bare", "bench")):
-            if side == "bench":
-                bench.append(run_once(flags))
-            else:
-                seconds, n = bare_gradients(work)
-                bare.append(seconds)
+        for n in sizes:
+            for side in (("bench", "bare") if i % 2 == 0 else ("bare", "bench")):
+                if side == "bench":
+                    bench[n].append(run_once(flags_for(args, n)))
+                else:
+                    seconds, updates[n] = bare_gradients(work[n])
+                    bare[n].append(seconds)
     load_after = os.getloadavg()
-    print(f"\n{len(cfg['models'])} model rows, settings {''.join(cfg['settings'])}, {args.num_images} images, "
-          f"{n} victim updates, {torch.get_num_threads()} torch threads, {args.repeats} repeat(s), "
+    med = {n: (statistics.median(bench[n]), statistics.median(bare[n])) for n in sizes}
+    print(f"\n{len(first['models'])} model rows, settings {''.join(first['settings'])}, "
+          f"{torch.get_num_threads()} torch threads, {args.repeats} repeat(s), "
           f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after")
-    print(f"benchmark (run_benchmark.py, in-process engine): {summary(bench)}")
-    print(f"bare victim gradients (forward+backward only):   {summary(bare)}")
-    ratio = statistics.median(bench) / statistics.median(bare)
-    print(f"ratio of medians: {ratio:.2f}x (aim: <= 1.5x); per image: benchmark "
-          f"{statistics.median(bench) / max(n, 1):.2f} s, bare {statistics.median(bare) / max(n, 1):.2f} s")
+    for n in sizes:
+        print(f"{n} images, {updates[n]} victim updates:")
+        print(f"  benchmark (run_benchmark.py, in-process engine): {summary(bench[n])}")
+        print(f"  bare victim gradients (forward+backward only):   {summary(bare[n])}")
+        print(f"  ratio of medians: {med[n][0] / med[n][1]:.2f}x (aim: <= 1.5x); per update: benchmark "
+              f"{med[n][0] / max(updates[n], 1):.3f} s, bare {med[n][1] / max(updates[n], 1):.3f} s")
+    if len(sizes) == 2:
+        small, large = sizes
+        d_bench, d_bare = med[large][0] - med[small][0], med[large][1] - med[small][1]
+        d_updates = max(updates[large] - updates[small], 1)
+        print(f"marginal ({small} -> {large} images, start-up excluded): benchmark {d_bench / d_updates:.3f} s vs "
+              f"bare {d_bare / d_updates:.3f} s per further update = {d_bench / d_bare:.2f}x")
     return 0
 
 

@@ -35,8 +35,8 @@ from .store import RunFolder, row_key
 
 _logger = logging.getLogger(__name__)
 
-GROUP_SETTING = {"clean": "a", "shuffled": "c"}
-_END, _ABORT = object(), object()  # what the federation's end tells the attack thread  # the setting the clients are told (b == c on the client)
+GROUP_SETTING = {"clean": "a", "shuffled": "c"}  # the setting the clients are told (b == c on the client)
+_END, _ABORT = object(), object()  # what the federation's end tells the attack thread
 
 
 def rec_kind(attack: str, setting: str) -> str:
@@ -427,6 +427,7 @@ class GroupAttacker:
         # Rounds allowed in flight before the tap waits: keeps the updates held in memory bounded.
         self.max_pending = 2 * len(getattr(self.runner, "actors", [None]))
         self.error: Optional[BaseException] = None
+        self.aborted = False
         # Updates on their way from the server's tap to the attack thread; a round and a half of
         # them at most, so the server runs one round ahead and no further.
         self.inbox: "queue.Queue[Any]" = queue.Queue(maxsize=max(1, (3 * self.cfg["federation"]["clients"]) // 2))
@@ -450,6 +451,7 @@ class GroupAttacker:
                 result = federate(self.run_config, tap=self.tap, engine=self.cfg["federation"]["engine"])
             finished = True
         finally:
+            self.aborted = not finished  # an error or Ctrl-C: the thread drops what is queued
             self.inbox.put(_END if finished else _ABORT)
             worker.join()
             self.model.load_state_dict(self.pristine, strict=True)
@@ -488,7 +490,7 @@ class GroupAttacker:
                     self.flush()
                     self.drain(block=True)
                     return
-                if self.error is None:
+                if not self.aborted:
                     self.on_update(update)
         except BaseException as err:  # re-raised by tap() and run(); never swallowed
             self.error = err
