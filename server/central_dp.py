@@ -28,6 +28,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping
 
+from clients.records import encode_state
+
 from .strategy import TappedFedAvg
 
 _logger = logging.getLogger(__name__)
@@ -53,7 +55,7 @@ class TappedCentralDp(DifferentialPrivacyServerSideFixedClipping):
                         grid: Grid) -> Iterable[Message]:
         messages = super().configure_train(server_round, arrays, config, grid)
         # Replies are gradients or deltas: the update Flower clips is the reply itself.
-        self.current_arrays = ArrayRecord({k: torch.zeros_like(v) for k, v in arrays.to_torch_state_dict().items()})
+        self.current_arrays = encode_state({k: torch.zeros_like(v) for k, v in self.inner._decode_global(arrays).items()})
         return messages
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
