@@ -23,6 +23,14 @@ bare(small)): what each further image costs the benchmark against its bare gradi
 start-up (imports, model builds, LPIPS, tables and grids) is paid. That ratio sets the time of a
 long run such as the paper protocol.
 
+The parts (``--parts``): at the largest size, the same updates once more, the work the benchmark
+must do besides the victims, each part bare and timed on its own, one round at a time: the victims'
+gradients, the Acc. column's top-1 forward of the unmodified model (rows with APRIL surgery), the
+attack (one ``reconstruct_many`` per round, as the pipeline calls it) and the metrics (every setting
+of the group, MJP regions included). The bench prints each part per update and the benchmark's
+marginal time against their sum: near 1x (or below, where the attack thread overlaps the clients on
+two cores) says the pipeline adds little of its own, and what is left is the work itself.
+
 Measurement: both sides are warmed up first (a ``--dry-run`` of the benchmark's first model row:
 imports, LPIPS, image cache, oneDNN kernels; one bare gradient per model), then timed ``--repeats`` times in alternating
 order (benchmark first on even repeats, bare first on odd ones) and reported as median [min, max]
@@ -65,9 +73,9 @@ def bare_work(cfg: dict) -> list:
             model = load_global_model(run_config).to(getattr(torch, run_config["precision"]))
             batches = [private_batch(run_config, p, r, clients)
                        for r in range(1, rounds + 1) for p in range(clients)]
-            work.append((model, batches))
-    for model, batches in work:  # warm-up: one gradient per model
-        fedsgd_gradients(model, batches[0])
+            work.append((model, batches, float(run_config["dal-weight"])))
+    for model, batches, dal in work:  # warm-up: one gradient per model
+        fedsgd_gradients(model, batches[0], dal)
     return work
 
 
@@ -77,11 +85,67 @@ def bare_gradients(work: list) -> tuple[float, int]:
 
     t0 = time.perf_counter()
     n = 0
-    for model, batches in work:
+    for model, batches, dal in work:
         for batch in batches:
-            fedsgd_gradients(model, batch)
+            fedsgd_gradients(model, batch, dal)
             n += 1
     return time.perf_counter() - t0, n
+
+
+def bare_parts(cfg: dict) -> tuple[dict[str, float], int]:
+    """Seconds of each part of the benchmark's work on these updates, bare and one after the other
+    (see the module docstring), and the number of updates."""
+    import attacks
+    from benchmark import scoring
+    from benchmark.config import attack_entries
+    from benchmark.pipeline import attack_metadata
+    from clients.partition import private_batch
+    from clients.runconfig import resolve_config
+    from clients.update import fedsgd_gradients, load_global_model
+    from metrics.regions import region_scores
+
+    device = torch.device("cpu")
+    rows = build_rows(cfg, device)
+    scorer = scoring.Scorer(device, cfg["metrics"])
+    attack = [attacks.create_attack(e["name"], **e["options"]) for e in attack_entries(cfg)]
+    clients, rounds = cfg["federation"]["clients"], cfg["federation"]["rounds"]
+    parts = dict.fromkeys(("victim gradients", "Acc. forward", "attack", "metrics"), 0.0)
+    n = 0
+    for row in rows:
+        for group in sorted({C.SETTING_GROUPS[s] for s in cfg["settings"]}):
+            settings = [s for s in cfg["settings"] if C.SETTING_GROUPS[s] == group]
+            resolved = resolve_config(client_run_config(cfg, row, group))
+            victim = load_global_model(resolved).to(getattr(torch, resolved["precision"]))
+            dal = float(resolved["dal-weight"])
+            fedsgd_gradients(victim, private_batch(resolved, 0, 1, clients), dal)  # warm-up
+            for rnd in range(1, rounds + 1):
+                batches = [private_batch(resolved, p, rnd, clients) for p in range(clients)]
+                t = time.perf_counter()
+                grads = [fedsgd_gradients(victim, b, dal)[0] for b in batches]
+                parts["victim gradients"] += time.perf_counter() - t
+                if row.acc_model is not None:
+                    t = time.perf_counter()
+                    scoring.top1_many(row.acc_model, batches, device)
+                    parts["Acc. forward"] += time.perf_counter() - t
+                md = [attack_metadata(cfg, resolved, row.model, b) for b in batches]
+                for a in attack:
+                    t = time.perf_counter()
+                    results = a.reconstruct_many(row.model, grads, md)
+                    parts["attack"] += time.perf_counter() - t
+                    t = time.perf_counter()
+                    x = torch.cat([b.images for b in batches])
+                    xs = None if batches[0].shuffled is None else torch.cat([b.shuffled for b in batches])
+                    for s in settings:
+                        recon = torch.cat([r.unshuffled if s == "c" and r.unshuffled is not None else r.images
+                                           for r in results])
+                        scorer.score(s, recon, x, xs)
+                        if s in ("b", "c") and batches[0].unk_mask is not None:
+                            region_scores(recon.float(), (xs if s == "b" else x).float(),
+                                          torch.cat([b.unk_mask for b in batches]),
+                                          int(row.model.patch_embed.patch_size[0]))
+                    parts["metrics"] += time.perf_counter() - t
+                n += len(batches)
+    return parts, n
 
 
 def run_once(flags: list[str]) -> float:
@@ -119,6 +183,8 @@ def main() -> int:
     p.add_argument("--setting", default="all")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--set", dest="overrides", action="append", default=[])
+    p.add_argument("--parts", action="store_true",
+                   help="also time each part of the benchmark's work bare (victims, Acc. forward, attack, metrics)")
     args = p.parse_args()
     if len(args.num_images) > 2 or any(n < 1 for n in args.num_images):
         p.error("--num-images takes one or two positive sizes")
@@ -163,6 +229,20 @@ def main() -> int:
         d_updates = max(updates[large] - updates[small], 1)
         print(f"marginal ({small} -> {large} images, start-up excluded): benchmark {d_bench / d_updates:.3f} s vs "
               f"bare {d_bare / d_updates:.3f} s per further update = {d_bench / d_bare:.2f}x")
+    if args.parts:
+        largest = sizes[-1]
+        parts, n = bare_parts(cfgs[largest])
+        per = {k: v / max(n, 1) for k, v in parts.items()}
+        total = sum(per.values())
+        if len(sizes) == 2:
+            against, what = d_bench / d_updates, "marginal"
+        else:
+            against, what = med[largest][0] / max(updates[largest], 1), "whole-run"
+        print(f"parts, bare, one after the other ({largest} images, {n} updates), per update:")
+        for k, v in per.items():
+            print(f"  {k:<18} {v:.3f} s ({v / total:5.1%})")
+        print(f"  sum of the parts   {total:.3f} s; the benchmark's {what} time per update {against:.3f} s = "
+              f"{against / total:.2f}x the parts, {against / per['victim gradients']:.2f}x the victims alone")
     return 0
 
 

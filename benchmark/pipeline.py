@@ -319,6 +319,29 @@ def _run_locked(cfg: dict, run: RunFolder, prepared: Prepared, federate: Optiona
                       tables, [str(g) for g in grids])
 
 
+def attack_metadata(cfg: dict, resolved: dict, model: nn.Module, batch: Any) -> dict:
+    """What the server knows besides an update: batch size, input normalisation, image size, the
+    update type and, when the threat model grants them, the labels.
+
+    Args:
+        cfg: the benchmark config; resolved: the federation's resolved client config
+            (``clients.runconfig.resolve_config``); model: the server's model; batch: the private batch.
+    """
+    from fedmjp.factory import model_input_stats
+
+    mean, std = model_input_stats(model)
+    fed = cfg["federation"]
+    md = {"num_images": len(batch.image_ids), "mean": mean, "std": std,
+          "image_size": (3, cfg["data"]["image_size"], cfg["data"]["image_size"]),
+          "update_type": "gradient" if fed["algorithm"] == "fedsgd" else "delta",
+          "lr": float(fed["lr"]), "local_steps": fed["local_steps"]}
+    if resolved["mode"] != fed["algorithm"]:  # the fedavg defence turns FedSGD into FedAvg
+        md.update(update_type="delta", local_steps=int(resolved["local-steps"]))
+    if cfg["attack"]["labels"] == "known":
+        md["labels"] = batch.labels.clone()
+    return md
+
+
 def raise_for_errors(summary: RunSummary) -> None:
     """After a finished run: :class:`AttackErrors` (exit status 8) if any attack raised an
     unexpected error; its rows are stored as failures and the tracebacks are in ``errors/``."""
@@ -560,7 +583,7 @@ class GroupAttacker:
             if not mine:
                 continue
             job = self.runner.submit(index, model, [dict(updates[i].arrays) for i in mine],
-                                     [self.attack_metadata(batches[i], updates[i]) for i in mine], self.batched)
+                                     [attack_metadata(self.cfg, self.resolved, self.model, batches[i]) for i in mine], self.batched)
             round_.jobs.append((attacker, job, mine))
         self.pending.append(round_)
         if len(self.pending) > self.max_pending:
@@ -725,23 +748,6 @@ class GroupAttacker:
         path.write_text(text)
         _logger.error("%s/%s: attack %s raised an unexpected error (round %d, partition %d); traceback in %s",
                       self.row.name, self.group, attack, rnd, part, path)
-
-    def attack_metadata(self, batch: Any, update: Any) -> dict:
-        """What the server knows besides the update: batch size, input normalisation, image size,
-        the update type and, when the threat model grants them, the labels."""
-        from fedmjp.factory import model_input_stats
-
-        mean, std = model_input_stats(self.model)
-        fed = self.cfg["federation"]
-        md = {"num_images": len(batch.image_ids), "mean": mean, "std": std,
-              "image_size": (3, self.cfg["data"]["image_size"], self.cfg["data"]["image_size"]),
-              "update_type": "gradient" if fed["algorithm"] == "fedsgd" else "delta",
-              "lr": float(fed["lr"]), "local_steps": fed["local_steps"]}
-        if self.resolved["mode"] != fed["algorithm"]:  # the fedavg defence turns FedSGD into FedAvg
-            md.update(update_type="delta", local_steps=int(self.resolved["local-steps"]))
-        if self.cfg["attack"]["labels"] == "known":
-            md["labels"] = batch.labels.clone()
-        return md
 
     def store_images(self, row: dict, batch: Any, b: int, reconstruction: torch.Tensor) -> None:
         """PNGs for the grids: x, x~ (shuffled group) and the reconstruction."""
