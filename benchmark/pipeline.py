@@ -582,8 +582,8 @@ class GroupAttacker:
                                for b in range(len(batch.image_ids)))]
             if not mine:
                 continue
-            job = self.runner.submit(index, model, [dict(updates[i].arrays) for i in mine],
-                                     [attack_metadata(self.cfg, self.resolved, self.model, batches[i]) for i in mine], self.batched)
+            metadata = [attack_metadata(self.cfg, self.resolved, self.model, batches[i]) for i in mine]
+            job = self.runner.submit(index, model, [dict(updates[i].arrays) for i in mine], metadata, self.batched)
             round_.jobs.append((attacker, job, mine))
         self.pending.append(round_)
         if len(self.pending) > self.max_pending:
