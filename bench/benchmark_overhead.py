@@ -45,7 +45,9 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -57,8 +59,22 @@ from benchmark.pipeline import build_rows, client_run_config  # noqa: E402
 from run_benchmark import main as benchmark_main  # noqa: E402
 
 
-def bare_work(cfg: dict) -> list:
-    """[(model, batches)] per model row and gradient group: the victims' models and private batches."""
+@dataclass
+class Victims:
+    """One model row and gradient group: its resolved client config, the victims' model and the
+    clients' private batches (round-major: ``clients`` per round)."""
+
+    row: Any
+    settings: list[str]
+    resolved: dict
+    model: torch.nn.Module
+    batches: list
+    dal: float
+
+
+def bare_work(cfg: dict) -> list[Victims]:
+    """The victims per model row and gradient group (x for setting a, x~ for b/c), one warm-up
+    gradient per model done."""
     from clients.partition import private_batch
     from clients.runconfig import resolve_config
     from clients.update import fedsgd_gradients, load_global_model
@@ -69,82 +85,75 @@ def bare_work(cfg: dict) -> list:
     work = []
     for row in rows:
         for group in groups:
-            run_config = resolve_config(client_run_config(cfg, row, group))
-            model = load_global_model(run_config).to(getattr(torch, run_config["precision"]))
-            batches = [private_batch(run_config, p, r, clients)
+            resolved = resolve_config(client_run_config(cfg, row, group))
+            model = load_global_model(resolved).to(getattr(torch, resolved["precision"]))
+            batches = [private_batch(resolved, p, r, clients)
                        for r in range(1, rounds + 1) for p in range(clients)]
-            work.append((model, batches, float(run_config["dal-weight"])))
-    for model, batches, dal in work:  # warm-up: one gradient per model
-        fedsgd_gradients(model, batches[0], dal)
+            work.append(Victims(row, [s for s in cfg["settings"] if C.SETTING_GROUPS[s] == group], resolved,
+                                model, batches, float(resolved["dal-weight"])))
+    for v in work:  # warm-up: one gradient per model
+        fedsgd_gradients(v.model, v.batches[0], v.dal)
     return work
 
 
-def bare_gradients(work: list) -> tuple[float, int]:
+def bare_gradients(work: list[Victims]) -> tuple[float, int]:
     """(seconds, updates) of the victims' forward+backward passes alone."""
     from clients.update import fedsgd_gradients
 
     t0 = time.perf_counter()
     n = 0
-    for model, batches, dal in work:
-        for batch in batches:
-            fedsgd_gradients(model, batch, dal)
+    for v in work:
+        for batch in v.batches:
+            fedsgd_gradients(v.model, batch, v.dal)
             n += 1
     return time.perf_counter() - t0, n
 
 
-def bare_parts(cfg: dict) -> tuple[dict[str, float], int]:
+def bare_parts(cfg: dict, work: list[Victims]) -> tuple[dict[str, float], int]:
     """Seconds of each part of the benchmark's work on these updates, bare and one after the other
     (see the module docstring), and the number of updates."""
     import attacks
     from benchmark import scoring
     from benchmark.config import attack_entries
     from benchmark.pipeline import attack_metadata
-    from clients.partition import private_batch
-    from clients.runconfig import resolve_config
-    from clients.update import fedsgd_gradients, load_global_model
+    from clients.update import fedsgd_gradients
     from metrics.regions import region_scores
 
     device = torch.device("cpu")
-    rows = build_rows(cfg, device)
     scorer = scoring.Scorer(device, cfg["metrics"])
     attack = [attacks.create_attack(e["name"], **e["options"]) for e in attack_entries(cfg)]
-    clients, rounds = cfg["federation"]["clients"], cfg["federation"]["rounds"]
+    clients = cfg["federation"]["clients"]
     parts = dict.fromkeys(("victim gradients", "Acc. forward", "attack", "metrics"), 0.0)
     n = 0
-    for row in rows:
-        for group in sorted({C.SETTING_GROUPS[s] for s in cfg["settings"]}):
-            settings = [s for s in cfg["settings"] if C.SETTING_GROUPS[s] == group]
-            resolved = resolve_config(client_run_config(cfg, row, group))
-            victim = load_global_model(resolved).to(getattr(torch, resolved["precision"]))
-            dal = float(resolved["dal-weight"])
-            fedsgd_gradients(victim, private_batch(resolved, 0, 1, clients), dal)  # warm-up
-            for rnd in range(1, rounds + 1):
-                batches = [private_batch(resolved, p, rnd, clients) for p in range(clients)]
+    for v in work:
+        row = v.row
+        for first in range(0, len(v.batches), clients):  # one round at a time, as the pipeline
+            batches = v.batches[first:first + clients]
+            t = time.perf_counter()
+            grads = [fedsgd_gradients(v.model, b, v.dal)[0] for b in batches]
+            parts["victim gradients"] += time.perf_counter() - t
+            if row.acc_model is not None:
                 t = time.perf_counter()
-                grads = [fedsgd_gradients(victim, b, dal)[0] for b in batches]
-                parts["victim gradients"] += time.perf_counter() - t
-                if row.acc_model is not None:
-                    t = time.perf_counter()
-                    scoring.top1_many(row.acc_model, batches, device)
-                    parts["Acc. forward"] += time.perf_counter() - t
-                md = [attack_metadata(cfg, resolved, row.model, b) for b in batches]
-                for a in attack:
-                    t = time.perf_counter()
-                    results = a.reconstruct_many(row.model, grads, md)
-                    parts["attack"] += time.perf_counter() - t
-                    t = time.perf_counter()
-                    x = torch.cat([b.images for b in batches])
-                    xs = None if batches[0].shuffled is None else torch.cat([b.shuffled for b in batches])
-                    for s in settings:
-                        recon = torch.cat([r.unshuffled if s == "c" and r.unshuffled is not None else r.images
-                                           for r in results])
-                        scorer.score(s, recon, x, xs)
-                        if s in ("b", "c") and batches[0].unk_mask is not None:
-                            region_scores(recon.float(), (xs if s == "b" else x).float(),
-                                          torch.cat([b.unk_mask for b in batches]),
-                                          int(row.model.patch_embed.patch_size[0]))
-                    parts["metrics"] += time.perf_counter() - t
-                n += len(batches)
+                scoring.top1_many(row.acc_model, batches, device)
+                parts["Acc. forward"] += time.perf_counter() - t
+            md = [attack_metadata(cfg, v.resolved, row.model, b) for b in batches]
+            for a in attack:
+                t = time.perf_counter()
+                results = a.reconstruct_many(row.model, grads, md)
+                parts["attack"] += time.perf_counter() - t
+                t = time.perf_counter()
+                x = torch.cat([b.images for b in batches])
+                xs = None if batches[0].shuffled is None else torch.cat([b.shuffled for b in batches])
+                for s in v.settings:
+                    recon = torch.cat([r.unshuffled if s == "c" and r.unshuffled is not None else r.images
+                                       for r in results])
+                    scorer.score(s, recon, x, xs)
+                    if s in ("b", "c") and batches[0].unk_mask is not None:
+                        region_scores(recon.float(), (xs if s == "b" else x).float(),
+                                      torch.cat([b.unk_mask for b in batches]),
+                                      int(row.model.patch_embed.patch_size[0]))
+                parts["metrics"] += time.perf_counter() - t
+            n += len(batches)
     return parts, n
 
 
@@ -231,7 +240,7 @@ def main() -> int:
               f"bare {d_bare / d_updates:.3f} s per further update = {d_bench / d_bare:.2f}x")
     if args.parts:
         largest = sizes[-1]
-        parts, n = bare_parts(cfgs[largest])
+        parts, n = bare_parts(cfgs[largest], work[largest])
         per = {k: v / max(n, 1) for k, v in parts.items()}
         total = sum(per.values())
         if len(sizes) == 2:

@@ -407,8 +407,8 @@ class GroupAttacker:
     them in the server's order, so the clients compute round r + 1 while round r is attacked and
     scored (on 2 CPU cores the two overlap; the rows do not depend on it: the attack thread alone
     touches the server's model copy, the scorer and the results file). A round's updates are
-    collected as they arrive; once every expected client of the
-    round has replied (or the next round starts, or the federation ends), each attacker gets all of
+    collected as they arrive; once every expected client of the round has replied (or the next
+    round starts, or the federation ends), each attacker gets all of
     them in one ``reconstruct_many`` call on the runner (batched attacks solve them together; on Ray
     workers, the federation goes on meanwhile), and the results are scored per round and setting
     in one metrics call and appended. ``batched=False`` attacks one update per ``reconstruct`` call

@@ -55,7 +55,8 @@ class TappedCentralDp(DifferentialPrivacyServerSideFixedClipping):
                         grid: Grid) -> Iterable[Message]:
         messages = super().configure_train(server_round, arrays, config, grid)
         # Replies are gradients or deltas: the update Flower clips is the reply itself.
-        self.current_arrays = encode_state({k: torch.zeros_like(v) for k, v in self.inner._decode_global(arrays).items()})
+        # (Flower's wrapper ran the inner strategy's configure_train, which decoded this round's weights.)
+        self.current_arrays = encode_state({k: torch.zeros_like(v) for k, v in self.inner.global_state.items()})
         return messages
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]

@@ -66,6 +66,11 @@ class TappedFedAvg(FedAvg):
         self._sent = [m.metadata.dst_node_id for m in messages]
         return messages
 
+    @property
+    def global_state(self) -> dict[str, torch.Tensor]:
+        """The weights sent this round, decoded (read-only; set by :meth:`configure_train`)."""
+        return self._global
+
     # ------------------------------------------------------------------------- aggregation
     def apply(self, global_state: dict[str, torch.Tensor], mean_update: dict[str, torch.Tensor]
               ) -> dict[str, torch.Tensor]:

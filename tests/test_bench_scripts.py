@@ -52,7 +52,7 @@ def test_vmap_gradients_equal_the_clients_loop(variant: str, setting: str) -> No
 def test_parts_of_the_benchmark_cover_every_update() -> None:
     bench = load_bench("benchmark_overhead")
     cfg = C.validate(tiny_config(settings=["a", "b", "c"]))
-    parts, n = bench.bare_parts(cfg)
+    parts, n = bench.bare_parts(cfg, bench.bare_work(cfg))
     assert n == 2 * 2 * 2 * 2  # models x groups x rounds x clients
     assert set(parts) == {"victim gradients", "Acc. forward", "attack", "metrics"}
     assert all(v > 0 for v in parts.values())
