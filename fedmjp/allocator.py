@@ -9,13 +9,27 @@ machine, Flower's encode and decode of a DeiT-S state took 66 ms each, and 16-18
 settings below; one DeiT-S/224 forward+backward 279 ms, and 219 ms.
 
 :func:`tune_malloc` sets ``M_MMAP_THRESHOLD`` to 32 MiB (glibc's maximum: every weight array and
-activation below it comes from the heap) and ``M_TRIM_THRESHOLD`` to 1 GiB (freed heap memory is
-kept for the next allocation), the same knobs as the ``MALLOC_MMAP_THRESHOLD_`` /
-``MALLOC_TRIM_THRESHOLD_`` environment variables, set from inside the process because users run
-``python run_benchmark.py`` in a plain shell. PyTorch's CPU tuning guide reaches the same end with
-jemalloc or tcmalloc preloaded; this needs no extra library. Trade-off: the process keeps its peak
-heap instead of returning it to the OS between rounds. ``FEDMJP_MALLOC=default`` leaves glibc as is.
-Elsewhere (macOS, musl, Windows) this is a no-op.
+activation below it comes from the heap), ``M_TRIM_THRESHOLD`` to 1 GiB (freed heap memory is
+kept for the next allocation) and ``M_ARENA_MAX`` to 1 (every thread allocates from the one main
+heap), the same knobs as the ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` /
+``MALLOC_ARENA_MAX`` environment variables, set from inside the process because users run
+``python run_benchmark.py`` in a plain shell; call it before the process starts threads (the arena
+limit binds threads that have not allocated yet).
+
+Why one arena: the clients of the in-process engine and the attack thread would each get a
+per-thread arena, made of 64 MiB heap mappings that the trim threshold does not cover: when a heap
+empties, ``heap_trim`` unmaps it whole. A DeiT-S client empties and refills its heaps every round
+(gradients, the 88 MB reply), so every round faulted its pages in again: measured on 2 cores
+(2026-11-24), ~9,000 page faults per forward+backward and ~16,000 per encoded reply, the reply's
+encoding 35-89 ms instead of 26-35 ms. ``M_TOP_PAD`` at a heap's size (64 MiB) keeps those heaps
+too, but each arena then holds its own peak: the paper preset at 18 images peaked at 10.0 GB
+against 7.2 GB before and 5.8 GB with one arena. At 45 images, run beside the code before: the
+kernel's time -60%, user time +3% (the threads share one arena's lock), CPU time -3.5%, peak RSS
+-20% (README, "Speed checks", sixth look).
+
+PyTorch's CPU tuning guide reaches the same end with jemalloc or tcmalloc preloaded; this needs no
+extra library. Trade-off: the process keeps its peak heap instead of returning it to the OS between
+rounds. ``FEDMJP_MALLOC=default`` leaves glibc as is. Elsewhere (macOS, musl, Windows) this is a no-op.
 """
 from __future__ import annotations
 
@@ -31,8 +45,10 @@ _logger = logging.getLogger(__name__)
 #: mallopt parameter numbers from glibc's <malloc.h>.
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
+M_ARENA_MAX = -8
 MMAP_THRESHOLD = 32 * 1024 * 1024  # glibc's upper limit on 64-bit
 TRIM_THRESHOLD = 1024**3  # mallopt takes an int
+ARENA_MAX = 1
 
 @functools.cache
 def tune_malloc() -> bool:
@@ -48,7 +64,8 @@ def tune_malloc() -> bool:
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    ok = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    ok = all(bool(mallopt(param, value)) for param, value in (
+        (M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD), (M_ARENA_MAX, ARENA_MAX)))
     if not ok:
-        _logger.debug("glibc mallopt refused the thresholds; malloc left as is")
+        _logger.debug("glibc mallopt refused the settings; malloc left as is")
     return ok
