@@ -53,7 +53,8 @@ ctypes.CDLL("libc.so.6").malloc_stats()
 def _steady(arena_max: int) -> tuple[int, int]:
     """(page faults of the thread's last three rounds, glibc arenas) with ``M_ARENA_MAX`` at
     ``arena_max`` (0: glibc's default, up to 8 per core)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}  # glibc's own tunables off
+    env = {k: v for k, v in os.environ.items()  # glibc's own tunables off: they would set the arenas
+           if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
     done = subprocess.run([sys.executable, "-c", STEADY, str(arena_max)], env={**env, "FEDMJP_MALLOC": ""},
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
