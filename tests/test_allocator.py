@@ -8,6 +8,9 @@ import sys
 
 import pytest
 
+glibc_only = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
+                                reason="glibc only")
+
 CODE = "from fedmjp.allocator import tune_malloc; print(tune_malloc(), tune_malloc())"
 
 
@@ -18,7 +21,7 @@ def _run(**env: str) -> str:
     return done.stdout.strip()
 
 
-@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only")
+@glibc_only
 def test_tune_malloc_applies_once_on_glibc_and_can_be_turned_off():
     assert _run(FEDMJP_MALLOC="") == "True True"
     assert _run(FEDMJP_MALLOC="default") == "False False"
@@ -63,7 +66,7 @@ def _steady(arena_max: int) -> tuple[int, int]:
     return int(faults), sum(line.startswith("Arena ") for line in done.stderr.splitlines())
 
 
-@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only")
+@glibc_only
 def test_a_threads_freed_memory_is_reused_without_page_faults():
     """A thread's own arena unmaps an emptied 64 MiB heap whatever the trim threshold, so each round
     would fault its ~35,000 pages in again; with one arena the main heap keeps them."""
