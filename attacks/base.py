@@ -21,6 +21,7 @@ import logging
 import time
 import traceback
 from dataclasses import dataclass, field
+from collections.abc import Iterator, MutableMapping
 from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence, Union
 
 import torch
@@ -139,20 +140,54 @@ class AttackMetadata:
         return -m / s, (1 - m) / s
 
 
-def update_to_gradients(update: Update, meta: AttackMetadata) -> tuple[dict[str, torch.Tensor], list[str]]:
+class LazyGradients(MutableMapping[str, torch.Tensor]):
+    """``convert`` applied to each array of ``source`` when it is first read, and kept.
+
+    The server's updates copy an array out of the client's message only when it is read, so an
+    attack that reads four arrays of a DeiT-S gradient never pays for the other 148. Assigning a
+    name replaces (or adds) that entry here; ``source`` is never modified.
+    """
+
+    def __init__(self, source: Mapping[str, torch.Tensor], convert: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self._source, self._convert, self._done = source, convert, {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        got = self._done.get(name)
+        if got is None:
+            got = self._done[name] = self._convert(self._source[name])
+        return got
+
+    def __setitem__(self, name: str, value: torch.Tensor) -> None:
+        self._done[name] = value
+
+    def __delitem__(self, name: str) -> None:
+        raise TypeError("LazyGradients: entries cannot be deleted")
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self._source
+        yield from (k for k in self._done if k not in self._source)
+
+    def __len__(self) -> int:
+        return len(self._source) + sum(k not in self._source for k in self._done)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._source or name in self._done
+
+
+def update_to_gradients(update: Update, meta: AttackMetadata) -> tuple[LazyGradients, list[str]]:
     """Turn an update into (gradients by name, notes).
 
-    A FedSGD gradient is returned as is. A FedAvg delta (local - global) after one local SGD step
-    equals -lr * grad exactly; after ``local_steps`` > 1 steps, -delta / (lr * steps) is the mean of
-    the gradients along the local trajectory, which the attacks use as an approximation (noted).
+    A FedSGD gradient is returned as is (detached). A FedAvg delta (local - global) after one local
+    SGD step equals -lr * grad exactly; after ``local_steps`` > 1 steps, -delta / (lr * steps) is the
+    mean of the gradients along the local trajectory, which the attacks use as an approximation
+    (noted). Each array is converted when an attack first reads it.
     """
-    grads = {k: v.detach() for k, v in update.items()}
     if meta.update_type == "gradient":
-        return grads, []
+        return LazyGradients(update, torch.Tensor.detach), []
     scale = -1.0 / (float(meta.lr) * max(meta.local_steps, 1))
     notes = [] if meta.local_steps <= 1 else [
         f"approximate: {meta.local_steps}-step FedAvg delta treated as -lr*steps*mean gradient"]
-    return {k: v * scale for k, v in grads.items()}, notes
+    return LazyGradients(update, lambda v: v.detach() * scale), notes
 
 
 class ErrorReason(str):

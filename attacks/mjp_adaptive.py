@@ -38,7 +38,8 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from .april import _gradient_of_Z, _is_design_a, _vit, check_conditions
-from .base import Attack, AttackFailure, AttackMetadata, AttackResult, Update, register_attack, update_to_gradients
+from .base import (Attack, AttackFailure, AttackMetadata, AttackResult, LazyGradients, Update, register_attack,
+                   update_to_gradients)
 from .jigsaw_solver import place, solve_jigsaw
 from .matching import recover_labels
 
@@ -382,7 +383,7 @@ class MJPAdaptive(Attack):
             raise AttackFailure("the model has no E_unk (unk_embed): not an MJP jp_unk/mjp model")
         prefix = int(getattr(vit, "num_prefix_tokens", 1))
         D = int(vit.embed_dim)
-        grads = {k: v.to("cpu", torch.float64) for k, v in grads.items()}
+        grads = LazyGradients(grads, lambda v: v.to("cpu", torch.float64))  # each array when first read
         g_pe = grads["pos_embed"].reshape(-1, D)
         patch_rows = g_pe[-vit.patch_embed.num_patches:]
         S = detect_shuffled(patch_rows)

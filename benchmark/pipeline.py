@@ -583,7 +583,7 @@ class GroupAttacker:
             if not mine:
                 continue
             metadata = [attack_metadata(self.cfg, self.resolved, self.model, batches[i]) for i in mine]
-            job = self.runner.submit(index, model, [dict(updates[i].arrays) for i in mine], metadata, self.batched)
+            job = self.runner.submit(index, model, [updates[i].arrays for i in mine], metadata, self.batched)
             round_.jobs.append((attacker, job, mine))
         self.pending.append(round_)
         if len(self.pending) > self.max_pending:

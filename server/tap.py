@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
 import torch
@@ -29,7 +30,9 @@ class TappedUpdate:
         partition_id: the client's self-reported partition id (-1 if it reported none); the
             benchmark uses it only to look up the ground truth.
         kind: ``gradients`` (FedSGD: dL/dw of one batch) or ``delta`` (FedAvg: w_after - w_before).
-        arrays: parameter name -> tensor of the parameter's shape (CPU).
+        arrays: parameter name -> tensor of the parameter's shape (CPU); the server's is a
+            :class:`clients.records.LazyState`, which copies an array out of the reply when it is
+            first read (do not modify the tensors).
         global_state: full state dict the client started from (shared by all updates of a round;
             do not modify).
         num_examples: examples the client reports to have used.
@@ -42,7 +45,7 @@ class TappedUpdate:
     node_id: int
     partition_id: int
     kind: str
-    arrays: dict[str, torch.Tensor]
+    arrays: Mapping[str, torch.Tensor]
     global_state: dict[str, torch.Tensor]
     num_examples: int
     metrics: dict[str, float]
@@ -83,8 +86,9 @@ class FolderTap:
         if r not in self._saved_globals:
             torch.save(update.global_state, self.folder / f"round-{r:04d}-global.pt")
             self._saved_globals.add(r)
-        header = {k: v for k, v in asdict(update).items() if k not in ("arrays", "global_state")}
-        payload = {"header": json.dumps(header), "arrays": update.arrays}
+        # The header's fields only (asdict would deep-copy the arrays and global state first).
+        header = {f.name: getattr(update, f.name) for f in fields(update) if f.name not in ("arrays", "global_state")}
+        payload = {"header": json.dumps(header), "arrays": dict(update.arrays)}  # a dict: weights_only loads it
         torch.save(payload, self.folder / f"round-{r:04d}-node-{update.node_id}.pt")
 
 

@@ -98,6 +98,23 @@ def test_april_analytic_batched_matches_single_and_delta_updates():
     assert psnr(r.images, x[:1]) > 100
 
 
+def test_april_analytic_reads_only_the_arrays_it_uses_from_a_servers_update(monkeypatch):
+    """The server hands updates on as :class:`clients.records.LazyState`: the closed form must
+    copy only what it solves with out of the client's message, and give the same answer."""
+    from clients import records
+
+    model = april_model()
+    x = real_images(1).double()
+    update = attacks.compute_update(model, normalize(x), torch.tensor([0]))
+    received = records.LazyState(records.encode_state(update))
+    decoded, decode = [], records.decode_tensor
+    monkeypatch.setattr(records, "decode_tensor", lambda array: decoded.append(array) or decode(array))
+    got = attacks.create_attack("april_analytic").reconstruct(model, received, MD)
+    want = attacks.create_attack("april_analytic").reconstruct(model, update, MD)
+    assert not got.failed and torch.equal(got.images, want.images)
+    assert 1 <= len(decoded) <= 3 < len(update)  # pos_embed, qkv weight (cls_token where the PE skips it)
+
+
 def test_april_analytic_two_prefix_tokens():
     model = april_model(reg_tokens=1)
     assert model.num_prefix_tokens == 2

@@ -268,3 +268,35 @@ def test_fedsgd_with_zero_step_sends_the_same_weights_without_aggregating(monkey
     # A non-zero step does aggregate.
     run_federation({**TINY, "lr": 0.05, "num-server-rounds": 1}, engine="inprocess", num_supernodes=2)
     assert calls == [2]
+
+
+def test_server_checks_each_reply_on_views_of_its_bytes():
+    """Unknown names, wrong shapes, NaN/inf and truncated payloads are malformed replies; finite
+    values whose float32 sum overflows are not (the sum is only a fast path to the exact check)."""
+    from flwr.app import Array, ArrayRecord
+
+    from clients.records import encode_state, encode_tensor
+    from server.strategy import checked_arrays
+
+    sent = {"w": torch.zeros(4, 3), "b": torch.zeros(3, dtype=torch.float64), "n": torch.zeros((), dtype=torch.int64)}
+    good = {"w": torch.full((4, 3), 3e38), "b": torch.full((3,), 1e308, dtype=torch.float64),
+            "n": torch.tensor(5)}
+    arrays = checked_arrays(encode_state(good), sent)
+    assert all(torch.equal(arrays[k], v) for k, v in good.items())
+    half = {"w": torch.full((4, 3), 6e4, dtype=torch.float16)}  # float16 sum overflows at 65504
+    assert torch.equal(checked_arrays(encode_state(half), {"w": torch.zeros(4, 3)})["w"], half["w"])
+
+    def rejects(update, match):
+        with pytest.raises(ValueError, match=match):
+            checked_arrays(update if isinstance(update, ArrayRecord) else encode_state(update), sent)
+
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        w = torch.ones(4, 3)
+        w[2, 1] = bad
+        rejects({"w": w}, "w: non-finite")
+        rejects({"b": torch.tensor([0.0, bad, 1.0], dtype=torch.float64)}, "b: non-finite")
+    rejects({"w": torch.ones(3, 4)}, r"w: shape \(3, 4\) != \(4, 3\)")
+    rejects({"extra": torch.ones(1)}, "unknown parameters")
+    full = encode_tensor(torch.ones(4, 3))
+    cut = Array(dtype=full.dtype, shape=tuple(full.shape), stype=full.stype, data=full.data[:-8])
+    rejects(ArrayRecord({"w": cut}), "buffer is smaller")

@@ -1,6 +1,7 @@
 """clients/records.py: the one-copy ArrayRecord codec equals Flower's own, byte for byte and value for value."""
 from __future__ import annotations
 
+import pickle
 from collections import OrderedDict
 
 import numpy as np
@@ -8,7 +9,7 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord
 
-from clients.records import DecodeCache, decode_state, decode_tensor, encode_state, encode_tensor
+from clients.records import DecodeCache, LazyState, decode_state, decode_tensor, encode_state, encode_tensor
 
 
 def _state() -> "OrderedDict[str, torch.Tensor]":
@@ -76,3 +77,59 @@ def test_decode_cache_decodes_the_same_payload_once_and_a_new_one_again() -> Non
     assert second is not first and torch.equal(second["bias"], state["bias"] + 1)
     fewer = encode_state(OrderedDict(list(state.items())[:2]))
     assert list(cache(fewer)) == ["weight", "bias"]
+
+
+def test_lazy_state_checks_on_views_and_copies_an_array_only_when_read() -> None:
+    state = _state()
+    record = encode_state(state)
+    lazy = LazyState(record)
+    assert list(lazy) == list(state) and len(lazy) == len(state) and "weight" in lazy and "nope" not in lazy
+    message_bytes = np.frombuffer(record["weight"].data, dtype=np.uint8)
+    view = lazy.view("weight")
+    assert not view.flags.writeable and np.shares_memory(view, message_bytes)  # no copy
+    assert np.array_equal(view, state["weight"].numpy())
+    tensor = lazy["weight"]
+    assert lazy["weight"] is tensor  # decoded once
+    assert tensor.numpy().flags.writeable and not np.shares_memory(tensor.numpy(), message_bytes)
+    assert np.shares_memory(lazy.view("weight"), tensor.numpy())  # the bytes are let go once decoded
+    decoded = decode_state(record)
+    for name in state:
+        assert torch.equal(lazy[name], decoded[name]) and lazy[name].dtype == decoded[name].dtype
+        assert np.array_equal(lazy.view(name), decoded[name].numpy())
+    with pytest.raises(KeyError):
+        lazy["nope"]
+
+
+def test_lazy_state_keeps_the_values_as_received() -> None:
+    state = _state()
+    record = encode_state(state)
+    lazy = LazyState(record)
+    record["bias"].data = encode_tensor(state["bias"] + 1).data  # a later change to the message's Array
+    record["weight"] = encode_tensor(state["weight"] * 2)
+    assert torch.equal(lazy["bias"], state["bias"]) and torch.equal(lazy["weight"], state["weight"])
+
+
+def test_lazy_state_pickles_with_read_and_unread_arrays() -> None:
+    state = _state()
+    lazy = LazyState(encode_state(state))
+    lazy["bias"]
+    back = pickle.loads(pickle.dumps(lazy))
+    assert list(back) == list(state)
+    assert all(torch.equal(back[name], state[name].contiguous()) for name in state)
+
+
+@pytest.mark.parametrize("array", [
+    np.asfortranarray(np.arange(12, dtype=np.float32).reshape(3, 4)),
+    np.arange(5, dtype=">f8"),
+])
+def test_lazy_state_views_payloads_outside_the_fast_path_through_flowers_decoder(array: np.ndarray) -> None:
+    lazy = LazyState(ArrayRecord(OrderedDict(a=Array.from_numpy_ndarray(array))))
+    assert np.array_equal(lazy.view("a"), array) and np.array_equal(lazy["a"].numpy(), array)
+
+
+def test_a_truncated_payload_is_a_value_error() -> None:
+    good = encode_tensor(torch.ones(10))
+    cut = Array(dtype=good.dtype, shape=tuple(good.shape), stype=good.stype, data=good.data[:-4])
+    lazy = LazyState(ArrayRecord(OrderedDict(a=cut)))
+    with pytest.raises(ValueError):
+        lazy.view("a")
