@@ -20,8 +20,8 @@ from __future__ import annotations
 import logging
 import time
 import traceback
-from dataclasses import dataclass, field
 from collections.abc import Iterator, MutableMapping
+from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence, Union
 
 import torch
@@ -143,9 +143,9 @@ class AttackMetadata:
 class LazyGradients(MutableMapping[str, torch.Tensor]):
     """``convert`` applied to each array of ``source`` when it is first read, and kept.
 
-    The server's updates copy an array out of the client's message only when it is read, so an
-    attack that reads four arrays of a DeiT-S gradient never pays for the other 148. Assigning a
-    name replaces (or adds) that entry here; ``source`` is never modified.
+    The server's updates copy an array out of the client's message only when it is read, so the
+    closed form, which reads 2-3 of a DeiT-S gradient's 150 arrays, never pays for the others.
+    Assigning a name replaces (or adds) that entry here; ``source`` is never modified.
     """
 
     def __init__(self, source: Mapping[str, torch.Tensor], convert: Callable[[torch.Tensor], torch.Tensor]) -> None:
