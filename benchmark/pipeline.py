@@ -485,6 +485,9 @@ class GroupAttacker:
         _logger.info("%s/%s: federation and attacks took %.1f s; the attacked model's top-1 needed a forward for "
                      "%d update(s), the others were read off their gradients", self.row.name, self.group,
                      time.perf_counter() - t0, self.forward_top1)
+        if self.p.scorer.lpips_cache is not None:
+            _logger.info("LPIPS features so far: %(computed)d image(s) computed, %(reused)d reused; %(kept_images)d "
+                         "reference(s) kept (%(kept_bytes)d bytes)", self.p.scorer.lpips_cache.stats())
 
     def tap(self, update: Any) -> None:
         """The server's tap: hands the update to the attack thread (:meth:`work`) and returns, so

@@ -24,19 +24,26 @@ class Scorer:
 
     LPIPS weights come from ``metrics.lpips_backbone`` when the config names a file, else from the
     metrics package's route (``$FEDMJP_LPIPS_BACKBONE``, ``../shared/data/lpips``, torchvision's
-    cache or download). Where none can be had, the run goes on without LPIPS: one warning, the rows
+    cache or download); the features of images scored before are reused (:class:`metrics.LpipsFeatureCache`,
+    ``$FEDMJP_LPIPS_CACHE_MB``). Where none can be had, the run goes on without LPIPS: one warning, the rows
     carry ``lpips`` NaN and ``lpips_note`` with the reason, and the table says why the column is empty.
 
     Args:
         device: where LPIPS runs.
         options: the config's ``metrics`` section (``lpips``, ``lpips_backbone``).
     Raises:
-        ConfigError: the config names an LPIPS weights file that cannot be used.
+        ConfigError: the config names an LPIPS weights file that cannot be used, or
+            ``FEDMJP_LPIPS_CACHE_MB`` is not a whole number >= 0.
     """
 
     def __init__(self, device: torch.device, options: Mapping[str, Any]) -> None:
+        try:
+            metrics.cache_budget_mb()
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
         self.names = [m for m in ROW_METRICS if m != "lpips" or options.get("lpips", True)]
         self.lpips_model = None
+        self.lpips_cache: Optional[metrics.LpipsFeatureCache] = None
         self.lpips_source: Optional[str] = None
         self.lpips_note: Optional[str] = None
         if "lpips" in self.names:
@@ -44,6 +51,7 @@ class Scorer:
             try:
                 self.lpips_model = metrics.get_lpips_model(device, backbone)
                 self.lpips_source = metrics.lpips_source(self.lpips_model)
+                self.lpips_cache = metrics.LpipsFeatureCache(self.lpips_model, metrics.cache_budget_mb())
             except metrics.LpipsUnavailable as err:
                 if backbone:  # the user named a file: theirs to fix, not a missing download
                     raise ConfigError(f"LPIPS: {err} (metrics.lpips_backbone={backbone!r}; or --set "
@@ -61,7 +69,7 @@ class Scorer:
         """
         rows = metrics.score(setting, reconstruction.float().cpu(), x.float().cpu(),
                              None if x_tilde is None else x_tilde.float().cpu(),
-                             metrics=self.names, lpips_model=self.lpips_model)
+                             metrics=self.names, lpips_model=self.lpips_model, lpips_cache=self.lpips_cache)
         keep = set(self.names) | {"failed", "failure", "clamped"}
         out = [{k: v for k, v in r.items() if k in keep} for r in rows]
         if self.lpips_note is not None:

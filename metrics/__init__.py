@@ -8,9 +8,12 @@ from ._validate import RANGE_TOLERANCE, check_image_batch, check_pair
 from .fourier import fft2d, fft2d_clamped, fft2d_hermitian, point_reflect
 from .perceptual import (
     BACKBONE_ENV,
+    CACHE_ENV,
     LPIPSWeightsError,
+    LpipsFeatureCache,
     LpipsRoute,
     LpipsUnavailable,
+    cache_budget_mb,
     get_lpips_model,
     lpips,
     lpips_source,
@@ -33,7 +36,9 @@ from .structural import ssim_official, ssim_scipy, ssim_torch, ssim_with_map
 
 __all__ = [
     "BACKBONE_ENV",
+    "CACHE_ENV",
     "LPIPSWeightsError",
+    "LpipsFeatureCache",
     "LpipsRoute",
     "LpipsUnavailable",
     "METRICS",
@@ -52,6 +57,7 @@ __all__ = [
     "fft2d",
     "fft2d_clamped",
     "fft2d_hermitian",
+    "cache_budget_mb",
     "get_lpips_model",
     "get_metric",
     "lpips",

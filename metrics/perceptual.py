@@ -23,6 +23,7 @@ layer keeps a spatial map (conv3-5: 3x3), at 4x the pixels rather than 49x for 2
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import socket
@@ -30,6 +31,7 @@ import threading
 import time
 import urllib.parse
 import warnings
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
@@ -53,6 +55,14 @@ SHARED_BACKBONE_HINT = "../shared/data/lpips/alexnet_features.pth"
 CONNECT_TIMEOUT_S = 5.0
 #: Images smaller than this (either side) are upsampled to it before LPIPS when ``resize="auto"``.
 LPIPS_MIN_SIZE = 64
+#: Environment variable: megabytes of reference-image features an :class:`LpipsFeatureCache` keeps.
+CACHE_ENV = "FEDMJP_LPIPS_CACHE_MB"
+#: Default of ``FEDMJP_LPIPS_CACHE_MB``: the x and x~ of the paper protocol's 999 images at 224 px
+#: (1.94 MB of AlexNet features each) fit.
+DEFAULT_CACHE_MB = 4096
+#: Megabytes of the short-lived part of the cache (the last images scored, e.g. a reconstruction
+#: scored under setting b and then c).
+RECENT_CACHE_MB = 256
 
 
 class LpipsUnavailable(RuntimeError):
@@ -261,6 +271,7 @@ def lpips(
     batch_size: int = 32,
     resize: Union[str, int, None] = "auto",
     validate: bool = True,
+    cache: Optional[LpipsFeatureCache] = None,
 ) -> torch.Tensor:
     """LPIPS distance per image (AlexNet trunk, v0.1 linear heads, spatially averaged).
 
@@ -275,11 +286,17 @@ def lpips(
             shorter side is 64 (module docstring); an int: always resize the shorter side to it;
             None: never resize.
         validate: run the input checks (the scorer validates once and passes False).
+        cache: reuse the AlexNet features of images scored before (:class:`LpipsFeatureCache`; its
+            model is used). The values are those of ``model(in0, in1)``.
     Returns:
         [B] float64 on CPU, >= 0; 0 for identical images; higher = more private.
     """
     if validate:
         check_pair(reconstruction, reference)
+    if cache is not None:
+        if model is not None and model is not cache.model:
+            raise ValueError("lpips: the cache belongs to another LPIPS model; pass its model or none")
+        model = cache.model
     if model is None:
         model = get_lpips_model()
     param = next(model.parameters())
@@ -287,11 +304,149 @@ def lpips(
     out = []
     with torch.inference_mode():
         for start in range(0, reconstruction.shape[0], batch_size):
-            pair = []
-            for t in (reconstruction, reference):
-                x = t[start : start + batch_size].to(param.device, param.dtype).clamp(0.0, 1.0)
-                if size is not None:
-                    x = F.interpolate(x, size=size, mode="bilinear", align_corners=False)
-                pair.append(x.mul(2.0).sub_(1.0).contiguous(memory_format=torch.channels_last))
-            out.append(model(*pair).flatten().to("cpu", torch.float64))
+            chunks = [t[start : start + batch_size] for t in (reconstruction, reference)]
+            pair = [_model_input(t, param, size) for t in chunks]
+            if cache is None:
+                distance = model(*pair)
+            else:
+                distance = _distance(model, cache.features(chunks[0], pair[0], size, keep=False),
+                                     cache.features(chunks[1], pair[1], size, keep=True))
+            out.append(distance.flatten().to("cpu", torch.float64))
     return torch.cat(out)
+
+
+def _model_input(images: torch.Tensor, param: torch.Tensor, size: Optional[tuple[int, int]]) -> torch.Tensor:
+    """Images in [0, 1] -> LPIPS' input: clipped, resized to ``size``, in [-1, 1], channels_last."""
+    x = images.to(param.device, param.dtype).clamp(0.0, 1.0)
+    if size is not None:
+        x = F.interpolate(x, size=size, mode="bilinear", align_corners=False)
+    return x.mul(2.0).sub_(1.0).contiguous(memory_format=torch.channels_last)
+
+
+# LPIPS.forward computes both images' features and then their distance in one call; the two steps
+# are written out below (the same operations in the same order, v0.1 with linear heads, spatially
+# averaged) so that a feature map computed once serves every pair an image is in.
+def _features(model: lpips_pkg.LPIPS, x: torch.Tensor) -> list[torch.Tensor]:
+    """The unit-normalised AlexNet features per layer of LPIPS' input ``x``, as in ``LPIPS.forward``."""
+    return [lpips_pkg.normalize_tensor(o) for o in model.net.forward(model.scaling_layer(x))]
+
+
+def _distance(model: lpips_pkg.LPIPS, f0: list[torch.Tensor], f1: list[torch.Tensor]) -> torch.Tensor:
+    """``LPIPS.forward``'s distance [B, 1, 1, 1] from two images' :func:`_features`."""
+    val = 0
+    for kk in range(model.L):
+        val += lpips_pkg.spatial_average(model.lins[kk]((f0[kk] - f1[kk]) ** 2), keepdim=True)
+    return val
+
+
+def _check_cacheable(model: lpips_pkg.LPIPS) -> None:
+    if getattr(model, "version", None) != "0.1" or not model.lpips or model.spatial:
+        raise ValueError("LpipsFeatureCache needs an LPIPS v0.1 model with linear heads and a spatial average "
+                         "(lpips.LPIPS(net='alex', version='0.1'), as get_lpips_model builds)")
+
+
+def cache_budget_mb() -> int:
+    """Megabytes an :class:`LpipsFeatureCache` keeps by default: ``FEDMJP_LPIPS_CACHE_MB`` or
+    :data:`DEFAULT_CACHE_MB` (0 keeps nothing beyond the last images scored)."""
+    env = os.environ.get(CACHE_ENV)
+    if env is None:
+        return DEFAULT_CACHE_MB
+    try:
+        value = int(env)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{CACHE_ENV} must be a whole number of megabytes >= 0, got {env!r}")
+    return value
+
+
+class LpipsFeatureCache:
+    """The AlexNet features of images LPIPS has scored, found again by the images' content.
+
+    A benchmark scores the same reference many times: x under setting (a) in every model row's
+    clean federation and under (c) in every shuffled one, x~ under (b) in every row, and a
+    reconstruction under (b) and then (c). LPIPS' AlexNet forward is at its FLOP limit on a CPU, so
+    the only saving left is not to repeat it: each image's features are computed once and reused.
+
+    Two parts: reference images (``keep=True``) are kept while their features fit in ``keep_mb``
+    (first come, kept for the run: a benchmark goes through the same images in the same order in
+    every federation, where a least-recently-used policy would evict each image just before it comes
+    back); every image computed also enters a least-recently-used part of ``recent_mb``. Keys are
+    BLAKE2b digests of the images' bytes (dtype, shape and the resize target included), so a hit
+    means the same input, whatever tensor carries it. The features, and thus the values, are those
+    ``LPIPS.forward`` computes (tests/test_metrics.py checks them equal bit for bit on a CPU).
+
+    Args:
+        model: the LPIPS model (:func:`get_lpips_model`); the cache is only valid for it.
+        keep_mb: budget of the kept part (default :func:`cache_budget_mb`).
+        recent_mb: budget of the recent part.
+    """
+
+    def __init__(self, model: lpips_pkg.LPIPS, keep_mb: Optional[int] = None,
+                 recent_mb: int = RECENT_CACHE_MB) -> None:
+        _check_cacheable(model)
+        self.model = model
+        self.keep_bytes = (cache_budget_mb() if keep_mb is None else int(keep_mb)) << 20
+        self.recent_bytes = int(recent_mb) << 20
+        self._kept: dict[bytes, list[torch.Tensor]] = {}
+        self._recent: OrderedDict[bytes, list[torch.Tensor]] = OrderedDict()
+        self._kept_size = self._recent_size = 0
+        self._lock = threading.Lock()
+        self.computed = 0  # images whose features were computed
+        self.reused = 0  # images whose features came from the cache
+
+    @staticmethod
+    def _key(image: torch.Tensor, size: Optional[tuple[int, int]]) -> bytes:
+        data = image.detach().cpu().contiguous()
+        digest = hashlib.blake2b(f"{data.dtype}{tuple(data.shape)}{size}".encode(), digest_size=20)
+        digest.update(data.view(torch.uint8).numpy().data if data.numel() else b"")
+        return digest.digest()
+
+    def _lookup(self, key: bytes) -> Optional[list[torch.Tensor]]:
+        if key in self._kept:
+            return self._kept[key]
+        hit = self._recent.get(key)
+        if hit is not None:
+            self._recent.move_to_end(key)
+        return hit
+
+    def _store(self, key: bytes, feats: list[torch.Tensor], keep: bool) -> None:
+        if key in self._kept or key in self._recent:  # the same image twice in one batch
+            return
+        nbytes = sum(f.numel() * f.element_size() for f in feats)
+        if keep and self._kept_size + nbytes <= self.keep_bytes:
+            self._kept[key] = feats
+            self._kept_size += nbytes
+            return
+        if nbytes > self.recent_bytes:
+            return
+        self._recent[key] = feats
+        self._recent_size += nbytes
+        while self._recent_size > self.recent_bytes:
+            _, old = self._recent.popitem(last=False)
+            self._recent_size -= sum(f.numel() * f.element_size() for f in old)
+
+    def features(self, images: torch.Tensor, model_input: torch.Tensor, size: Optional[tuple[int, int]],
+                 keep: bool) -> list[torch.Tensor]:
+        """Per layer, the features [B, C_l, H_l, W_l] of ``model_input`` (:func:`_model_input` of
+        ``images``, which key the cache), computing only those not cached."""
+        keys = [self._key(image, size) for image in images]
+        with self._lock:
+            found = [self._lookup(k) for k in keys]
+        missing = [i for i, f in enumerate(found) if f is None]
+        fresh = _features(self.model, model_input[missing]) if missing else []
+        with self._lock:
+            for j, i in enumerate(missing):
+                found[i] = [f[j : j + 1].clone() for f in fresh]
+                self._store(keys[i], found[i], keep)
+            self.computed += len(missing)
+            self.reused += len(keys) - len(missing)
+        if len(missing) == len(keys):
+            return fresh
+        return [torch.cat([f[layer] for f in found]) for layer in range(len(found[0]))]
+
+    def stats(self) -> dict[str, int]:
+        """Images computed and reused, and the bytes held in each part."""
+        with self._lock:
+            return dict(computed=self.computed, reused=self.reused, kept_images=len(self._kept),
+                        kept_bytes=self._kept_size, recent_images=len(self._recent), recent_bytes=self._recent_size)

@@ -16,7 +16,7 @@ import torch
 from ._inner import pair_gram
 from ._validate import RANGE_TOLERANCE, check_image_batch, check_pair
 from .fourier import fft2d_clamped_from_gram, fft2d_from_gram, fft2d_hermitian_from_gram
-from .perceptual import get_lpips_model, lpips
+from .perceptual import LpipsFeatureCache, get_lpips_model, lpips
 from .pixel import mse_from_gram, psnr_from_mse, ssim
 from .quantize import SUFFIX_8BIT, quantize_8bit
 from .registry import METRICS, PAPER_METRICS, get_metric
@@ -62,6 +62,7 @@ def score_all(
     metrics: Sequence[str] = PAPER_METRICS,
     lpips_model: Optional[lpips_pkg.LPIPS] = None,
     lpips_resize: Union[str, int, None] = "auto",
+    lpips_cache: Optional[LpipsFeatureCache] = None,
 ) -> dict[str, torch.Tensor]:
     """Several metrics of one batch in one pass: the values of the per-metric functions, computed once.
 
@@ -74,6 +75,7 @@ def score_all(
         metrics: registry names (:data:`metrics.METRICS`).
         lpips_model: model for LPIPS (default :func:`get_lpips_model` on CPU).
         lpips_resize: passed to :func:`metrics.lpips` as ``resize``.
+        lpips_cache: passed to :func:`metrics.lpips` as ``cache`` (features of images seen before).
     Returns:
         name -> [B] float64 CPU tensor, in the order of ``metrics``.
     Raises:
@@ -103,8 +105,9 @@ def score_all(
             elif n == "ssim_official":
                 values[n + suffix] = ssim_official(rec, ref, validate=False)
             elif n == "lpips":
-                model = lpips_model if lpips_model is not None else get_lpips_model()
-                values[n + suffix] = lpips(rec, ref, model=model, resize=lpips_resize, validate=False)
+                model = lpips_model if lpips_model is not None or lpips_cache is not None else get_lpips_model()
+                values[n + suffix] = lpips(rec, ref, model=model, resize=lpips_resize, validate=False,
+                                           cache=lpips_cache)
             elif n not in _FROM_GRAM:
                 values[n + suffix] = get_metric(n + suffix).fn(rec, ref)
     return {m: values[m] for m in metrics}
@@ -120,6 +123,7 @@ def score(
     clamp: bool = True,
     extra: Optional[Mapping[str, Any]] = None,
     lpips_resize: Union[str, int, None] = "auto",
+    lpips_cache: Optional[LpipsFeatureCache] = None,
 ) -> list[dict[str, Any]]:
     """Score a batch of reconstructions under a setting; one row per image, every row kept.
 
@@ -139,6 +143,7 @@ def score(
         clamp: clip reconstructions to [0, 1] instead of failing them.
         extra: fields copied into every row (model name, attack, seed, ...).
         lpips_resize: LPIPS input resizing (:func:`metrics.lpips`; default: upsample below 64 px).
+        lpips_cache: features of images scored before (:class:`metrics.LpipsFeatureCache`).
     Returns:
         B dicts: ``index``, ``setting``, ``reference``, the ``extra`` fields, ``failed``, ``failure``,
         ``clamped`` and one float per metric.
@@ -182,7 +187,7 @@ def score(
     rec_ok = rec[idx.to(rec.device)].clamp(0.0, 1.0)
     ref_ok = reference[idx.to(reference.device)]
     values = score_all(rec_ok, ref_ok.to(rec_ok.device), [m.name for m in chosen], lpips_model=lpips_model,
-                       lpips_resize=lpips_resize)
+                       lpips_resize=lpips_resize, lpips_cache=lpips_cache)
     for name, vals in values.items():
         for j, v in zip(idx.tolist(), vals.tolist()):
             rows[j][name] = float(v)

@@ -394,6 +394,16 @@ def test_every_wrong_value_is_a_clear_error_before_anything_is_written(tmp_path:
     assert not out.exists()
 
 
+def test_bad_lpips_cache_budget_is_a_clear_error_before_anything_is_written(tmp_path: Path, monkeypatch,
+                                                                            capsys) -> None:
+    monkeypatch.setenv("FEDMJP_LPIPS_CACHE_MB", "4GB")
+    out = tmp_path / "out"
+    assert run(write_config(tmp_path), out, "--models", "DeiT", "--setting", "a") == 3
+    err = capsys.readouterr().err
+    assert err.startswith("error: FEDMJP_LPIPS_CACHE_MB must be a whole number of megabytes >= 0, got '4GB'"), err
+    assert not out.exists()
+
+
 def test_corrected_command_runs_after_a_bad_value(tmp_path: Path) -> None:
     config = write_config(tmp_path, **{"federation.rounds": 1, "federation.clients": 2})
     out = tmp_path / "out"

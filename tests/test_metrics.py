@@ -183,6 +183,74 @@ def test_lpips_model_cached_and_env_var(monkeypatch: pytest.MonkeyPatch, lpips_m
     assert from_env is M.get_lpips_model() and M.lpips_source(from_env) == f"env:{BACKBONE.resolve()}"
 
 
+def test_lpips_feature_cache_gives_the_packages_values_and_reuses_features(real: torch.Tensor, lpips_model) -> None:
+    """Cached features give LPIPS.forward's values (float32 noise floor; bit for bit on the CPUs
+    tried), whatever mix of cached and new images a batch holds, and each image is computed once."""
+    cache = M.LpipsFeatureCache(lpips_model, keep_mb=64)
+    rec_a, rec_b = _distort(real, 0.1, seed=1), _distort(real, 0.2, seed=2)
+    want = M.lpips(rec_a, real, model=lpips_model)
+    got = M.lpips(rec_a, real, cache=cache)  # 4 + 4 computed
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    assert (cache.computed, cache.reused) == (8, 0)
+    # Setting (b) then (c): the same reconstruction against another reference, then against x again.
+    torch.testing.assert_close(M.lpips(rec_a, real.flip(0), cache=cache), M.lpips(rec_a, real.flip(0), model=lpips_model),
+                               atol=1e-6, rtol=0)
+    assert (cache.computed, cache.reused) == (8, 8)  # real.flip(0) holds the same four images
+    mixed = torch.cat([real[:2], _distort(real[:2], 0.3, seed=3)])  # two kept references, two new images
+    torch.testing.assert_close(M.lpips(rec_b, mixed, cache=cache), M.lpips(rec_b, mixed, model=lpips_model),
+                               atol=1e-6, rtol=0)
+    assert (cache.computed, cache.reused) == (14, 10)
+    # The same pixels in another tensor (a copy, another batch position) are a hit; another dtype or
+    # resize target is not.
+    M.lpips(rec_a[2:3].clone(), real[1:2].clone(), cache=cache)
+    assert cache.computed == 14
+    M.lpips(rec_a.float(), real, cache=cache)
+    M.lpips(rec_a, real, cache=cache, resize=96)
+    assert cache.computed == 14 + 4 + 8
+    assert (M.lpips(real, real, cache=cache) == 0).all()
+    with pytest.raises(ValueError, match="another LPIPS model"):
+        M.lpips(rec_a, real, model=torch.nn.Linear(1, 1), cache=cache)  # type: ignore[arg-type]
+
+
+def test_lpips_feature_cache_keeps_references_first_come_within_its_budget(real: torch.Tensor, lpips_model) -> None:
+    """References are kept while they fit, first come (a cyclic pass over the same images never
+    evicts what comes next); reconstructions only enter the recent part, which evicts the oldest."""
+    per_image = sum(f.numel() * 4 for f in M.perceptual._features(lpips_model, torch.zeros(1, 3, 64, 64)))
+    cache = M.LpipsFeatureCache(lpips_model, keep_mb=0, recent_mb=0)
+    cache.keep_bytes = 2 * per_image  # room for two references, none for recent images
+    rec = _distort(real, 0.1)
+    for _ in range(3):  # the same four references, three passes
+        M.lpips(rec, real, cache=cache)
+    assert cache.stats()["kept_images"] == 2 and cache.stats()["kept_bytes"] == 2 * per_image
+    # Pass 1 computes 8 and keeps references 0 and 1; passes 2 and 3 find those two and compute the
+    # other six again: 8 + 6 + 6.
+    assert (cache.computed, cache.reused) == (20, 4)
+
+    recent = M.LpipsFeatureCache(lpips_model, keep_mb=0, recent_mb=0)
+    recent.recent_bytes = 3 * per_image  # three images, least recently used out first
+    r, x = rec[:3], real[:2]
+    # The reconstruction's side is looked up (and stored) before the reference's.
+    M.lpips(r[0:1], x[0:1], cache=recent)  # r0, x0 computed: [r0, x0]
+    M.lpips(r[1:2], x[0:1], cache=recent)  # r1 computed, x0 found: [r0, r1, x0]
+    M.lpips(r[2:3], x[1:2], cache=recent)  # r2 and x1 computed; r0, then r1 out: [x0, r2, x1]
+    M.lpips(r[2:3], x[0:1], cache=recent)  # both found: [x1, r2, x0]
+    M.lpips(r[0:1], x[0:1], cache=recent)  # r0 computed again (x1 out), x0 found: [r2, r0, x0]
+    assert (recent.computed, recent.reused) == (6, 4) and recent.stats()["recent_images"] == 3
+    M.lpips(r[1:2], x[1:2], cache=recent)  # both out by now
+    assert (recent.computed, recent.reused) == (8, 4)
+
+
+def test_lpips_cache_budget_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(M.CACHE_ENV, raising=False)
+    assert M.cache_budget_mb() == M.perceptual.DEFAULT_CACHE_MB
+    monkeypatch.setenv(M.CACHE_ENV, "0")
+    assert M.cache_budget_mb() == 0
+    for bad in ("-1", "2.5", "lots"):
+        monkeypatch.setenv(M.CACHE_ENV, bad)
+        with pytest.raises(ValueError, match=f"{M.CACHE_ENV} must be a whole number of megabytes >= 0, got '{bad}'"):
+            M.cache_budget_mb()
+
+
 # ---------------------------------------------------------------------------- validation
 
 ALL = [M.mse, M.psnr, M.ssim, M.fft2d, M.fft2d_hermitian, M.lpips, M.ssim_official, M.fft2d_clamped, M.ssim_torch]
