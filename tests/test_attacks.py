@@ -115,6 +115,29 @@ def test_april_analytic_reads_only_the_arrays_it_uses_from_a_servers_update(monk
     assert 1 <= len(decoded) <= 3 < len(update)  # pos_embed, qkv weight (cls_token where the PE skips it)
 
 
+def test_april_patch_embedding_pseudo_inverse_is_reused_only_for_the_same_weights(monkeypatch):
+    """The closed form's SVD of the patch embedding runs once per distinct W_e: every round of a
+    fixed-weight federation hits the cache; a changed weight or rcond does not."""
+    from attacks import april
+
+    model = april_model()
+    x = real_images(2).double()
+    updates = attacks.compute_per_sample_updates(model, normalize(x), torch.tensor([0, 1]))
+    svds, svd = [], torch.linalg.svd
+    monkeypatch.setattr(torch.linalg, "svd", lambda *a, **k: svds.append(1) or svd(*a, **k))
+    monkeypatch.setattr(april, "_PINV_CACHE", april.OrderedDict())
+    attack = attacks.create_attack("april_analytic")
+    first = attack.reconstruct_many(model, updates, MD)
+    again = attack.reconstruct_many(model, updates, MD)  # the next round, same weights
+    assert len(svds) == 1 and all(torch.equal(a.images, b.images) for a, b in zip(first, again))
+    with torch.no_grad():
+        model.patch_embed.proj.weight[0, 0, 0, 0] += 1e-3
+    changed = attack.reconstruct_many(model, updates, MD)
+    assert len(svds) == 2 and not torch.equal(changed[0].images, first[0].images)
+    attacks.create_attack("april_analytic", rcond=1e-12).reconstruct_many(model, updates, MD)
+    assert len(svds) == 3
+
+
 def test_april_analytic_two_prefix_tokens():
     model = april_model(reg_tokens=1)
     assert model.num_prefix_tokens == 2
