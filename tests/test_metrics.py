@@ -215,10 +215,13 @@ def test_lpips_feature_cache_gives_the_packages_values_and_reuses_features(real:
 def test_lpips_feature_cache_keeps_references_first_come_within_its_budget(real: torch.Tensor, lpips_model) -> None:
     """References are kept while they fit, first come (a cyclic pass over the same images never
     evicts what comes next); reconstructions only enter the recent part, which evicts the oldest."""
-    per_image = sum(f.numel() * 4 for f in M.perceptual._features(lpips_model, torch.zeros(1, 3, 64, 64)))
+    rec = _distort(real, 0.1)
+    probe = M.LpipsFeatureCache(lpips_model, keep_mb=64)
+    M.lpips(rec[:1], real[:1], cache=probe)
+    per_image = probe.stats()["kept_bytes"]  # the features of one 64 px image
+    assert probe.stats()["kept_images"] == 1 and per_image > 0
     cache = M.LpipsFeatureCache(lpips_model, keep_mb=0, recent_mb=0)
     cache.keep_bytes = 2 * per_image  # room for two references, none for recent images
-    rec = _distort(real, 0.1)
     for _ in range(3):  # the same four references, three passes
         M.lpips(rec, real, cache=cache)
     assert cache.stats()["kept_images"] == 2 and cache.stats()["kept_bytes"] == 2 * per_image
