@@ -371,10 +371,13 @@ class LpipsFeatureCache:
     Two parts: reference images (``keep=True``) are kept while their features fit in ``keep_mb``
     (first come, kept for the run: a benchmark goes through the same images in the same order in
     every federation, where a least-recently-used policy would evict each image just before it comes
-    back); every image computed also enters a least-recently-used part of ``recent_mb``. Keys are
+    back); every other image computed enters a least-recently-used part of ``recent_mb``. Keys are
     BLAKE2b digests of the images' bytes (dtype, shape and the resize target included), so a hit
     means the same input, whatever tensor carries it. The features, and thus the values, are those
-    ``LPIPS.forward`` computes (tests/test_metrics.py checks them equal bit for bit on a CPU).
+    ``LPIPS.forward`` computes: the same operations in the same order, on the images of a batch that
+    were not cached (tests/test_metrics.py checks the values to the float32 noise floor; on the CPUs
+    tried they are equal bit for bit, since oneDNN's AlexNet gives an image the same features in
+    any batch).
 
     Args:
         model: the LPIPS model (:func:`get_lpips_model`); the cache is only valid for it.
