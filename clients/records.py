@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import io
 import math
+import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from typing import Optional
@@ -147,8 +148,9 @@ class LazyState(Mapping[str, torch.Tensor]):
     The server checks every reply on views and hands it on as this mapping: what nobody reads is
     never copied. Once an array is decoded its bytes are let go, so a mapping read in full holds
     about one copy of the reply, as a decoded dict would. Reads from several threads are safe (a
-    race decodes an array twice, equal values). Returned tensors are shared: do not modify them.
-    Pickles lazily (a Ray worker gets the bytes and decodes what it reads).
+    race decodes an array twice, equal values), and so is pickling while another thread reads.
+    Returned tensors are shared: do not modify them. Pickles lazily (a Ray worker gets the bytes
+    and decodes what it reads).
     """
 
     def __init__(self, record: Mapping[str, Array]) -> None:
@@ -158,14 +160,22 @@ class LazyState(Mapping[str, torch.Tensor]):
             (name, Array(dtype=a.dtype, shape=tuple(a.shape), stype=a.stype, data=a.data))
             for name, a in record.items())
         self._tensors: dict[str, torch.Tensor] = {}
+        # Guards the hand-over of an array from _raw to _tensors, so that a pickle taken by one
+        # thread while another reads sees each array in exactly one of them.
+        self._lock = threading.Lock()
 
     def __getitem__(self, name: str) -> torch.Tensor:
         tensor = self._tensors.get(name)
-        if tensor is None:
+        if tensor is not None:
+            return tensor
+        with self._lock:
+            tensor = self._tensors.get(name)
+            if tensor is not None:
+                return tensor
             array = self._raw[name]  # KeyError for an unknown name; None only once decoded
-            if array is None:
-                return self._tensors[name]
-            tensor = self._tensors.setdefault(name, decode_tensor(array))
+        decoded = decode_tensor(array)  # the copy runs outside the lock; a race decodes twice
+        with self._lock:
+            tensor = self._tensors.setdefault(name, decoded)
             self._raw[name] = None
         return tensor
 
@@ -190,7 +200,8 @@ class LazyState(Mapping[str, torch.Tensor]):
         return view if view is not None else self[name].numpy()
 
     def __reduce__(self):
-        return _rebuild_lazy, (self._raw, self._tensors)
+        with self._lock:  # a consistent snapshot while other threads read
+            return _rebuild_lazy, (OrderedDict(self._raw), dict(self._tensors))
 
 
 def _rebuild_lazy(raw: dict, tensors: dict) -> LazyState:

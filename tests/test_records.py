@@ -118,6 +118,32 @@ def test_lazy_state_pickles_with_read_and_unread_arrays() -> None:
     assert all(torch.equal(back[name], state[name].contiguous()) for name in state)
 
 
+def test_lazy_state_pickles_while_another_thread_reads_it() -> None:
+    """The benchmark pickles a reply for a Ray worker in its attack thread while the server thread may
+    be reading (decoding) the same reply: every pickle must succeed and hold the values as received."""
+    import sys
+    import threading
+
+    state = {f"w{i}": torch.full((4,), float(i)) for i in range(300)}
+    record = encode_state(state)
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
+    try:
+        for _ in range(20):
+            lazy = LazyState(record)
+            reader = threading.Thread(target=lambda: [lazy[name] for name in state])
+            reader.start()
+            copies = []
+            while reader.is_alive():
+                copies.append(pickle.loads(pickle.dumps(lazy)))
+            reader.join()
+            copies.append(pickle.loads(pickle.dumps(lazy)))
+            for copy in copies[:: max(1, len(copies) // 5)] + copies[-1:]:
+                assert all(torch.equal(copy[name], t) for name, t in state.items())
+    finally:
+        sys.setswitchinterval(old)
+
+
 @pytest.mark.parametrize("array", [
     np.asfortranarray(np.arange(12, dtype=np.float32).reshape(3, 4)),
     np.arange(5, dtype=">f8"),
