@@ -38,7 +38,7 @@ class Scorer:
 
     def __init__(self, device: torch.device, options: Mapping[str, Any]) -> None:
         try:
-            metrics.cache_budget_mb()
+            cache_mb = metrics.cache_budget_mb()
         except ValueError as err:
             raise ConfigError(str(err)) from err
         self.names = [m for m in ROW_METRICS if m != "lpips" or options.get("lpips", True)]
@@ -51,7 +51,7 @@ class Scorer:
             try:
                 self.lpips_model = metrics.get_lpips_model(device, backbone)
                 self.lpips_source = metrics.lpips_source(self.lpips_model)
-                self.lpips_cache = metrics.LpipsFeatureCache(self.lpips_model, metrics.cache_budget_mb())
+                self.lpips_cache = metrics.LpipsFeatureCache(self.lpips_model, cache_mb)
             except metrics.LpipsUnavailable as err:
                 if backbone:  # the user named a file: theirs to fix, not a missing download
                     raise ConfigError(f"LPIPS: {err} (metrics.lpips_backbone={backbone!r}; or --set "

@@ -16,7 +16,7 @@ import torch
 from ._inner import pair_gram
 from ._validate import RANGE_TOLERANCE, check_image_batch, check_pair
 from .fourier import fft2d_clamped_from_gram, fft2d_from_gram, fft2d_hermitian_from_gram
-from .perceptual import LpipsFeatureCache, get_lpips_model, lpips
+from .perceptual import LpipsFeatureCache, lpips
 from .pixel import mse_from_gram, psnr_from_mse, ssim
 from .quantize import SUFFIX_8BIT, quantize_8bit
 from .registry import METRICS, PAPER_METRICS, get_metric
@@ -105,8 +105,7 @@ def score_all(
             elif n == "ssim_official":
                 values[n + suffix] = ssim_official(rec, ref, validate=False)
             elif n == "lpips":
-                model = lpips_model if lpips_model is not None or lpips_cache is not None else get_lpips_model()
-                values[n + suffix] = lpips(rec, ref, model=model, resize=lpips_resize, validate=False,
+                values[n + suffix] = lpips(rec, ref, model=lpips_model, resize=lpips_resize, validate=False,
                                            cache=lpips_cache)
             elif n not in _FROM_GRAM:
                 values[n + suffix] = get_metric(n + suffix).fn(rec, ref)
