@@ -9,14 +9,16 @@ This bench decides that on the machine it runs on. Side by side, on the same rea
 E_unk for ``--group shuffled``):
 
 * loop: ``clients.update.fedsgd_gradients`` once per client, batch 1 (what the clients run);
+* loop, explicit attention: the same loop with ``attn.fused_attn = False`` (is timm's fused CPU
+  attention the faster one at 197 tokens?);
 * vmap, fused attention: per-sample gradients of the batch of all clients, timm's SDPA attention
   (its backward has no batching rule: torch falls back to a loop over the batch inside it);
 * vmap, explicit attention: the same with ``attn.fused_attn = False`` (softmax(QK^T)V as batched
   matmuls, which vmap batches).
 
 Each side is warmed up once, then timed ``--repeats`` times in rotating order; median [min, max],
-the ratio to the loop, and the largest difference of the vmap gradients from the loop's (relative
-to the largest loop gradient: summation order only, float32).
+the ratio to the loop, and the largest difference of the other sides' gradients from the loop's
+(relative to the largest loop gradient: summation order only, float32).
 """
 from __future__ import annotations
 
@@ -95,6 +97,13 @@ def main() -> int:
     def loop():
         return [fedsgd_gradients(model, b)[0] for b in batches]
 
+    def loop_explicit():
+        set_fused(model, False)
+        try:
+            return loop()
+        finally:
+            set_fused(model, True)
+
     def vmapped(fused: bool):
         def run():
             set_fused(model, fused)
@@ -104,7 +113,7 @@ def main() -> int:
                 set_fused(model, True)
         return run
 
-    sides = {"loop (clients)": loop, "vmap, fused attention": vmapped(True),
+    sides = {"loop (clients)": loop, "loop, explicit attention": loop_explicit, "vmap, fused attention": vmapped(True),
              "vmap, explicit attention": vmapped(False)}
     reference = loop()
     scale = max(float(g.abs().max()) for g in reference[0].values())
@@ -114,6 +123,9 @@ def main() -> int:
         if isinstance(got, dict):
             diffs[name] = max(float((got[k][c] - reference[c][k]).abs().max())
                               for c in range(args.clients) for k in got) / scale
+        elif fn is not loop:
+            diffs[name] = max(float((g[k] - reference[c][k]).abs().max())
+                              for c, g in enumerate(got) for k in g) / scale
     times: dict[str, list[float]] = {n: [] for n in sides}
     names = list(sides)
     for i in range(args.repeats):
