@@ -30,6 +30,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
+from patchgrid import unpatchify
 
 from .base import (Attack, AttackFailure, AttackMetadata, AttackResult, Metadata, Update,
                    _check_finite, _expand_metadatas, register_attack, update_to_gradients)
@@ -259,7 +260,8 @@ class AprilAnalytic(Attack):
         patches = target @ W_pinv.T  # [K, N, C p^2], minimum-norm where underdetermined
         patch_res = ((patches @ W_e.T - target).flatten(1).norm(dim=1)
                      / target.flatten(1).norm(dim=1).clamp_min(1e-300))
-        images = self._unpatchify(patches, vit, info)
+        p = info["patch_size"]
+        images = unpatchify(patches.reshape(*patches.shape[:2], info["channels"], p, p), vit.patch_embed.grid_size)
         elapsed = time.perf_counter() - t0
 
         results = []
@@ -281,12 +283,3 @@ class AprilAnalytic(Attack):
             )
             results.append(AttackResult(meta.denormalize(images[k:k + 1]), [stats], labels=meta.labels))
         return results
-
-    @staticmethod
-    def _unpatchify(patches: torch.Tensor, vit: nn.Module, info: dict) -> torch.Tensor:
-        """[K, N, C p^2] in (C, p, p) order on a row-major grid -> [K, C, H, W]."""
-        K = patches.shape[0]
-        gh, gw = (int(g) for g in vit.patch_embed.grid_size)
-        C, p = info["channels"], info["patch_size"]
-        x = patches.reshape(K, gh, gw, C, p, p).permute(0, 3, 1, 4, 2, 5)
-        return x.reshape(K, C, gh * p, gw * p)

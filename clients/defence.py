@@ -33,11 +33,6 @@ from .runconfig import resolve_config
 from .update import client_loss, gradients, local_sgd, local_update, model_logits, round_model
 
 
-def defence_spec(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """The resolved config's defence spec (a dict)."""
-    return json.loads(resolve_config(cfg)["defence"])
-
-
 def _soft_loss(model: torch.nn.Module, images: torch.Tensor, targets: torch.Tensor, mask: Optional[torch.Tensor],
                device: torch.device) -> torch.Tensor:
     logits = model_logits(model, images, mask, device)

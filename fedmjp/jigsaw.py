@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from patchgrid import patchify, unpatchify  # the one patch order of every layer (re-exported)
 
 from .masking import BlockMaskGenerator, SeedLike, make_rng
 
@@ -114,24 +115,6 @@ def make_spp_plan(
     return JigsawPlan(mask, perm, pix)
 
 
-def patchify(images: torch.Tensor, patch_size: int) -> torch.Tensor:
-    """[B, C, H, W] -> [B, N, C, p, p], patches in row-major grid order."""
-    B, C, H, W = images.shape
-    p = patch_size
-    if H % p or W % p:
-        raise ValueError(f"image size {H}x{W} is not divisible by patch size {p}")
-    x = images.reshape(B, C, H // p, p, W // p, p)
-    return x.permute(0, 2, 4, 1, 3, 5).reshape(B, (H // p) * (W // p), C, p, p)
-
-
-def unpatchify(patches: torch.Tensor, grid_size: tuple[int, int]) -> torch.Tensor:
-    """[B, N, C, p, p] -> [B, C, H, W]."""
-    B, N, C, p, _ = patches.shape
-    gh, gw = grid_size
-    x = patches.reshape(B, gh, gw, C, p, p).permute(0, 3, 1, 4, 2, 5)
-    return x.reshape(B, C, gh * p, gw * p)
-
-
 def _gather_tokens(tokens: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
     index = perm.view(*perm.shape, *([1] * (tokens.dim() - 2))).expand_as(tokens)
     return torch.gather(tokens, 1, index)
@@ -163,10 +146,3 @@ def unshuffle_images(shuffled: torch.Tensor, plan: JigsawPlan, patch_size: int) 
         inv = torch.argsort(plan.pixel_perm.to(shuffled.device), dim=1)
         patches = torch.gather(flat, 3, inv[:, None, None, :].expand_as(flat)).reshape_as(patches)
     return unpatchify(patches, (H // patch_size, W // patch_size))
-
-
-def mask_to_image(mask: torch.Tensor, grid_size: tuple[int, int], patch_size: int) -> torch.Tensor:
-    """[B, N] bool -> [B, 1, H, W] float in {0, 1}, for visualisation."""
-    B = mask.shape[0]
-    m = mask.float().reshape(B, 1, *grid_size)
-    return m.repeat_interleave(patch_size, 2).repeat_interleave(patch_size, 3)

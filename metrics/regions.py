@@ -29,6 +29,7 @@ import math
 
 import numpy as np
 import torch
+from patchgrid import patchify, unpatchify
 from scipy.optimize import linear_sum_assignment
 
 from .structural import ssim_region_means
@@ -51,19 +52,14 @@ def _check(reconstruction: torch.Tensor, reference: torch.Tensor, mask: torch.Te
 
 
 def to_patches(images: torch.Tensor, patch: int) -> torch.Tensor:
-    """[B, C, H, W] -> [B, N, C, p, p] patches in row-major grid order."""
-    B, C, H, W = images.shape
-    gh, gw = H // patch, W // patch
-    x = images.reshape(B, C, gh, patch, gw, patch).permute(0, 2, 4, 1, 3, 5)
-    return x.reshape(B, gh * gw, C, patch, patch)
+    """[B, C, H, W] -> [B, N, C, p, p] patches in row-major grid order (:func:`patchgrid.patchify`)."""
+    return patchify(images, patch)
 
 
 def from_patches(patches: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """Inverse of :func:`to_patches`: [B, N, C, p, p] -> [B, C, H, W]."""
-    B, N, C, p, _ = patches.shape
-    gh, gw = height // p, width // p
-    x = patches.reshape(B, gh, gw, C, p, p).permute(0, 3, 1, 4, 2, 5)
-    return x.reshape(B, C, height, width)
+    p = patches.shape[-1]
+    return unpatchify(patches, (height // p, width // p))
 
 
 def pixel_mask(mask: torch.Tensor, patch: int, height: int, width: int) -> torch.Tensor:
