@@ -1,4 +1,4 @@
-"""APRIL's closed-form attack on a ViT whose block 0 is "design A" (DESIGN section 4).
+"""APRIL's closed-form attack on a ViT whose block 0 is "design A" (docs/design.md, "APRIL's closed form").
 
 With design A the embedding Z = [prefix; W_e x + b_e] + P [T, D] feeds the qkv projection
 (weight W [3D, D]) directly, so for a batch-1 gradient

@@ -4,7 +4,8 @@ Nothing is re-implemented: the adapter loads the attack's YAML from breaching's 
 with OmegaConf (never Hydra's ``compose``: it must not run inside another Hydra app), applies the
 options as overrides, builds the server payload and the user's shared data directly (breaching's
 ``construct_case`` downloads datasets), and calls ``breaching.attacks.prepare_attack(...).reconstruct``
-with ``server_secrets={}``. Shims (DESIGN section 5), applied to a private copy of the model:
+with ``server_secrets={}``. Shims (docs/design.md, "Optimization attacks through breaching"),
+applied to a private copy of the model:
 
 - timm >= 0.6 renamed ``Block.drop_path`` to ``drop_path1``/``drop_path2``: alias ``drop_path``.
 - fused SDPA attention has no double backward on CPU: ``attn.fused_attn = False``.

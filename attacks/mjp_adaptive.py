@@ -1,6 +1,7 @@
 """An attacker who knows MJP (Kerckhoffs): model, E_unk and the algorithm, not the mask or permutation.
 
-DESIGN section 11. For one batch-1 update of an MJP model fed x~ (E_unk at the shuffled positions S):
+docs/design.md, "Attacking MJP with knowledge of MJP". For one batch-1 update of an MJP model fed x~
+(E_unk at the shuffled positions S):
 
 1. Detection: the rows of dL/dP at S are exactly zero (their gradient went to dL/dE_unk), so S leaks.
    A DAL term (``lambda * dL_dal/dP``, data-independent given the head and S) is zero at S as well for

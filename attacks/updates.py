@@ -1,9 +1,9 @@
 """What a client sends: gradients by parameter name, shared by the Flower client, tests and benchmarks.
 
 Both helpers compute the cross-entropy gradient (mean over the batch) of ``model(images)``, or of
-``model(images, unk_mask=mask)`` for an MJP model fed an already shuffled image (DESIGN section 3,
-settings b/c). They do not change the model's train/eval mode: a client in training mode with
-dropout draws its own dropout masks.
+``model(images, unk_mask=mask)`` for an MJP model fed an already shuffled image (settings b/c
+of docs/design.md, "Threat model and the settings (a), (b), (c)"). They do not change the model's
+train/eval mode: a client in training mode with dropout draws its own dropout masks.
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """The benchmark pipeline: federated rounds -> attack every tapped update -> score -> results.jsonl.
 
 One federation runs per (model row, gradient group): setting (a) attacks gradients of x, settings (b)
-and (c) the same gradient of x~ (DESIGN section 3), so ``--setting all`` runs two federations per
+and (c) the same gradient of x~ (docs/design.md, "Threat model and the settings (a), (b), (c)"), so
+``--setting all`` runs two federations per
 row and scores the (b)/(c) reconstruction twice, against x~ and against x.
 
 Data flow, one way: the server's tap hands each client update (round, node, partition, gradients,

@@ -20,7 +20,7 @@ images, ...        private image set (``embedded`` or a folder), image-size, num
 partitioner        ``iid`` or ``dirichlet`` (by label, ``dirichlet-alpha``), seeded by ``seed``
 model-*            the model spec for :func:`fedmjp.factory.build_model` (model-kwargs is JSON)
 precision          ``float32`` or ``float64``: dtype of the client's forward/backward (APRIL's
-                   closed form is exact only on float64 gradients; DESIGN section 4)
+                   closed form is exact only on float64 gradients; docs/design.md, "APRIL's closed form")
 device             where clients compute: ``auto`` (CUDA when present), ``cpu``, ``cuda``, ``cuda:N``
 server-eval        false (default): the server evaluates nothing. true: after every round it
                    evaluates the global model on the *public split*

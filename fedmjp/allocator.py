@@ -25,7 +25,7 @@ encoding 35-89 ms instead of 26-35 ms. ``M_TOP_PAD`` at a heap's size (64 MiB) k
 too, but each arena then holds its own peak: the paper preset at 18 images peaked at 10.0 GB
 against 7.2 GB before and 5.8 GB with one arena. At 45 images, run beside the code before: the
 kernel's time -60%, user time +3% (the threads share one arena's lock), CPU time -3.5%, peak RSS
--20% (README, "Speed checks", sixth look).
+-20% (2026-11-24; the current figures: docs/speed.md).
 
 PyTorch's CPU tuning guide reaches the same end with jemalloc or tcmalloc preloaded; this needs no
 extra library. Trade-off: the process keeps its peak heap instead of returning it to the OS between

@@ -1,7 +1,8 @@
 """Accuracy and MJP consistency of a trained model:
 ``python -m fedmjp.evaluate --checkpoint PATH --data-path DIR_OR_TAR [--gamma G] [--gamma-sweep 0,0.1,...]``.
 
-Metrics (DESIGN section 2), for each image x and its MJP-shuffled x~ at ``gamma`` (block mask,
+Metrics (docs/design.md, "MJP: selection, jigsaw, E_unk and DAL"), for each
+image x and its MJP-shuffled x~ at ``gamma`` (block mask,
 selected patches permuted among themselves; shuffled positions carry E_unk for unk variants):
 - top1 / top1_shuffled: accuracy (percent) on x / on x~ (the benchmark's Acc. column: x for setting
   (a), x~ for (b)/(c));

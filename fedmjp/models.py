@@ -1,6 +1,6 @@
 """MJP Vision Transformers built on timm's ``VisionTransformer`` through its override points.
 
-Variants (the ablation table of the paper; DESIGN section 2):
+Variants (the ablation table of the paper; docs/design.md, "MJP: selection, jigsaw, E_unk and DAL"):
 
 ========  =====  =======  =====================================================================
 name      PE     shuffle  what the shuffled positions get
@@ -65,7 +65,7 @@ class AprilBlock(Block):
     """APRIL's "design A" transformer block: no ``norm1`` and no residual around attention.
 
     The embedding Z = [prefix; W_e x + b_e] + P then feeds the qkv projection directly, which is
-    what makes APRIL's closed-form attack exact (DESIGN section 4).
+    what makes APRIL's closed-form attack exact (docs/design.md, "APRIL's closed form").
     """
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,

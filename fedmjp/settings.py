@@ -1,4 +1,5 @@
-"""The three threat settings of the MJP privacy study (DESIGN section 3), defined once.
+"""The three threat settings of the MJP privacy study, defined once (docs/design.md, "Threat model and
+the settings (a), (b), (c)").
 
 - ``a``: phi(grad M(x), x): the client's gradient is computed on the original image x; the
   reconstruction is compared with x.

@@ -18,7 +18,8 @@ from .config import conform, parse_value, read_yaml
 
 @dataclass
 class TrainConfig:
-    """Every knob of central training (DESIGN section 9); defaults are the DeiT/MJP ImageNet recipe."""
+    """Every knob of central training; defaults are the DeiT/MJP ImageNet recipe (docs/design.md,
+    "Central training recipe")."""
 
     # ---- model
     model: str = "mjp_deit_small_patch16_224"  # timm name; mjp_* names take the MJP arguments below

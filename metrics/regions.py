@@ -2,7 +2,8 @@
 
 Why a set: every shuffled token carries the same E_unk and a ViT is permutation-equivariant over
 tokens with equal position embeddings, so permuting the shuffled patches among the shuffled
-positions S leaves every gradient unchanged (DESIGN section 11). Which true patch sits at which
+positions S leaves every gradient unchanged (docs/design.md, "Attacking MJP with
+knowledge of MJP"). Which true patch sits at which
 position of S is therefore unknowable to any gradient attacker; an order-sensitive score of that
 region would measure luck. The shuffled region is scored after matching the reconstructed patches
 at S to the true patches at S by an assignment on MSE (``scipy.optimize.linear_sum_assignment``).

@@ -62,7 +62,7 @@ _BASE: tuple[Metric, ...] = (
     Metric("ssim", ssim, "SSIM", False),
     Metric("lpips", lpips, "LPIPS", True),
     Metric("fft2d_hermitian", fft2d_hermitian, "FFT2D-H", False),
-    # The official MJP evaluation's definitions, named apart from ours (README, Metrics).
+    # The official MJP evaluation's definitions, named apart from ours (docs/design.md, "Image metrics").
     Metric("ssim_official", ssim_official, "SSIM (official)", False),
     Metric("fft2d_clamped", fft2d_clamped, "FFT2D (clamped)", True),
 )

@@ -1,4 +1,5 @@
-"""Settings-aware scoring of reconstructions (DESIGN section 3) and aggregation to a table.
+"""Settings-aware scoring of reconstructions and aggregation to a table (the settings: docs/design.md,
+"Threat model and the settings (a), (b), (c)").
 
 Settings: (a) the gradient of x, reconstruction compared with x; (b) the gradient of the MJP-shuffled
 x~, compared with x~; (c) the same gradient as (b), compared with the original x.

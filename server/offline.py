@@ -1,4 +1,5 @@
-"""Flower's local runtime must stay offline (DESIGN section 8): no telemetry, no update check, no
+"""Flower's local runtime must stay offline (docs/design.md, "Federation with Flower, offline"):
+no telemetry, no update check, no
 runtime dependency installation. The one definition of those variables; importing this module does
 not import Flower, so callers can apply it before Flower reads its environment."""
 from __future__ import annotations
