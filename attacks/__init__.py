@@ -14,6 +14,7 @@ from .breaching_adapter import BREACHING_ATTACKS, BreachingAttack, load_attack_c
 from .matching import AprilOptimization, GradientMatching, InvertingGradientsBatched, recover_labels
 from .mjp_adaptive import MJPAdaptive, detect_shuffled, mjp_reduction
 from .jigsaw_solver import solve_jigsaw
+from .pe_closed_form import PEClosedForm, PESystem, pe_closed_form_system, pe_conditions
 
 __all__ = [
     "BREACHING_ATTACKS", "AprilAnalytic", "AprilConditionError", "AprilOptimization", "Attack", "AttackFailure",
