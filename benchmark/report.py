@@ -8,6 +8,12 @@ column appears). ``table_full.csv`` adds standard deviations, counts and failure
 of each row's distribution: the median, a seeded 95% bootstrap interval of the mean, and the share
 of images recovered recognisably (SSIM >= 0.5; LPIPS <= 0.3), plus the per-region means of MJP rows.
 ``dist_<setting>.png`` shows the per-image PSNR and LPIPS distributions as box plots.
+
+With several attackers, every (model, setting) also gets a ``strongest`` row, derived here at
+report time and never stored in results.jsonl (:func:`strongest_rows`): per image, the attacker
+whose reconstruction has the highest PSNR against the ground truth. The evaluator picks with the
+true image, as worst-case privacy reporting does: a defence is only as private as the best attack
+it faces on each image. Its ``winners`` column says which attacker won how often.
 """
 from __future__ import annotations
 
@@ -50,6 +56,17 @@ ACC_NOTE = ("Acc.: top-1 of the model as trained (block 0 unmodified) on the set
 UNTRAINED = " (untrained)"
 #: The header arrows, which tabulate's LaTeX escaping leaves as Unicode (pdflatex has no glyph).
 _TEX_ARROWS = {"↑": r"$\uparrow$", "↓": r"$\downarrow$"}
+#: The ``attack`` column of the derived per-image best-of-all-attackers rows.
+STRONGEST = "strongest"
+#: Columns that identify one attacked image of one model and setting (results.jsonl's row key
+#: without the attack); a sweep adds ``sweep_index``.
+IMAGE_KEY = ("model", "setting", "round", "partition_id", "batch_index", "image_id")
+STRONGEST_NOTE = (
+    "`strongest` rows: per image, the attacker whose reconstruction has the highest PSNR against the ground "
+    "truth (the evaluator picks with the true image, as worst-case privacy reporting does; ties go to the "
+    "attacker listed first); every other column of the row is that reconstruction's own value, so SSIM, "
+    "LPIPS, MSE and FFT2D belong to the chosen image. A failed attack never wins; an image every attacker "
+    "failed is failed in the `strongest` row too. `winners`: how many of the row's images each attacker won.")
 
 
 @dataclass
@@ -72,6 +89,95 @@ def rows_frame(rows: Sequence[dict]) -> pd.DataFrame:
     df["failed"] = df["failed"].fillna(False).astype(bool)
     df["attack"] = df["attack"].fillna("").astype(str)
     return df
+
+
+def strongest_rows(df: pd.DataFrame, extra_keys: Sequence[str] = ()) -> pd.DataFrame:
+    """Per image, the best reconstruction over every attacker run on it (:data:`STRONGEST_NOTE`).
+
+    Rule: among the image's non-failed attacker rows, the highest PSNR (uncapped: an exact copy,
+    +inf, beats 120 dB; a NaN PSNR ranks below any number), ties to the attacker that appears first
+    in the rows. The chosen row is copied whole (every metric, the region scores, ``correct``), its
+    ``attack`` set to ``strongest`` and its attacker kept in ``winner``. Where every attacker
+    failed on the image, the row is failed with the reasons of all of them (``winner`` None;
+    ``error`` True when one of them was an unexpected error).
+
+    Args:
+        df: :func:`rows_frame` output.
+        extra_keys: more columns that tell images apart (``sweep_index`` in a sweep).
+    Returns:
+        The derived rows (``attack_name`` ``strongest``, ``n_attackers`` competing), or an empty
+        frame when the rows hold fewer than two attackers.
+    """
+    attackers = [a for a in dict.fromkeys(df["attack"]) if a != STRONGEST] if "attack" in df else []
+    if len(attackers) < 2:
+        return df.iloc[0:0].copy()
+    keys = [k for k in (*extra_keys, *IMAGE_KEY) if k in df.columns]
+    src = df[df["attack"].isin(attackers)].copy()
+    src["_failed"] = src["failed"].fillna(False).astype(bool)
+    src["_score"] = pd.to_numeric(src["psnr"], errors="coerce").fillna(-math.inf)
+    src["_order"] = src["attack"].map({a: i for i, a in enumerate(attackers)})
+    ranked = src.sort_values(["_failed", "_score", "_order"], ascending=[True, False, True], kind="stable")
+    best = ranked.drop_duplicates(keys, keep="first").copy()
+    grouped = src.groupby(keys, dropna=False, sort=False)
+    counts = grouped["attack"].nunique().rename("n_attackers").reset_index()
+    best = best.merge(counts, on=keys, how="left")
+    best["winner"] = best["attack"].where(~best["_failed"], None)
+    if best["_failed"].any():
+        # every attacker failed on these images: say why each did
+        failed_src = src[src["_failed"]].copy()
+        failed_src["_why"] = failed_src["attack"] + ": " + failed_src.get("reason", pd.Series(index=failed_src.index)
+                                                                           ).fillna("failed").astype(str)
+        err = (failed_src["error"].fillna(False).astype(bool) if "error" in failed_src
+               else pd.Series(False, index=failed_src.index))
+        failed_src["_err"] = err
+        why = failed_src.groupby(keys, dropna=False, sort=False).agg(_why=("_why", "; ".join), _err=("_err", "any"))
+        best = best.merge(why.reset_index(), on=keys, how="left")
+        all_failed = best["_failed"]
+        best.loc[all_failed, "reason"] = "every attacker failed (" + best.loc[all_failed, "_why"] + ")"
+        if "error" in best:
+            best["error"] = best["error"].astype(object)
+            best.loc[all_failed, "error"] = best.loc[all_failed, "_err"].astype(bool)
+            best.loc[~all_failed, "error"] = False
+        best = best.drop(columns=["_why", "_err"])
+    elif "error" in best:
+        best["error"] = False
+    best["attack"] = STRONGEST
+    if "attack_name" in best:
+        best["attack_name"] = STRONGEST
+    return best.drop(columns=["_failed", "_score", "_order"]).reset_index(drop=True)
+
+
+def with_strongest(df: pd.DataFrame, extra_keys: Sequence[str] = ()) -> pd.DataFrame:
+    """``df`` and, with two or more attackers, its :func:`strongest_rows` after it (stored
+    ``strongest`` rows, if any, are recomputed rather than kept)."""
+    if df.empty or "attack" not in df:
+        return df
+    base = df[df["attack"] != STRONGEST]
+    extra = strongest_rows(base, extra_keys)
+    if extra.empty:
+        return base
+    out = pd.concat([base, extra], ignore_index=True, sort=False)
+    out["failed"] = out["failed"].fillna(False).astype(bool)
+    return out
+
+
+def winners(df: pd.DataFrame, by: Sequence[str]) -> pd.DataFrame:
+    """``winners`` per group of ``strongest`` rows: ``"<attacker> <won>/<images>, ..."``, most wins
+    first (then in the attackers' order); images every attacker failed on count in the denominator."""
+    sub = df[df["attack"] == STRONGEST]
+    if sub.empty or "winner" not in sub:
+        return pd.DataFrame(columns=[*by, "winners"])
+    order = {a: i for i, a in enumerate(dict.fromkeys(a for a in df["attack"] if a != STRONGEST))}
+    records = []
+    for key, g in sub.groupby(list(by), dropna=False, sort=False):
+        won = g["winner"].dropna().value_counts()
+        ranked = sorted(won.items(), key=lambda kv: (-kv[1], order.get(kv[0], len(order))))
+        text = ", ".join(f"{a} {int(c)}/{len(g)}" for a, c in ranked)
+        failed = int(g["winner"].isna().sum())
+        if failed:
+            text += (", " if text else "") + f"every attacker failed {failed}/{len(g)}"
+        records.append({**dict(zip(by, key if isinstance(key, tuple) else (key,))), "winners": text})
+    return pd.DataFrame(records, columns=[*by, "winners"])
 
 
 def bootstrap_ci(values: np.ndarray, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED,
@@ -120,12 +226,14 @@ def aggregate(rows: Sequence[dict], model_order: Optional[Sequence[str]] = None)
     unexpected attack error), mean/std/count of each metric (:func:`metrics.aggregate`: failed rows
     left out, PSNR capped at ``metrics.PSNR_CAP_DB``), ``acc_mean``/``acc_count``: top-1 of the model
     as trained over every attacked image (an attack failure does not change what the model
-    predicted), and :func:`shape_stats`. Ordered as the config's model rows, attackers in order of
-    appearance, then settings a, b, c.
+    predicted), and :func:`shape_stats`. With several attackers the derived ``strongest`` rows
+    (:func:`strongest_rows`) are aggregated like any attacker's, after them, with their ``winners``.
+    Ordered as the config's model rows, attackers in order of appearance, then settings a, b, c.
     """
     df = rows_frame(rows)
     if df.empty:
         return pd.DataFrame()
+    df = with_strongest(df)
     by = ["model", "attack", "setting"]
     full = metrics.aggregate(df, by=by, metrics=list(ROW_METRICS))
     acc = df.groupby(by)["correct"].agg(acc_mean="mean", acc_count="count").reset_index()
@@ -135,6 +243,8 @@ def aggregate(rows: Sequence[dict], model_order: Optional[Sequence[str]] = None)
     info = df.groupby("model")[["label", "trained"]].first().reset_index()
     full = (full.merge(acc, on=by).merge(n_error, on=by).merge(info, on="model")
             .merge(shape_stats(df, by), on=by, how="left"))
+    if (df["attack"] == STRONGEST).any():
+        full = full.merge(winners(df, by), on=by, how="left")
     full["trained"] = full["trained"].fillna(False).astype(bool)
     order = list(dict.fromkeys(list(model_order or []) + list(full["model"])))
     attacks = list(dict.fromkeys(df["attack"]))
@@ -164,14 +274,17 @@ def paper_table(full: pd.DataFrame) -> pd.DataFrame:
         errors = int(r.get("n_error", 0) or 0)
         rec["n"] = f"{int(r['n'])}" + (f" ({int(r['n_failed'])} failed{f', {errors} on errors' if errors else ''})"
                                        if r["n_failed"] else "")
+        if "winners" in full.columns:
+            rec["Winners"] = r["winners"] if isinstance(r["winners"], str) else ""
         records.append(rec)
     return pd.DataFrame(records)
 
 
 def _colalign(table: pd.DataFrame) -> tuple[str, ...]:
-    """Names (model, attack, setting) left, numbers right."""
+    """Names (model, attack, setting) left, numbers right, the strongest rows' winners (last) left."""
     n_left = 3 if "Attack" in table.columns else 2
-    return ("left",) * n_left + ("right",) * (len(table.columns) - n_left)
+    n_right = len(table.columns) - n_left - ("Winners" in table.columns)
+    return ("left",) * n_left + ("right",) * n_right + ("left",) * ("Winners" in table.columns)
 
 
 def to_markdown(table: pd.DataFrame) -> str:
@@ -218,6 +331,8 @@ def write_tables(run: RunFolder) -> Tables:
     rows = run.rows()
     if any(r.get("april") == "surgery" for r in rows):
         md += "\n\n" + ACC_NOTE
+    if "winners" in tables.full.columns:
+        md += "\n\n" + STRONGEST_NOTE
     lpips_notes = sorted({str(r["lpips_note"]) for r in rows if r.get("lpips_note")})
     if lpips_notes:  # the run went on without LPIPS weights: say why the column is empty
         md += "\n\n" + "\n".join(f"{n}." if not n.endswith(".") else n for n in lpips_notes)
@@ -241,6 +356,7 @@ def write_distributions(run: RunFolder, settings: Sequence[str]) -> list[Path]:
     out = []
     if df.empty:
         return out
+    df = with_strongest(df)
     df = df[~df["failed"]]
     for setting in settings:
         sub = df[df["setting"] == setting]
@@ -342,6 +458,7 @@ def build_grid(run: RunFolder, setting: str, k: int, tile: int) -> Optional[Path
     chosen = select_images(df, setting, k)
     if not chosen:
         return None
+    df = with_strongest(df)  # a strongest row shows the winning attacker's stored reconstruction
     cfg = run.load_config()
     attacks = list(dict.fromkeys(df["attack"]))
     present = set(zip(df["model"], df["attack"]))
@@ -370,14 +487,20 @@ def build_grid(run: RunFolder, setting: str, k: int, tile: int) -> Optional[Path
         for j, (image_id, rnd, part, bidx) in enumerate(chosen):
             match = df[(df["model"] == model) & (df["attack"] == attack) & (df["setting"] == setting)
                        & (df["image_id"] == image_id) & (df["round"] == rnd) & (df["partition_id"] == part)]
+            shown = attack
+            if attack == STRONGEST and not match.empty:
+                winner = match.iloc[0].get("winner")
+                shown = winner if isinstance(winner, str) else attack
             for c, kind in enumerate(kinds):
-                stored = f"rec-{slug(attack)}-{setting}" if kind == "rec" else kind
+                stored = f"rec-{slug(shown)}-{setting}" if kind == "rec" else kind
                 path = run.image_path(model, group, image_id, stored, rnd, part)
                 x0, y0 = layout.origin(i, j * len(kinds) + c)
                 canvas.paste(_tile(path, tile), (x0, y0))
                 if kind == "rec" and not match.empty:
                     r = match.iloc[0]
                     text = "failed" if bool(r["failed"]) else _psnr_caption(r["psnr"])
+                    if attack == STRONGEST and shown != attack:  # the winner, short enough for a tile
+                        text = f"{text.removeprefix('PSNR ')} {shown[:8]}"
                     draw.text((x0 + 2, y0 + tile + 1), text, fill=(0, 0, 0), font=small)
     out = run.folder / f"grid_{setting}.png"
     canvas.save(out)

@@ -11,8 +11,11 @@ run folder itself holds:
   and one ``sweep.<key>`` column per swept key (rebuilt from the points' stores at the end);
 * ``sweep.csv``: means per (grid point, model, setting, attack): PSNR, SSIM, MSE, LPIPS, FFT2D,
   top-1 (``correct``), ``defence_cos`` (cosine of the sent update to the clean one), ``dp_epsilon``;
+  with several attackers also a ``strongest`` row per (grid point, model, setting), the per-image
+  best reconstruction over the attackers picked by PSNR against the ground truth
+  (:data:`benchmark.report.STRONGEST_NOTE`), with ``winners`` saying which attacker won how often;
 * ``sweep_<metric>.png`` (metric against the grid point, one curve per model and setting) and
-  ``privacy_utility.png`` (PSNR and LPIPS of the strongest attack against utility, one curve per
+  ``privacy_utility.png`` (PSNR and LPIPS of the ``strongest`` row against utility, one curve per
   model row and defence, so an MJP row swept over gamma is a curve beside the defences).
 
 Utility on the x axis of ``privacy_utility.png``: top-1 after ``utility.rounds`` FedAvg rounds with
@@ -189,11 +192,13 @@ def sweep_table(rows: list[dict]) -> pd.DataFrame:
     PSNR capped at ``metrics.PSNR_CAP_DB`` before averaging, as in the benchmark's table."""
     import metrics as M
 
-    from .report import rows_frame
+    from .report import STRONGEST, rows_frame, winners, with_strongest
 
     df = rows_frame(rows)  # metric columns numeric ("inf" strings of the store -> inf)
     if df.empty:
         return df
+    # with several attackers: the per-image best of them as attack "strongest" (report.STRONGEST_NOTE)
+    df = with_strongest(df, extra_keys=("sweep_index",) if "sweep_index" in df else ())
     for col in ("defence_cos", "dp_epsilon", "utility_top1", "utility_top1_start"):
         if col in df:
             df[col] = pd.to_numeric(df[col], errors="coerce").astype(float)
@@ -206,7 +211,10 @@ def sweep_table(rows: list[dict]) -> pd.DataFrame:
     metrics = [m for m in SWEEP_METRICS if m in df]
     table = ok.groupby(keys, dropna=False)[metrics].mean(numeric_only=True).reset_index()
     counts = df.groupby(keys, dropna=False).agg(n=("failed", "size"), failed=("failed", "sum")).reset_index()
-    return counts.merge(table, on=keys, how="left").sort_values(["sweep_index", "model", "setting"])
+    out = counts.merge(table, on=keys, how="left")
+    if (df["attack"] == STRONGEST).any():
+        out = out.merge(winners(df, keys), on=keys, how="left")
+    return out.sort_values([k for k in ("sweep_index", "model", "setting") if k in out], kind="stable")
 
 
 def write_sweep_plots(frame: pd.DataFrame, folder: Path, keys: list[str]) -> list[Path]:
@@ -243,10 +251,13 @@ def write_sweep_plots(frame: pd.DataFrame, folder: Path, keys: list[str]) -> lis
 
 
 def strongest(frame: pd.DataFrame) -> pd.DataFrame:
-    """Per (grid point, model, setting): the attack with the highest mean PSNR."""
+    """Per (grid point, model, setting): the ``strongest`` row (per image, the best attacker;
+    :func:`benchmark.report.strongest_rows`) where several attackers ran, else the one attacker's row."""
+    from .report import STRONGEST
+
     keys = ["sweep_index", "model", "setting"]
-    idx = frame.dropna(subset=["psnr"]).groupby(keys)["psnr"].idxmax()
-    return frame.loc[idx.values]
+    has = frame.groupby(keys)["attack"].transform(lambda a: (a == STRONGEST).any())
+    return frame[(frame["attack"] == STRONGEST) | ~has]
 
 
 def privacy_utility_plot(frame: pd.DataFrame, path: Path) -> Path:

@@ -178,17 +178,19 @@ def test_unexpected_attack_error_is_recorded_and_fails_the_run(tmp_path: Path, c
     assert not rows[rows["attack"] == "april_analytic"]["failed"].any()
     tracebacks = list((out / "errors").glob("*.txt"))
     assert len(tracebacks) == 2 and all("ZeroDivisionError" in p.read_text() for p in tracebacks)
-    # the tables were still written, one row per attacker, with the failure share
+    # the tables were still written, one row per attacker (and the per-image strongest of them),
+    # with the failure share: failed attackers never win the strongest row
     full = pd.read_csv(out / "table_full.csv")
-    assert list(full["attack"]) == ["april_analytic", "test_buggy", "test_condition"]
-    assert list(full["n_error"]) == [0, 2, 0] and list(full["n_failed"]) == [0, 2, 2]
+    assert list(full["attack"]) == ["april_analytic", "test_buggy", "test_condition", "strongest"]
+    assert list(full["n_error"]) == [0, 2, 0, 0] and list(full["n_failed"]) == [0, 2, 2, 0]
+    assert full["winners"].iloc[-1] == "april_analytic 2/2"
     table = pd.read_csv(out / "table.csv")
-    assert "Attack" in table.columns and list(table["n"]) == ["2", "2 (2 failed, 2 on errors)", "2 (2 failed)"]
-    # the grid has one row per model and attacker
+    assert "Attack" in table.columns and list(table["n"]) == ["2", "2 (2 failed, 2 on errors)", "2 (2 failed)", "2"]
+    # the grid has one row per model and attacker, and the strongest row
     from PIL import Image
     from benchmark.report import GridLayout, grid_columns
 
-    assert Image.open(out / "grid_c.png").size == GridLayout(3, len(grid_columns("c")), 32).size
+    assert Image.open(out / "grid_c.png").size == GridLayout(4, len(grid_columns("c")), 32).size
 
 
 def test_condition_failures_alone_keep_exit_status_zero(tmp_path: Path) -> None:
