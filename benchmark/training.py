@@ -6,6 +6,11 @@ or holds fewer epochs than its recipe asks for (a training run that was stopped)
 with :func:`fedmjp.train.run_training` into the checkpoint's folder. Training resumes from that
 folder's ``last.pth``, so an interrupted ``--train-missing`` run continues where it stopped, and a
 finished checkpoint is never trained again.
+
+A row whose checkpoint is a ``.safetensors`` file (the weights shipped in ``checkpoints/``) counts as
+finished while that file exists; without it, ``--train-missing`` trains the recipe into the recipe's
+``output_dir`` (resuming from its ``last.pth``) and then writes the weights file
+(:func:`fedmjp.trainutils.export_weights`).
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ class TrainJob:
     checkpoint: Path
     epochs_done: int
     epochs_wanted: int
+    export_to: Optional[Path] = None  # the row's .safetensors file, written from ``checkpoint`` when trained
 
     @property
     def done(self) -> bool:
@@ -56,14 +62,21 @@ def train_jobs(cfg: dict) -> list[TrainJob]:
         if not row.get("recipe"):
             continue
         recipe, ckpt = Path(row["recipe"]), row.get("checkpoint")
-        if not ckpt or Path(ckpt).name != "last.pth":
+        if not ckpt or (Path(ckpt).name != "last.pth" and Path(ckpt).suffix != ".safetensors"):
             raise ConfigError(f"model row {row['name']!r} names a recipe, so its checkpoint must be "
-                              f"<folder>/last.pth (where fedmjp.train writes), got {ckpt!r}")
+                              f"<folder>/last.pth (where fedmjp.train writes) or a .safetensors weights file, "
+                              f"got {ckpt!r}")
         try:
-            epochs = load_config(recipe).epochs
+            recipe_cfg = load_config(recipe)
         except (OSError, ValueError, TypeError) as err:
             raise ConfigError(f"model row {row['name']!r}: training recipe {recipe}: {err}") from err
-        jobs.append(TrainJob(str(row["name"]), recipe, Path(ckpt), checkpoint_epochs(Path(ckpt)), int(epochs)))
+        epochs = int(recipe_cfg.epochs)
+        if Path(ckpt).suffix == ".safetensors":  # shipped weights: finished while the file exists
+            last = Path(recipe_cfg.output_dir) / "last.pth"
+            done = epochs if Path(ckpt).is_file() else checkpoint_epochs(last)
+            jobs.append(TrainJob(str(row["name"]), recipe, last, done, epochs, export_to=Path(ckpt)))
+            continue
+        jobs.append(TrainJob(str(row["name"]), recipe, Path(ckpt), checkpoint_epochs(Path(ckpt)), epochs))
     return jobs
 
 
@@ -91,4 +104,9 @@ def train_missing(cfg: dict, progress: bool = True) -> list[TrainJob]:
         train_cfg = load_config(job.recipe, {"data_path": str(data), "output_dir": str(job.checkpoint.parent)})
         run_training(train_cfg, progress=progress)
         job.epochs_done = checkpoint_epochs(job.checkpoint)
+        if job.export_to is not None and job.done:
+            from fedmjp.trainutils import export_weights
+
+            export_weights(job.checkpoint, job.export_to)
+            _logger.info("wrote %s from %s", job.export_to, job.checkpoint)
     return todo

@@ -41,6 +41,8 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist; fix the path in the config or set it to null "
                               "for a seeded fresh initialisation")
+    if path.suffix == ".safetensors":  # the shipped weights (checkpoints/): see read_safetensors
+        return read_safetensors(path)[0]
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # torch raises several types (pickle, zip, runtime); report them all alike
@@ -128,3 +130,31 @@ def official_state_dict(model: MJPVisionTransformer) -> dict[str, torch.Tensor]:
         else:
             out[key] = value.clone()
     return out
+
+# ----------------------------------------------------------------------------------- safetensors
+#: ``format`` entry of the header of fedmjp's weights files (checkpoints/*.safetensors).
+WEIGHTS_FORMAT = "fedmjp-weights-v1"
+
+
+def read_safetensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(float32 state dict, header metadata) of a ``.safetensors`` weights file.
+
+    safetensors holds tensors and a JSON header only, never code, so it is safe to read from anyone.
+    Floating-point tensors (float16 in the shipped files) come back as float32; the metadata of a
+    file written by :func:`fedmjp.trainutils.export_weights` names the architecture (``model_name``,
+    ``model_kwargs`` as JSON) and the training config.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist; fix the path in the config or set it to null "
+                              "for a seeded fresh initialisation")
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            metadata = dict(f.metadata() or {})
+            state = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError, ValueError) as err:
+        raise CheckpointError(f"cannot read checkpoint {path}: not a valid safetensors file ({err})") from err
+    state = {k.removeprefix("module."): (v.float() if v.is_floating_point() else v) for k, v in state.items()}
+    return state, metadata

@@ -7,6 +7,9 @@ Runs on one CPU or GPU, or on many processes under torchrun (DDP; nccl on CUDA, 
 
 Every epoch writes ``<output_dir>/last.pth`` atomically and appends one JSON line to
 ``<output_dir>/metrics.jsonl``; a run whose output dir already holds ``last.pth`` resumes from it.
+
+``python -m fedmjp.train --export runs/train/cifar_deit/last.pth --to checkpoints/cifar_deit.safetensors``
+writes a checkpoint's weights as float16 safetensors with the architecture in the header (no training).
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ from .trainutils import (
     DistInfo,
     amp_dtype,
     epoch_seed,
+    export_weights,
     init_distributed,
     load_checkpoint_state,
     model_kwargs,
@@ -214,7 +218,13 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, di
     p.add_argument("--output-dir", help="checkpoints and metrics.jsonl (default: the config's output_dir)")
     p.add_argument("--resume", help="checkpoint to resume from (default: <output_dir>/last.pth if present)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar (background runs)")
+    p.add_argument("--export", metavar="CHECKPOINT", help="instead of training: write CHECKPOINT's weights "
+                   "(float16 safetensors, architecture in the header) to --to")
+    p.add_argument("--to", metavar="FILE.safetensors", help="output of --export")
+    p.add_argument("--source-commit", help="with --export: the commit that trained it, kept in the header")
     args, rest = p.parse_known_args(argv)
+    if args.export and (not args.to or not args.to.endswith(".safetensors")):
+        p.error("--export needs --to FILE.safetensors")
     overrides = parse_overrides(rest)
     if args.data_path:
         overrides["data_path"] = args.data_path
@@ -225,6 +235,15 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, di
 
 def main(argv: Optional[list[str]] = None) -> int:
     args, overrides = parse_args(argv)
+    if args.export:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        try:
+            out = export_weights(args.export, args.to, source_commit=args.source_commit)
+        except (OSError, ValueError, RuntimeError) as err:
+            _logger.error("cannot export %s: %s", args.export, err)
+            return 2
+        _logger.info("wrote %s (%.1f MB)", out, out.stat().st_size / 2**20)
+        return 0
     cfg = load_config(args.config, overrides)
     tune_malloc()
     rank0 = os.environ.get("RANK", "0") == "0"

@@ -6,10 +6,17 @@ Training checkpoint format (``last.pth``; loadable with ``torch.load(weights_onl
      "epoch": completed epochs (int), "step": optimizer updates so far (int),
      "model_name": timm name (str), "model_kwargs": dict of plain types,
      "config": TrainConfig.to_dict(), "format": "fedmjp-train-v1"}
+
+Shipped weights (``checkpoints/*.safetensors``, :func:`export_weights`): the model's tensors only, in
+float16, with the architecture and the training config in the safetensors header (all strings)::
+
+    {"format": "fedmjp-weights-v1", "model_name": ..., "model_kwargs": JSON, "variant": ...,
+     "num_classes": ..., "img_size": ..., "epoch": ..., "config": JSON, "metrics": JSON, "source_commit": ...}
 """
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import random
@@ -22,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .checkpoint import WEIGHTS_FORMAT, read_safetensors
 from .devices import resolve_device
 from .factory import create_model
 from .models import MJPVisionTransformer
@@ -141,9 +149,61 @@ def load_checkpoint_state(path: str | Path, map_location: str | torch.device = "
     return state
 
 
+def export_weights(checkpoint: str | Path, out: str | Path, dtype: torch.dtype = torch.float16,
+                   source_commit: Optional[str] = None) -> Path:
+    """Write the model of training checkpoint ``checkpoint`` (``last.pth``) to the safetensors file
+    ``out``: weights only, floating-point tensors in ``dtype``, the architecture, the training config
+    (without machine paths), epochs and last metrics in the header. Atomic (``out.tmp`` renamed)."""
+    from safetensors.torch import save_file
+
+    state = load_checkpoint_state(checkpoint)
+    if "model_name" not in state:
+        raise ValueError(f"{checkpoint} has no 'model_name': not written by fedmjp.train")
+    kwargs = dict(state.get("model_kwargs", {}))
+    config = dict(state.get("config", {}))
+    for key in ("data_path", "data_cache"):  # where the data lay on the training machine: not the user's
+        config[key] = None
+    tensors = {k: (v.detach().to(dtype) if v.is_floating_point() else v.detach()).contiguous().cpu()
+               for k, v in state["model"].items()}
+    metadata = {
+        "format": WEIGHTS_FORMAT, "model_name": str(state["model_name"]), "model_kwargs": json.dumps(kwargs),
+        "variant": str(kwargs.get("variant", "timm")), "num_classes": str(kwargs.get("num_classes", "")),
+        "img_size": str(kwargs.get("img_size", "")), "epoch": str(state.get("epoch", "")),
+        "config": json.dumps(config), "metrics": json.dumps(state.get("metrics", {})),
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+    if source_commit:
+        metadata["source_commit"] = source_commit
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    save_file(tensors, str(tmp), metadata=metadata)
+    os.replace(tmp, out)
+    return out
+
+
+def weights_state(path: str | Path) -> dict[str, Any]:
+    """A shipped ``.safetensors`` weights file as the dict :func:`load_checkpoint_state` returns
+    (``model`` in float32, ``model_name``, ``model_kwargs``, ``config``, ``epoch``, ``metrics``)."""
+    tensors, meta = read_safetensors(path)
+    if meta.get("format") != WEIGHTS_FORMAT or "model_name" not in meta:
+        raise ValueError(f"{path} has no fedmjp architecture in its header (format {meta.get('format')!r}, "
+                         f"expected {WEIGHTS_FORMAT!r}); load it into a model you build with "
+                         "fedmjp.checkpoint.load_checkpoint")
+    try:
+        kwargs, config, metrics = (json.loads(meta.get(k, "{}")) for k in ("model_kwargs", "config", "metrics"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: the header's JSON cannot be read ({err})") from err
+    epoch = meta.get("epoch", "")
+    return {"model": tensors, "model_name": meta["model_name"], "model_kwargs": kwargs, "config": config,
+            "epoch": int(epoch) if epoch.isdigit() else None, "metrics": metrics,
+            "source_commit": meta.get("source_commit"), "format": WEIGHTS_FORMAT}
+
+
 def model_from_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> tuple[nn.Module, dict]:
-    """Rebuild the trained model (eval mode) and return it with the checkpoint's dict."""
-    state = load_checkpoint_state(path, map_location)
+    """Rebuild the trained model (eval mode) and return it with the checkpoint's dict: a training
+    checkpoint (``last.pth``) or shipped weights (``.safetensors``, architecture in the header)."""
+    state = weights_state(path) if Path(path).suffix == ".safetensors" else load_checkpoint_state(path, map_location)
     if "model_name" not in state:
         raise ValueError(f"{path} has no 'model_name': not written by fedmjp.train")
     model = create_model(state["model_name"], **dict(state.get("model_kwargs", {})))
