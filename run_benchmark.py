@@ -9,7 +9,11 @@ Flags and outputs: ``python run_benchmark.py --help`` and README.md. The work li
 """
 from __future__ import annotations
 
+import argparse
+import errno
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -17,7 +21,8 @@ from typing import Optional, Sequence
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from benchmark.cli import setup_logging, build_parser, default_output, resolve
-from benchmark.errors import EXIT_INTERRUPTED, BenchmarkError
+from benchmark.config import PROJECT_ROOT
+from benchmark.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, BenchmarkError, OutputWriteError
 from fedmjp.allocator import tune_malloc
 from server.offline import keep_flower_offline
 
@@ -26,18 +31,69 @@ def _print_trained(jobs: list) -> None:
     print(f"trained: {', '.join(job.row for job in jobs) or 'nothing (all checkpoints finished)'}")
 
 
+#: Errors of a write into the output folder: exit status 10 with one line (rows are kept).
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR,
+                 errno.EISDIR, errno.EEXIST, errno.ELOOP, errno.ENAMETOOLONG}
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread: unwinds like Ctrl-C (finished rows kept, workers stopped)."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise Terminated()
+
+
+def parser() -> argparse.ArgumentParser:
+    """The CLI's flags (:func:`benchmark.cli.build_parser`) and this script's ``--force``."""
+    p = build_parser()
+    p.add_argument("--force", action="store_true",
+                   help="write into an existing non-empty --output folder that is not a run folder (no "
+                        "config.yaml): files of the names a run writes there (table.csv, grid_c.png, ...) are "
+                        "replaced. Without it such a folder is refused (exit 6); a folder holding symbolic links "
+                        "where a run writes is refused either way")
+    return p
+
+
+def output_folder(args: argparse.Namespace, cfg: dict) -> Path:
+    """``--output`` (relative to the working directory), else the config's ``output:`` (relative to
+    the project root, like every path in a config file), else ``runs/<time>-setting-<s>``."""
+    if args.output:
+        return Path(args.output).expanduser().resolve()
+    if cfg["output"]:
+        path = Path(str(cfg["output"])).expanduser()
+        return path if path.is_absolute() else (PROJECT_ROOT / path).resolve()
+    return Path(default_output(cfg))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the CLI; returns the exit status (see :mod:`benchmark.errors`)."""
-    args = build_parser().parse_args(argv)
+    args = parser().parse_args(argv)
     setup_logging(args.verbose)
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        return _main(args)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main(args: argparse.Namespace) -> int:
+    if args.list:  # attacks, defences, models: built-ins and installed plug-ins
+        from benchmark.cli import catalog_text
+
+        print(catalog_text())
+        return 0
     keep_flower_offline()  # before anything imports flwr
     tune_malloc()  # freed tensors' memory is reused instead of faulted in again (fedmjp/allocator.py)
     t0 = time.perf_counter()
     output = None
     try:
         cfg = resolve(args)
-        output = args.output or cfg["output"] or default_output(cfg)
-        cfg["output"] = str(Path(output).resolve())
+        output = str(output_folder(args, cfg))
+        cfg["output"] = output
         from benchmark.pipeline import raise_for_errors, run_benchmark
         from benchmark.training import train_missing
 
@@ -56,17 +112,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if args.train_missing:
                 from benchmark.store import RunFolder
 
-                RunFolder(output).check(cfg)  # a conflicting output folder fails before any training
+                RunFolder(output, force=args.force).check(cfg)  # a conflicting folder fails before any training
                 _print_trained(train_missing(cfg, progress=not args.no_progress))
-            summary = run_benchmark(cfg, output, progress=not args.no_progress)
+            summary = run_benchmark(cfg, output, progress=not args.no_progress, force=args.force)
     except BenchmarkError as err:
         print(f"error: {err}", file=sys.stderr)
         return err.exit_code
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:
+        what = "terminated (SIGTERM)" if isinstance(err, Terminated) else "interrupted"
         where = f" in {output}" if output else ""
-        print(f"\ninterrupted: finished rows are kept{where}; run the same command with --output {output} "
+        print(f"\n{what}: finished rows are kept{where}; run the same command with --output {output} "
               "to resume", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return EXIT_TERMINATED if isinstance(err, Terminated) else EXIT_INTERRUPTED
+    except OSError as err:
+        # a write of the tables or grids (pandas, matplotlib) into the output folder that failed
+        # (the store's own writes raise OutputWriteError); any other OSError is a bug: traceback
+        if err.errno not in _WRITE_ERRNOS or output is None:
+            raise
+        print(f"error: cannot write {err.filename or output}: {err.strerror or err}; finished rows are kept in "
+              f"{output}; free disk space, raise the file-size limit or fix the folder's permissions, then run the "
+              "same command to resume", file=sys.stderr)
+        return OutputWriteError.exit_code
     print()
     print((Path(summary.folder) / "table.md").read_text())
     print(f"rows: {summary.new_rows} new, {summary.kept_rows} kept from an earlier run, {summary.failed_rows} failed; "

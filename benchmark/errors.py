@@ -6,15 +6,22 @@ code   meaning
 1      unexpected internal error (a bug: the traceback is printed)
 2      command-line usage (argparse)
 3      bad config: unknown model/attack/setting/key names (valid names listed), bad values
-4      bad input data: missing or empty image folder, corrupt image with ``--on-corrupt fail``
+4      bad input data: missing or empty image folder, corrupt image with ``--on-corrupt fail``, an
+       unusable dataset archive (unsafe members, not a tar file, no ``train/``/``val/``)
 5      missing or mismatched checkpoint
 6      the output folder holds a run with a different config or provenance (code version,
-       library versions, device, checkpoint hashes; results are never mixed)
+       library versions, device, checkpoint hashes; results are never mixed), is not a run folder
+       (non-empty, without ``config.yaml`` or ``provenance.json``; ``--force`` writes into it),
+       holds a symbolic link where a run writes, or holds a damaged ``config.yaml`` /
+       ``provenance.json``
 7      the federated run failed (no update reached the attacker)
 8      an attack raised an unexpected error (a bug, not a condition failure): the run finished and
        wrote its tables, the failure rows are marked ``error``, tracebacks are in ``errors/``
 9      the output folder is in use by another run (its lock file is held)
+10     the output cannot be written: no permission, read-only, a file where a folder should be, a
+       full disk or a file-size limit; the rows written so far are kept, the same command resumes
 130    interrupted (Ctrl-C); finished rows are kept, re-run the same command to resume
+143    terminated (SIGTERM); finished rows are kept, re-run the same command to resume
 =====  ===================================================================================
 """
 from __future__ import annotations
@@ -68,4 +75,11 @@ class OutputLockedError(BenchmarkError):
     exit_code = 9
 
 
+class OutputWriteError(BenchmarkError):
+    """The output folder cannot be written (permission, not a folder, disk full, file too large)."""
+
+    exit_code = 10
+
+
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143  # 128 + SIGTERM, what a shell reports for a process the signal ended

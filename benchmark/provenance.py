@@ -13,12 +13,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import platform
 import subprocess
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -100,21 +99,49 @@ def differences(stored: Mapping[str, Any], current: Mapping[str, Any]) -> list[s
     return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
 
-def check_or_write(folder: Path, record: Mapping[str, Any]) -> None:
-    """Write ``provenance.json`` for a new run; on resume compare with the stored one.
+def read_record(folder: Path) -> Optional[dict[str, Any]]:
+    """The stored ``provenance.json`` of a run folder (None when there is none).
 
     Raises:
-        OutputConflictError: anything but the dirty flag differs (the message lists every difference).
+        OutputConflictError: the file is not a JSON object (it names the file and what to do).
     """
-    path = folder / PROVENANCE
+    path = Path(folder) / PROVENANCE
     if not path.is_file():
-        if (folder / "results.jsonl").is_file():
+        return None
+    try:
+        stored = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as err:
+        why = " ".join(str(err).split())[:200]
+    else:
+        if isinstance(stored, dict):
+            return stored
+        why = f"it holds a JSON {type(stored).__name__}, not an object"
+    raise OutputConflictError(
+        f"output folder {folder}: {path} is damaged ({why}); the stored rows cannot be checked against the code "
+        f"that made them. Choose another --output folder, or delete {PROVENANCE} to resume without a provenance "
+        "check (as for a run older than the record)")
+
+
+def check_or_write(folder: Path, record: Mapping[str, Any], replace: bool = False) -> None:
+    """Write ``provenance.json`` for a new run; on resume compare with the stored one.
+
+    Args:
+        replace: write ``record`` over a stored one (a run folder that holds no finished rows).
+    Raises:
+        OutputConflictError: anything but the dirty flag differs (the message lists every difference),
+            or the stored file is damaged.
+        OutputWriteError: the file cannot be written (:func:`benchmark.store.write_text`).
+    """
+    from .store import write_text
+
+    folder = Path(folder)
+    path = folder / PROVENANCE
+    stored = None if replace else read_record(folder)
+    if stored is None:
+        if not replace and (folder / "results.jsonl").is_file():
             _logger.warning("%s has no %s (an older run): resuming without a provenance check", folder, PROVENANCE)
-        tmp = path.with_name(f".{PROVENANCE}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, path)
+        write_text(path, json.dumps(record, indent=2, sort_keys=True) + "\n", sync=True)
         return
-    stored = json.loads(path.read_text())
     diffs = differences(stored, record)
     refuse = [d for d in diffs if not d.startswith(WARN_ONLY)]
     if refuse:

@@ -1,6 +1,15 @@
 """The results store of one benchmark run: an output folder with ``config.yaml``, ``results.jsonl`` and
 the stored images under ``images/``.
 
+The folder is verified before anything is written (:meth:`RunFolder.check`): it is new, empty, or a
+run folder (it holds ``config.yaml`` or ``provenance.json``); a non-empty folder that is not a run
+is refused unless the user passes ``--force``. No file is written through a symbolic link: a folder
+holding a link where a run writes is refused, files are created with ``O_NOFOLLOW`` and replaced
+atomically (a temporary file beside them, then ``os.replace``, which replaces a link itself and
+never its target), and a temporary file is removed on every failure path (a full disk, a file-size
+limit). A write that fails is :class:`~benchmark.errors.OutputWriteError` (exit status 10): the rows
+appended so far are kept and the same command resumes.
+
 Rows are appended and flushed as they are produced, so a killed run loses at most the row being
 written. An unreadable line (a torn last line of a killed write, or a corrupt line anywhere) is
 moved to ``results.quarantine.jsonl`` with its line number when a run resumes; the rows after it
@@ -9,12 +18,18 @@ grids read only this folder.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
+import hashlib
+import io
 import json
 import logging
 import math
 import os
 import re
+import secrets
+import time
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Optional
 
@@ -23,27 +38,112 @@ import torch
 import yaml
 from PIL import Image
 
-from .config import diff_configs, result_view, save_config
-from .errors import OutputConflictError, OutputLockedError
+from .config import attack_entries, diff_configs, result_view
+from .errors import ConfigError, OutputConflictError, OutputLockedError, OutputWriteError
 
 _logger = logging.getLogger(__name__)
 
 RESULTS = "results.jsonl"
 LOCK = ".lock"
 CONFIG = "config.yaml"
+PROVENANCE = "provenance.json"
 IMAGES = "images"
+#: Rows of an earlier attempt that failed because the run failed, moved here when they are retried.
+RETRIED = "results.retried.jsonl"
+#: Files whose presence makes a folder a run folder (written by :meth:`RunFolder.init`).
+RUN_MARKERS = (CONFIG, PROVENANCE)
+#: Sub-folders a run writes into: a symbolic link anywhere below them is refused.
+WRITTEN_FOLDERS = (IMAGES, "errors")
+#: Longest file name component a run writes (most file systems allow 255 bytes; the rest is left
+#: for the temporary-file prefix and suffix).
+MAX_NAME = 200
 
 #: Fields that identify an attacked image; a resumed run skips rows whose key is stored.
 ROW_KEY = ("model", "attack", "setting", "round", "partition_id", "batch_index", "image_id")
+#: ``reason`` prefix of rows that failed because the run failed (a client raised, timed out or
+#: sent nothing; see ``GroupAttacker.record_client_failures``): retried on resume, unlike an
+#: attack's condition failure, which is a result.
+RUN_FAILURE_PREFIX = "client failed"
 
 
 def row_key(row: Mapping[str, Any]) -> tuple:
     return tuple(row.get(k) for k in ROW_KEY)
 
 
+def is_run_failure(row: Mapping[str, Any]) -> bool:
+    """A row that failed because the run failed (retried on resume), not a condition failure."""
+    return bool(row.get("failed")) and str(row.get("reason") or "").startswith(RUN_FAILURE_PREFIX)
+
+
 def slug(text: str) -> str:
     """A file-name-safe form of a row name (``DeiT+MJP`` -> ``DeiT+MJP``, spaces -> ``_``)."""
     return re.sub(r"[^A-Za-z0-9+\-.]+", "_", str(text)).strip("_") or "row"
+
+
+def short_name(name: str, limit: int = MAX_NAME) -> str:
+    """``name`` when it fits ``limit`` bytes, else its head and a hash of the whole (distinct names
+    stay distinct; the same name always gives the same file)."""
+    if len(name.encode()) <= limit:
+        return name
+    digest = hashlib.sha256(name.encode()).hexdigest()[:16]
+    head = name.encode()[: limit - len(digest) - 1].decode("utf-8", errors="ignore")
+    return f"{head}~{digest}"
+
+
+def _write_error(path: Path, err: OSError) -> OutputWriteError:
+    """A failed write as the user-facing error (exit status 10)."""
+    what = err.strerror or str(err)
+    if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        hint = "free disk space or raise the file-size limit (ulimit -f), then run the same command to resume"
+    elif err.errno == errno.ELOOP:
+        hint = "it is a symbolic link, which a run never writes through; remove the link or use another --output"
+    else:
+        hint = "make the folder writable or choose another --output folder"
+    return OutputWriteError(f"cannot write {path}: {what}; rows written so far are kept; {hint}")
+
+
+def write_bytes(path: str | Path, data: bytes, sync: bool = False) -> None:
+    """Write ``path`` atomically without following a symbolic link.
+
+    The bytes go to a new temporary file beside ``path`` (``O_CREAT | O_EXCL | O_NOFOLLOW``: never an
+    existing file or link), which then replaces ``path`` (``os.replace`` replaces a link itself,
+    never its target). The temporary file is removed on every failure (a full disk, a file-size
+    limit, an interrupt). Hand-written because ``tempfile`` creates files readable by the owner only
+    (mode 0600), while a run's outputs follow the user's umask.
+
+    Raises:
+        OutputWriteError: the file cannot be written (exit status 10).
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name[:MAX_NAME]}.{secrets.token_hex(4)}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    except OSError as err:
+        raise _write_error(path, err) from err
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            if sync:
+                os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException as err:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(err, OSError):
+            raise _write_error(path, err) from err
+        raise
+
+
+def write_text(path: str | Path, text: str, sync: bool = False) -> None:
+    """:func:`write_bytes` of UTF-8 text."""
+    write_bytes(path, text.encode(), sync)
+
+
+def _open_append(path: Path) -> Any:
+    """``path`` opened for appending, created if missing, never through a symbolic link."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    return os.fdopen(fd, "a")
 
 
 def jsonable(value: Any) -> Any:
@@ -102,17 +202,31 @@ def read_jsonl(path: Path, repair: bool = False) -> list[dict]:
         _logger.warning("%s line %d is unreadable%s; %s", path, number, " (a torn last write)"
                         if not raw.endswith(b"\n") else "", "moved to the quarantine file" if repair else "skipped")
     if repair and bad:
-        import time
-
         quarantine = path.with_name(path.name.replace(".jsonl", "") + ".quarantine.jsonl")
-        with quarantine.open("a") as fh:
-            for number, raw in bad:
-                fh.write(json.dumps({"line": number, "text": raw.decode("utf-8", errors="replace"),
-                                     "quarantined_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}) + "\n")
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_bytes(b"".join(good))
-        os.replace(tmp, path)
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        append_lines(quarantine, [json.dumps({"line": number, "text": raw.decode("utf-8", errors="replace"),
+                                              "quarantined_at": stamp}) for number, raw in bad])
+        write_bytes(path, b"".join(good), sync=True)
     return rows
+
+
+def append_lines(path: Path, lines: Iterable[str]) -> int:
+    """Append text lines (each gets a newline) to ``path``, flushed to disk; never through a link.
+
+    Raises:
+        OutputWriteError: the file cannot be written (the lines before the failure are kept).
+    """
+    n = 0
+    try:
+        with _open_append(path) as fh:
+            for line in lines:
+                fh.write(line + "\n")
+                n += 1
+            fh.flush()
+            os.fsync(fh.fileno())
+    except OSError as err:
+        raise _write_error(path, err) from err
+    return n
 
 
 class RunFolder:
@@ -120,14 +234,190 @@ class RunFolder:
 
     Args:
         folder: the output folder (created if missing).
+        force: write into an existing non-empty folder that is not a run folder (``--force``);
+            files of the names a run writes are replaced there.
     """
 
-    def __init__(self, folder: str | Path) -> None:
+    def __init__(self, folder: str | Path, force: bool = False) -> None:
         self.folder = Path(folder)
+        self.force = bool(force)
         self.results_path = self.folder / RESULTS
         self.config_path = self.folder / CONFIG
+        self.provenance_path = self.folder / PROVENANCE
         self.images_dir = self.folder / IMAGES
         self._lock_fh: Optional[Any] = None
+
+    # ---------------------------------------------------------------------------------- checks
+    def verify(self) -> None:
+        """Check, writing nothing, that a run may write into the folder.
+
+        Raises:
+            OutputWriteError: the folder is a file, lies under a file, or cannot be written.
+            OutputConflictError: the folder is a symbolic link or holds one where a run writes, or
+                it is a non-empty folder that is not a run folder (and ``force`` is off).
+        """
+        folder = self.folder
+        if folder.is_symlink():
+            raise OutputConflictError(f"output folder {folder} is a symbolic link; a run never writes through a "
+                                      "link: pass the real folder's path or another --output folder")
+        if folder.exists() and not folder.is_dir():
+            raise OutputWriteError(f"output {folder} is a file, not a folder; choose another --output folder")
+        existing = folder
+        while not existing.exists() and not existing.is_symlink() and existing != existing.parent:
+            existing = existing.parent
+        if not existing.is_dir():
+            raise OutputWriteError(f"cannot create output folder {folder}: {existing} is "
+                                   f"{'a dangling link' if existing.is_symlink() else 'a file'}, not a folder; "
+                                   "choose another --output folder")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            what = "the output folder" if existing == folder else f"{existing}"
+            raise OutputWriteError(f"output folder {folder} cannot be written ({what} is read-only for this user); "
+                                   "make it writable or choose another --output folder")
+        if existing != folder:
+            return  # a new folder: nothing in it yet
+        names = sorted(os.listdir(folder))
+        links = [n for n in names if (folder / n).is_symlink()]
+        for sub in WRITTEN_FOLDERS:
+            if (folder / sub).is_dir() and not (folder / sub).is_symlink():
+                for root, dirs, files in os.walk(folder / sub):  # never follows links
+                    links += [str(Path(root, n).relative_to(folder)) for n in dirs + files
+                              if os.path.islink(os.path.join(root, n))]
+        if links:
+            raise OutputConflictError(
+                f"output folder {folder} holds symbolic link(s) where a run writes ({', '.join(links[:5])}"
+                f"{', ...' if len(links) > 5 else ''}); a run never writes through a link: remove them or choose "
+                "another --output folder")
+        if (folder / LOCK).exists() and not (folder / LOCK).is_file():
+            raise OutputConflictError(f"output folder {folder}: {LOCK} is not a regular file; remove it or choose "
+                                      "another --output folder")
+        others = [n for n in names if n != LOCK and not (n.startswith(".") and ".tmp" in n)]
+        if others and not self.is_run() and not self.force:
+            raise OutputConflictError(
+                f"output folder {folder} is not empty and is not a fedmjp run folder (no {CONFIG}; it holds "
+                f"{', '.join(others[:5])}{', ...' if len(others) > 5 else ''}); choose a new or empty --output "
+                "folder, or pass --force to write into it (files of the names a run writes, e.g. table.csv, "
+                "are replaced)")
+
+    def is_run(self) -> bool:
+        """The folder holds a run's ``config.yaml`` or ``provenance.json``."""
+        return any((self.folder / m).is_file() for m in RUN_MARKERS)
+
+    def stored_config(self) -> Optional[dict]:
+        """The stored ``config.yaml`` (None when there is none).
+
+        Raises:
+            OutputConflictError: it is not a readable YAML mapping (names the file and what to do).
+        """
+        if not self.config_path.is_file():
+            return None
+        try:
+            old = yaml.safe_load(self.config_path.read_text())
+        except (yaml.YAMLError, UnicodeDecodeError, OSError) as err:
+            why = " ".join(str(err).split())[:200]
+        else:
+            if isinstance(old, dict):
+                return old
+            why = f"it holds a YAML {type(old).__name__}, not a mapping of config keys"
+        raise OutputConflictError(
+            f"output folder {self.folder}: {self.config_path} is damaged ({why}); its rows cannot be matched to a "
+            f"config. Choose another --output folder, or pass --force to start over in this one when it holds "
+            f"no {RESULTS} rows")
+
+    def check_provenance_file(self) -> None:
+        """``provenance.json``, when present, is a JSON object (else OutputConflictError naming it)."""
+        from .provenance import read_record
+
+        read_record(self.folder)
+
+    def check(self, cfg: dict) -> bool:
+        """Check that the folder can take this config, writing nothing.
+
+        The device is not compared here: ``provenance.json`` records the device the rows were
+        computed on (``auto`` and ``cpu`` are the same device on a machine without CUDA), and a
+        folder whose stored rows are all failures of a failed run (no client update reached the
+        attacker, e.g. a bad device or checkpoint) takes the corrected config: nothing would be mixed.
+
+        Returns:
+            True when it holds a run of the same config (resume).
+        Raises:
+            ConfigError: two model rows or attackers would share stored file names.
+            OutputWriteError, OutputConflictError: see :meth:`verify`; different config; damaged
+                ``config.yaml`` or ``provenance.json``.
+        """
+        check_names(cfg)
+        self.verify()
+        if not self.folder.is_dir():
+            return False
+        try:
+            old = self.stored_config()
+        except OutputConflictError:
+            if self.force and not self.results_path.exists():
+                _logger.warning("%s is damaged; --force: it is replaced", self.config_path)
+                return False
+            raise
+        if self.provenance_path.exists() and not self.force:
+            self.check_provenance_file()
+        kept = [r for r in self.rows() if not is_run_failure(r)]
+        if old is not None:
+            diffs = [d for d in diff_configs(result_view(old), result_view(cfg)) if d.split(":")[0] != "device"]
+            if diffs and not kept:
+                _logger.warning("output folder %s holds no finished rows (only failures of a failed run); its "
+                                "config is replaced (%s)", self.folder, "; ".join(diffs[:5]))
+                return False
+            if diffs:
+                raise OutputConflictError(
+                    f"output folder {self.folder} holds a run with a different config; results are never mixed. "
+                    f"Differences (stored -> requested): {'; '.join(diffs[:12])}. "
+                    "Use a new --output folder, or the stored settings to resume.")
+            return True
+        if kept:
+            raise OutputConflictError(f"output folder {self.folder} holds {RESULTS} but no {CONFIG}; "
+                                      "refusing to mix results of an unknown config; use a new --output folder")
+        return False
+
+    def init(self, cfg: dict, provenance: Optional[Mapping[str, Any]] = None) -> None:
+        """Lock the folder, save the resolved ``config.yaml`` (kept as is when resuming), move the rows
+        that failed because an earlier attempt failed to ``results.retried.jsonl`` (they are computed
+        again), and write or check ``provenance.json`` (:mod:`benchmark.provenance`).
+
+        Raises:
+            OutputLockedError: another run holds the folder.
+            OutputConflictError: different config or provenance.
+            OutputWriteError: the folder cannot be written.
+        """
+        from .provenance import check_or_write
+
+        self.check(cfg)  # before the lock creates the folder
+        self.lock()
+        try:
+            resume = self.check(cfg)  # checked again under the lock
+            retried = self.retry_run_failures()
+            if not resume:
+                text = yaml.safe_dump(cfg, sort_keys=False, default_flow_style=None)
+                write_text(self.config_path, text, sync=True)
+            if provenance is not None:
+                fresh = not resume or not self.results_path.is_file() or not self.rows()
+                check_or_write(self.folder, provenance, replace=fresh or self.force and not self.rows())
+            if retried:
+                _logger.info("%d row(s) that failed because an earlier attempt of the run failed are computed "
+                             "again (moved to %s)", retried, RETRIED)
+        except BaseException:
+            self.unlock()
+            raise
+
+    def retry_run_failures(self) -> int:
+        """Move rows that failed because the run failed (:func:`is_run_failure`) from ``results.jsonl``
+        to ``results.retried.jsonl``, so that they are computed again; returns how many."""
+        rows = read_jsonl(self.results_path, repair=True)
+        if not any(is_run_failure(r) for r in rows):
+            return 0
+        keep, moved = [], []
+        with self.results_path.open("rb") as fh:
+            for raw in fh:
+                (moved if is_run_failure(_parse_line(raw) or {}) else keep).append(raw)
+        append_lines(self.folder / RETRIED, [raw.decode().rstrip("\n") for raw in moved])
+        write_bytes(self.results_path, b"".join(keep), sync=True)
+        return len(moved)
 
     # ---------------------------------------------------------------------------------- lock
     def lock(self) -> None:
@@ -135,21 +425,34 @@ class RunFolder:
 
         Raises:
             OutputLockedError: another run holds it.
+            OutputConflictError: ``.lock`` is a symbolic link (never followed).
+            OutputWriteError: the folder cannot be created or written.
         """
         if self._lock_fh is not None:
             return
-        self.folder.mkdir(parents=True, exist_ok=True)
-        fh = (self.folder / LOCK).open("a+")
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.folder / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        except OSError as err:
+            if err.errno == errno.ELOOP:
+                raise OutputConflictError(f"output folder {self.folder}: {LOCK} is a symbolic link; a run never writes "
+                                          "through a link: remove it or choose another --output folder") from None
+            raise _write_error(self.folder / LOCK, err) from None
+        fh = os.fdopen(fd, "r+")
         try:
             fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             fh.close()
             raise OutputLockedError(f"output folder {self.folder} is in use by another run (its {LOCK} is locked); "
                                     "wait for that run to end or use another --output folder") from None
-        fh.seek(0)
-        fh.truncate()
-        fh.write(f"pid {os.getpid()}\n")
-        fh.flush()
+        try:
+            fh.seek(0)
+            fh.truncate()
+            fh.write(f"pid {os.getpid()}\n")
+            fh.flush()
+        except OSError as err:
+            fh.close()
+            raise _write_error(self.folder / LOCK, err) from None
         self._lock_fh = fh
 
     def unlock(self) -> None:
@@ -159,51 +462,8 @@ class RunFolder:
             self._lock_fh.close()
             self._lock_fh = None
 
-    # ---------------------------------------------------------------------------------- config
-    def check(self, cfg: dict) -> bool:
-        """Check that the folder can take this config, writing nothing.
-
-        Returns:
-            True when it holds a run of the same config (resume).
-        Raises:
-            OutputConflictError: the folder holds results of a different config.
-        """
-        if self.config_path.is_file():
-            old = yaml.safe_load(self.config_path.read_text()) or {}
-            diffs = diff_configs(result_view(old), result_view(cfg))
-            if diffs:
-                raise OutputConflictError(
-                    f"output folder {self.folder} holds a run with a different config; results are never mixed. "
-                    f"Differences (stored -> requested): {'; '.join(diffs[:12])}. "
-                    "Use a new --output folder, or the stored settings to resume.")
-            return True
-        if self.results_path.exists():
-            raise OutputConflictError(f"output folder {self.folder} holds {RESULTS} but no {CONFIG}; "
-                                      "refusing to mix results of an unknown config; use a new --output folder")
-        return False
-
-    def init(self, cfg: dict, provenance: Optional[Mapping[str, Any]] = None) -> None:
-        """Lock the folder, save the resolved ``config.yaml`` (kept as is when resuming) and write or
-        check ``provenance.json`` (:mod:`benchmark.provenance`).
-
-        Raises:
-            OutputLockedError: another run holds the folder.
-            OutputConflictError: different config or provenance.
-        """
-        from .provenance import check_or_write
-
-        self.lock()
-        try:
-            if not self.check(cfg):  # checked again under the lock
-                save_config(cfg, self.config_path)
-            if provenance is not None:
-                check_or_write(self.folder, provenance)
-        except BaseException:
-            self.unlock()
-            raise
-
     def load_config(self) -> dict:
-        return yaml.safe_load(self.config_path.read_text())
+        return self.stored_config() or {}
 
     # ---------------------------------------------------------------------------------- rows
     def rows(self, repair: bool = False) -> list[dict]:
@@ -214,30 +474,58 @@ class RunFolder:
         return {row_key(r) for r in self.rows(repair=True)}
 
     def append(self, rows: Iterable[Mapping[str, Any]]) -> int:
-        """Append rows and flush them to disk; returns how many were written."""
-        n = 0
-        with self.results_path.open("a") as fh:
-            for row in rows:
-                fh.write(json.dumps(jsonable(row), allow_nan=False) + "\n")
-                n += 1
-            fh.flush()
-            os.fsync(fh.fileno())
-        return n
+        """Append rows and flush them to disk; returns how many were written.
+
+        Raises:
+            OutputWriteError: a full disk or a file-size limit (the rows before it are kept).
+        """
+        return append_lines(self.results_path, (json.dumps(jsonable(row), allow_nan=False) for row in rows))
 
     # ---------------------------------------------------------------------------------- images
     def image_path(self, model: str, group: str, image_id: str, kind: str, round_: Optional[int] = None,
                    partition_id: Optional[int] = None) -> Path:
-        """``images/<model>/<group>/<image>__r<round>-p<partition>__<kind>.png`` (``kind``: x, xs, rec)."""
+        """``images/<model>/<group>/<image>__r<round>-p<partition>__<kind>.png`` (``kind``: x, xs, rec).
+
+        A name longer than :data:`MAX_NAME` bytes keeps its head and gets a hash of the whole
+        (:func:`short_name`), so a long image file name never fails a run mid-way.
+        """
         where = "" if round_ is None else f"__r{round_}-p{partition_id}"
-        return self.images_dir / slug(model) / group / f"{slug(image_id)}{where}__{kind}.png"
+        tail = f"{where}__{slug(kind)}.png"
+        name = slug(image_id) + tail
+        if len(name.encode()) > MAX_NAME:
+            name = short_name(slug(image_id), MAX_NAME - len(tail.encode())) + tail
+        return self.images_dir / short_name(slug(model)) / short_name(slug(group)) / name
 
     def save_image(self, path: Path, image: torch.Tensor) -> None:
-        """Store [3, H, W] in [0, 1] as an 8-bit PNG (non-finite values become 0)."""
-        path.parent.mkdir(parents=True, exist_ok=True)
+        """Store [3, H, W] in [0, 1] as an 8-bit PNG (non-finite values become 0), atomically and
+        never through a link (:func:`write_bytes`)."""
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise _write_error(path.parent, err) from err
         save_png(image, path)
 
     def stored_images(self) -> Iterator[Path]:
         return self.images_dir.rglob("*.png") if self.images_dir.is_dir() else iter(())
+
+
+def check_names(cfg: Mapping[str, Any]) -> None:
+    """Model rows and attackers whose names give the same stored file name (``"X Y"`` and ``"X_Y"``
+    both give ``images/X_Y/``) are refused: one's images would show under the other's label.
+
+    Raises:
+        ConfigError: naming both and what to do.
+    """
+    groups = (("model rows", [str(r.get("name")) for r in cfg.get("models") or []]),
+              ("attackers", [e["label"] for e in attack_entries(cfg)] if cfg.get("attack") else []))
+    for what, names in groups:
+        seen: dict[str, str] = {}
+        for name in names:
+            key = short_name(slug(name))
+            if key in seen and seen[key] != name:
+                raise ConfigError(f"{what} {seen[key]!r} and {name!r} would share the stored file name {key!r} "
+                                  "(one's images would show under the other's label); rename one")
+            seen.setdefault(key, name)
 
 
 def save_png(image: torch.Tensor, path: Path) -> None:
@@ -246,7 +534,9 @@ def save_png(image: torch.Tensor, path: Path) -> None:
     arr = (arr.clamp(0, 1) * 255.0).round().to(torch.uint8).permute(1, 2, 0).numpy()
     # Lossless either way; level 1 writes a 224 px tile ~5x faster than the default 6 (the grid
     # images of a run are a few dozen PNGs, a few percent larger).
-    Image.fromarray(arr, "RGB").save(path, compress_level=1)
+    buffer = io.BytesIO()
+    Image.fromarray(arr, "RGB").save(buffer, format="PNG", compress_level=1)
+    write_bytes(path, buffer.getvalue())
 
 
 def load_png(path: Path) -> np.ndarray:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from .errors import ConfigError
+
 _logger = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,7 +98,12 @@ class RayRunner:
             kwargs: dict[str, Any] = dict(runtime_env={"env_vars": env}, include_dashboard=False,
                                           logging_level=logging.WARNING, log_to_driver=False)
             if address:
-                ray.init(address=address, **kwargs)
+                try:
+                    ray.init(address=address, **kwargs)
+                except (ConnectionError, TimeoutError, RuntimeError, ValueError) as err:
+                    raise ConfigError(f"cannot connect to the Ray cluster at ray_address={address!r}: "
+                                      f"{' '.join(str(err).split())[:300]}; start it, fix --ray-address, or "
+                                      "leave it out to attack on this machine") from err
             else:
                 ray.init(num_cpus=min(int(workers), os.cpu_count() or 1), **kwargs)
             self.started = True
@@ -133,6 +140,40 @@ class RayRunner:
         self.actors = []
         if self.started and self.ray.is_initialized():
             self.ray.shutdown()
+
+
+#: Seconds to wait for a TCP connection to a Ray cluster's address before giving up (Ray's own
+#: client retries for about half a minute).
+CONNECT_TIMEOUT_S = 5.0
+
+
+def check_ray_address(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
+    """Fail fast when a ``host:port`` Ray address (``ray://host:10001`` or a GCS ``host:6379``)
+    accepts no TCP connection; ``auto`` and ``local`` are left to Ray.
+
+    Raises:
+        ConfigError: the address is malformed or nothing listens there.
+    """
+    import socket
+    from urllib.parse import urlsplit
+
+    if address in ("auto", "local"):
+        return
+    parts = urlsplit(address if "://" in address else f"ray://{address}")
+    try:
+        host, port = parts.hostname, parts.port
+    except ValueError as err:  # a port that is not a number or out of range
+        raise ConfigError(f"ray_address={address!r} is not a Ray address ({err}); use ray://host:10001 or "
+                          "host:6379") from err
+    if not host or port is None:
+        raise ConfigError(f"ray_address={address!r} names no host:port; use ray://host:10001 or host:6379")
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            pass
+    except OSError as err:
+        raise ConfigError(f"cannot reach the Ray cluster at ray_address={address!r} ({host}:{port}: "
+                          f"{err.strerror or err}); start it, fix --ray-address, or leave it out to attack on "
+                          "this machine") from err
 
 
 def make_runner(attacks: Sequence[Any], workers: int, address: Optional[str] = None) -> Any:

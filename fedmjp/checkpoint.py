@@ -35,6 +35,31 @@ class LoadReport:
     dropped: list[str] = field(default_factory=list)
 
 
+#: Lines of torch's ``weights_only`` error that give advice which is never right here (re-running
+#: with ``weights_only=False`` would execute whatever the file holds).
+_TORCH_ADVICE = ("Weights only load failed", "Please file an issue", "Check the documentation",
+                 "In PyTorch 2.6", "Re-running `torch.load`", "(1) ", "(2) ", "WeightsUnpickler error:")
+
+
+def load_error_text(err: BaseException) -> str:
+    """One line saying why ``torch.load(..., weights_only=True)`` refused a file, without torch's
+    advice to retry with ``weights_only=False``: what the file holds instead of tensors (a pickled
+    global such as ``posix.system``), or that it is not a PyTorch file at all."""
+    import pickle
+
+    lines = [" ".join(line.split()) for line in str(err).splitlines()]
+    kept = [line.removeprefix("WeightsUnpickler error:").strip() for line in lines
+            if line and not line.startswith(_TORCH_ADVICE)]
+    kept = [line for line in kept if line]
+    detail = "; ".join(kept)[:300] or type(err).__name__
+    if isinstance(err, pickle.UnpicklingError) and "GLOBAL" in detail:
+        return (f"it holds Python objects, not only tensors ({detail}); such files are refused, never executed: "
+                "save the weights as a plain state dict")
+    if isinstance(err, (pickle.UnpicklingError, EOFError)) or "zip archive" in detail or "magic number" in detail:
+        return f"not a PyTorch weights file ({detail})"
+    return detail
+
+
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """Read a state dict from a checkpoint file (unwrapping ``{"model": ...}`` and DDP prefixes)."""
     path = Path(path)
@@ -46,7 +71,7 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # torch raises several types (pickle, zip, runtime); report them all alike
-        raise CheckpointError(f"cannot read checkpoint {path}: {err}") from err
+        raise CheckpointError(f"cannot read checkpoint {path}: {load_error_text(err)}") from err
     for key in _WRAPPER_KEYS:
         if isinstance(obj, Mapping) and key in obj and isinstance(obj[key], Mapping):
             obj = obj[key]
@@ -130,6 +155,7 @@ def official_state_dict(model: MJPVisionTransformer) -> dict[str, torch.Tensor]:
         else:
             out[key] = value.clone()
     return out
+
 
 # ----------------------------------------------------------------------------------- safetensors
 #: ``format`` entry of the header of fedmjp's weights files (checkpoints/*.safetensors).

@@ -8,8 +8,9 @@ Labels: for a flat folder, image ``i`` of the sorted file list gets class ``i % 
 ImageNet sample, one image per class named ``n<wnid>_<name>.JPEG``, that is its ImageNet index). A
 folder of class sub-folders (ImageFolder layout) gives each image its sub-folder's sorted index, and
 images are taken round-robin across classes so that a few images cover many classes. A dataset
-archive (``.tar.gz``, e.g. ../shared/data/cifar10.tar.gz) is extracted once to the cache
-(:func:`fedmjp.train_data.resolve_data_path`) and its ``val/`` split is used.
+archive (``.tar.gz``, e.g. ``$FEDMJP_DATA/cifar10.tar.gz``) is extracted once to the cache
+(:func:`fedmjp.train_data.resolve_data_path`) and its ``val/`` split is used. A source that starts
+with ``$FEDMJP_DATA`` is read from the data folder (:mod:`fedmjp.datadir`).
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torchvision.transforms import functional as TF
 from torchvision.transforms import InterpolationMode
+
+from . import datadir
 
 _logger = logging.getLogger(__name__)
 
@@ -66,9 +69,47 @@ class ImageSet:
         return ImageSet(self.images[idx], self.labels[idx], [self.names[i] for i in idx.tolist()], self.skipped)
 
 
+#: Largest image decoded, in pixels (8192 x 8192, 256 MB as 32-bit RGBA): a file whose header claims
+#: more (a "decompression bomb": a few kB that would decode to gigabytes) is a corrupt file, skipped or
+#: refused by ``on_corrupt``, before any pixel is decoded. Pillow's own guard (``Image.MAX_IMAGE_PIXELS``)
+#: only warns below twice its 89 MP default.
+MAX_IMAGE_PIXELS = 8192 * 8192
+
+
+def _scaled_to_8bit(img: Image.Image) -> Image.Image:
+    """A high-bit-depth greyscale image (``I;16*``, ``I``, ``F``) as 8-bit ``L``, scaled over its
+    range instead of clipped (Pillow's ``convert("RGB")`` clips ``I;16`` at 255: 16-bit photographs
+    would turn white). ``I;16``: 0..65535. ``I`` and ``F``: 0..255 when the values fit there (8-bit
+    data in a wide container), 0..65535 for ``I`` values that fit 16 bits, 0..1 for ``F`` values that
+    fit it, else the image's own min..max; non-finite values become 0."""
+    arr = np.asarray(img).astype(np.float64)
+    arr[~np.isfinite(arr)] = 0.0
+    lo, hi = (float(arr.min()), float(arr.max())) if arr.size else (0.0, 0.0)
+    if img.mode.startswith("I;16"):
+        scaled = arr / 65535.0
+    elif lo >= 0.0 and hi <= 1.0 and img.mode == "F":
+        scaled = arr
+    elif lo >= 0.0 and hi <= 255.0:
+        scaled = arr / 255.0
+    elif lo >= 0.0 and hi <= 65535.0 and img.mode == "I":
+        scaled = arr / 65535.0
+    else:
+        scaled = (arr - lo) / (hi - lo) if hi > lo else np.zeros_like(arr)
+    return Image.fromarray(np.round(np.clip(scaled, 0.0, 1.0) * 255.0).astype(np.uint8), "L")
+
+
 def preprocess(img: Image.Image, size: int) -> torch.Tensor:
-    """PIL image (any mode) -> [3, size, size] float32 in [0, 1], ImageNet-val style."""
-    if img.mode in ("RGBA", "LA", "P"):
+    """PIL image (any mode) -> [3, size, size] float32 in [0, 1], ImageNet-val style.
+
+    16-bit and float greyscale are scaled to 8 bits (:func:`_scaled_to_8bit`), images with an alpha
+    channel (or a palette's transparency) are composited on white, CMYK/YCbCr/LAB/HSV/1-bit are
+    converted to RGB by Pillow.
+    """
+    if img.mode in ("I", "F") or img.mode.startswith("I;16"):
+        img = _scaled_to_8bit(img)
+    if img.mode in ("La", "PA"):
+        img = img.convert("LA")  # premultiplied / palette + alpha: Pillow converts these to LA only
+    if img.mode in ("RGBA", "LA", "P", "RGBa") or "transparency" in img.info:
         img = img.convert("RGBA")
         background = Image.new("RGBA", img.size, (255, 255, 255, 255))
         img = Image.alpha_composite(background, img)
@@ -166,9 +207,14 @@ def load_folder(
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", Image.DecompressionBombWarning)
                 with Image.open(path) as img:
+                    width, height = img.size
+                    if width * height > MAX_IMAGE_PIXELS:  # checked on the header, before decoding
+                        raise ValueError(f"{width}x{height} pixels is more than the {MAX_IMAGE_PIXELS} "
+                                         "this loader decodes (fedmjp.data.MAX_IMAGE_PIXELS)")
                     img.load()
                     tensors.append(preprocess(img, size))
-        except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
+        except (UnidentifiedImageError, Image.DecompressionBombError, OSError, SyntaxError, ValueError,
+                MemoryError) as err:
             if on_corrupt == "fail":
                 raise DataError(f"corrupt image {path}: {err} (use --on-corrupt skip to skip it)") from err
             _logger.warning("skipping corrupt image %s: %s", path, err)
@@ -196,11 +242,21 @@ def load_images(
         raise ValueError(f"image size must be >= 1, got {size}")
     if source is None or str(source) == "embedded":
         return load_embedded(size, num_images, num_classes)
+    try:
+        source = datadir.expand(str(source), "the image source")
+    except datadir.DataDirUnset as err:
+        raise DataError(str(err)) from None
     if Path(source).is_file():
-        from .train_data import ARCHIVE_SUFFIXES, resolve_data_path
+        from .train_data import ARCHIVE_SUFFIXES, ArchiveError, resolve_data_path
 
         if not str(source).endswith(ARCHIVE_SUFFIXES):
             raise DataError(f"{source} is a file, not an image folder or a {'/'.join(ARCHIVE_SUFFIXES)} dataset archive")
-        root = resolve_data_path(source)
+        try:
+            root = resolve_data_path(source)
+        except ArchiveError as err:
+            raise DataError(str(err)) from None
+        except OSError as err:  # the cache folder cannot be read or written
+            raise DataError(f"cannot use dataset archive {source}: {err}; set FEDMJP_CACHE to a writable "
+                            "folder") from None
         source = root / "val" if (root / "val").is_dir() else root / "train"
     return load_folder(source, size, num_images, num_classes, on_corrupt)

@@ -5,13 +5,18 @@ from typing import Optional
 
 import torch
 
+#: Device types a run computes on (``mps`` too, where torch has a usable MPS backend).
+SUPPORTED = ("cpu", "cuda")
+
 
 def resolve_device(name: Optional[str] = "auto", index: int = 0) -> torch.device:
     """``auto``/None: CUDA device ``index`` when CUDA is present, else CPU; ``cuda``: CUDA device
     ``index`` (a torchrun rank passes its local rank); otherwise the named device (``cuda:N``, ``cpu``).
 
     Raises:
-        ValueError: CUDA requested without CUDA, or a name torch does not know.
+        ValueError: CUDA (or MPS) requested where there is none, a CUDA index this machine lacks,
+            ``meta`` or another device type the clients and attacks cannot compute on, or a name
+            torch does not know.
     """
     name = "auto" if name is None else str(name)
     if name == "auto":
@@ -21,6 +26,18 @@ def resolve_device(name: Optional[str] = "auto", index: int = 0) -> torch.device
     if name == "cuda":
         return torch.device("cuda", index)
     try:
-        return torch.device(name)
+        device = torch.device(name)
     except RuntimeError as err:
         raise ValueError(f"unknown device {name!r}; valid: auto, cpu, cuda, cuda:N ({err})") from err
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"device {name!r} requested but this machine has {torch.cuda.device_count()} CUDA "
+                         "device(s); use cuda:0 .. or auto")
+    if device.type == "mps":
+        if not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+            raise ValueError(f"device {name!r} requested but this torch has no usable MPS backend; use cpu or auto")
+        return device
+    if device.type not in SUPPORTED:
+        # meta tensors hold no values, and other backends (xla, hpu, ...) are not supported by the
+        # clients and attacks: every client would fail mid-run
+        raise ValueError(f"device {name!r} is not supported; valid: auto, cpu, cuda, cuda:N, mps (where available)")
+    return device
