@@ -181,9 +181,31 @@ def prepare(cfg: dict) -> Prepared:
                                       attacks.create_attack(entry["name"], **entry["options"])))
         except (TypeError, ValueError) as err:  # unknown or ill-typed options
             raise ConfigError(f"attack {entry['label']!r}: {err} (attack options)") from err
-    scorer = scoring.Scorer(device, cfg["metrics"])
+    scorer = make_scorer(cfg, device)
     check_partitions(cfg, rows[0])
+    if cfg["ray_address"]:
+        from .workers import check_ray_address
+
+        check_ray_address(str(cfg["ray_address"]))  # an unreachable cluster fails here, before any work
     return Prepared(cfg, device, images.names, rows, attackers, scorer)
+
+
+def make_scorer(cfg: dict, device: torch.device) -> scoring.Scorer:
+    """The run's scorer; an LPIPS weights file that cannot be loaded (random bytes, a pickle of
+    other objects, a state dict of another network) is a :class:`ConfigError` naming it."""
+    import pickle
+
+    from fedmjp.checkpoint import load_error_text
+
+    try:
+        return scoring.Scorer(device, cfg["metrics"])
+    except (pickle.UnpicklingError, RuntimeError, KeyError, EOFError, OSError) as err:
+        backbone = cfg["metrics"].get("lpips_backbone")
+        if not backbone:
+            raise
+        raise ConfigError(f"LPIPS weights file {backbone} cannot be used: {load_error_text(err)} "
+                          "(metrics.lpips_backbone; point it at AlexNet features weights, or --set "
+                          "metrics.lpips=false to leave the column out)") from err
 
 
 def check_partitions(cfg: dict, row: ModelRow) -> None:
@@ -251,7 +273,7 @@ def grid_image_ids(cfg: dict, run_config: dict) -> set[str]:
 
 
 def run_benchmark(cfg: dict, output: str, federate: Optional[Callable[..., Any]] = None,
-                  progress: bool = True, batched: bool = True) -> RunSummary:
+                  progress: bool = True, batched: bool = True, force: bool = False) -> RunSummary:
     """Run (or resume) a benchmark into ``output``; write tables and grids at the end.
 
     Args:
@@ -261,11 +283,12 @@ def run_benchmark(cfg: dict, output: str, federate: Optional[Callable[..., Any]]
         progress: show tqdm bars.
         batched: attack each round's updates in one ``reconstruct_many`` call per attacker (False:
             one ``reconstruct`` call per update; the same rows, slower).
+        force: write into a non-empty folder that is not a run folder (``--force``; benchmark/store.py).
     Raises:
         BenchmarkError subclasses for bad input (before any work) and a failed federation.
     """
     t0 = time.perf_counter()
-    run = RunFolder(output)
+    run = RunFolder(output, force=force)
     run.check(cfg)  # a conflicting folder fails before any loading
     prepared = prepare(cfg)  # every bad input fails here, before the folder is touched
     from .provenance import collect
@@ -746,10 +769,16 @@ class GroupAttacker:
         """Write an unexpected attack error's traceback to ``errors/`` of the run folder."""
         from .store import slug
 
+        from .errors import OutputWriteError
+        from .store import short_name, write_text
+
         folder = self.run_folder.folder / "errors"
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"{slug(self.row.name)}__{self.group}__{slug(attack)}__r{rnd}-p{part}.txt"
-        path.write_text(text)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise OutputWriteError(f"cannot create {folder}: {err.strerror}") from err
+        path = folder / short_name(f"{slug(self.row.name)}__{self.group}__{slug(attack)}__r{rnd}-p{part}.txt")
+        write_text(path, text)
         _logger.error("%s/%s: attack %s raised an unexpected error (round %d, partition %d); traceback in %s",
                       self.row.name, self.group, attack, rnd, part, path)
 
