@@ -18,9 +18,11 @@ Two kinds of failure are told apart, so that a bug cannot make a row look privat
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 import traceback
+import typing
 from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence, Union
@@ -28,6 +30,8 @@ from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
+from fedmjp import plugins
+from fedmjp.config import check_value
 from fedmjp.factory import normalize
 
 _logger = logging.getLogger(__name__)
@@ -315,6 +319,9 @@ def _expand_metadatas(metadatas: Union[Metadata, Sequence[Metadata], None], n: i
 
 
 # --------------------------------------------------------------------------------- registry
+# Built-ins register with @register_attack; plug-ins from other packages are named by an entry
+# point of group ``fedmjp.attacks`` or a ``package.module:Name`` reference (fedmjp/plugins.py,
+# docs/plugins.md) and loaded when a config names them.
 _REGISTRY: dict[str, Callable[..., Attack]] = {}
 
 
@@ -329,20 +336,78 @@ def register_attack(name: str) -> Callable:
 
 
 def attack_names() -> list[str]:
-    """The valid names of :func:`create_attack`, sorted."""
-    return sorted(_REGISTRY)
+    """The valid names of :func:`create_attack`, sorted: built-ins and installed plug-ins' entry
+    points (a ``package.module:Name`` reference is valid too)."""
+    return sorted({*_REGISTRY, *plugins.entry_points("attack")})
+
+
+def attack_catalog() -> list[tuple[str, str]]:
+    """(name, origin) of every attack: ``built-in``, or the entry point's package and version."""
+    entries = plugins.entry_points("attack")
+    return [(name, "built-in" if name in _REGISTRY else entries[name].origin) for name in attack_names()]
+
+
+def attack_class(name: str) -> Callable[..., Attack]:
+    """The class (or factory) ``create_attack(name)`` calls: a built-in, else a plug-in (imported now).
+
+    Raises:
+        ValueError: unknown name (the valid ones listed), or a plug-in that cannot be loaded or is
+            not an :class:`Attack` subclass (:class:`fedmjp.plugins.PluginError`).
+    """
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    plugin = plugins.find("attack", name)
+    if plugin is None:
+        raise ValueError(f"unknown attack {name!r}; valid: {', '.join(attack_names())}, "
+                         "or a plug-in's package.module:Name")
+    return plugins.load("attack", plugin, Attack)
+
+
+def option_types(factory: Callable[..., Any]) -> dict[str, Any]:
+    """Annotated keyword arguments of an attack class's ``__init__`` (following ``**options`` up
+    the base classes), by name: what :func:`create_attack` converts number options to."""
+    types: dict[str, Any] = {}
+    chain = [k for k in factory.__mro__ if "__init__" in vars(k)] if isinstance(factory, type) else [factory]
+    for owner in chain:
+        init = owner.__init__ if isinstance(factory, type) else owner
+        try:
+            hints = typing.get_type_hints(init)
+            params = inspect.signature(init).parameters.values()
+        except (NameError, TypeError, ValueError):  # unresolvable annotations or no signature: untyped
+            break
+        for p in params:
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name in hints:
+                types.setdefault(p.name, hints[p.name])
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            break
+    return types
 
 
 def create_attack(name: str, **options: Any) -> Attack:
-    """Build an attack by name.
+    """Build an attack by name (built-in, entry point or ``package.module:Name``). An option annotated
+    as a number is checked like a config key: written another way (``"1e-4"``, ``1e3`` for an
+    ``int`` argument) it becomes the number its annotation asks for, a bool or text is refused
+    (:func:`fedmjp.config.check_value`).
 
     Raises:
-        ValueError: unknown name (the message lists the valid ones) or bad options.
+        ValueError: unknown name (the message lists the valid ones), a plug-in that cannot be
+            loaded, or bad options.
     """
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown attack {name!r}; valid: {', '.join(attack_names())}")
-    factory = _REGISTRY[name]
+    factory = attack_class(name)
+    types = option_types(factory)
+    for key, value in options.items():  # a number option: converted and type-checked, the option named
+        if key in types and any(m in (int, float) for m in typing.get_args(types[key]) or (types[key],)):
+            try:
+                options[key] = check_value(types[key], value, f"options.{key}")
+            except ValueError as err:
+                raise ValueError(f"bad options for attack {name!r}: {err}") from err
     try:
-        return factory(name=name, **options) if getattr(factory, "takes_name", False) else factory(**options)
+        attack = factory(name=name, **options) if getattr(factory, "takes_name", False) else factory(**options)
     except TypeError as err:  # unknown keyword -> a config error
         raise ValueError(f"bad options for attack {name!r}: {err}") from err
+    if not isinstance(attack, Attack):
+        raise ValueError(f"attack {name!r}: its factory returned {type(attack).__name__}, not an Attack")
+    if not attack.name:  # a plug-in without its own name is known by the name the config gave
+        attack.name = name
+    return attack
+

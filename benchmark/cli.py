@@ -14,29 +14,40 @@ from . import config as C
 
 _logger = logging.getLogger(__name__)
 
+def integer(text: str) -> int:
+    """An integer flag's value: what Python's int() reads (``1_000``) or an integral number written
+    with an exponent (``1e3``), like an integer config key (fedmjp/config.py)."""
+    from fedmjp.config import as_number
+
+    value = as_number(int, text)
+    if not isinstance(value, int):
+        raise argparse.ArgumentTypeError(f"invalid integer value: {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="run_benchmark.py",
         description="Federated rounds -> gradient-inversion attacks -> privacy table and image grids "
                     "(settings a, b, c of the MJP paper). Defaults: configs/default.yaml (quick preset).",
         epilog="Exit status: 0 ok, 2 usage, 3 bad config/name, 4 bad input data, 5 checkpoint, "
-               "6 output folder holds another config or provenance, 7 federation failed, 8 an attack raised an unexpected error (tables written, tracebacks in errors/), 9 output folder in use, 130 interrupted (re-run to resume).")
+               "6 output folder holds another config or provenance or is not a run folder (see --force), 7 federation failed, 8 an attack raised an unexpected error (tables written, tracebacks in errors/), 9 output folder in use, 10 output cannot be written (read-only, disk full, file-size limit; rows kept), 130 interrupted, 143 terminated (re-run to resume).")
     p.add_argument("--setting", choices=(*C.SETTINGS, "all"), help="threat setting(s) to run (default: the config's)")
     p.add_argument("--config", metavar="FILE", help="YAML preset (default: configs/default.yaml)")
     p.add_argument("--images", metavar="DIR", help="attack image folder, or 'embedded' for scikit-image's bundled images")
-    p.add_argument("--num-images", type=int, metavar="N", help="use the first N images (sorted)")
+    p.add_argument("--num-images", type=integer, metavar="N", help="use the first N images (sorted)")
     p.add_argument("--models", nargs="+", metavar="NAME", help="model rows of the config to run (names or a,b,c)")
     p.add_argument("--attack", metavar="NAME", help="the one attack to run (attacks.create_attack); replaces the "
                                                   "config's attacks list")
-    p.add_argument("--rounds", type=int, metavar="N", help="federated rounds")
-    p.add_argument("--clients", type=int, metavar="N", help="federated clients (partitions)")
+    p.add_argument("--rounds", type=integer, metavar="N", help="federated rounds")
+    p.add_argument("--clients", type=integer, metavar="N", help="federated clients (partitions)")
     p.add_argument("--gamma", type=float, metavar="G", help="MJP shuffle ratio of the clients in settings b/c")
     p.add_argument("--output", metavar="DIR", help="output folder (default: runs/<time>-setting-<s>); "
                                                    "an existing one of the same config is resumed")
-    p.add_argument("--seed", type=int, metavar="N", help="seed of model init, partitions, shuffles")
+    p.add_argument("--seed", type=integer, metavar="N", help="seed of model init, partitions, shuffles")
     p.add_argument("--device", metavar="DEV", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--engine", choices=C.ENGINES, help="Flower simulation (Ray) or the in-process engine")
-    p.add_argument("--attack-workers", type=int, metavar="N",
+    p.add_argument("--attack-workers", type=integer, metavar="N",
                    help="attack on N Ray workers (0: in this process; at most the CPUs here without --ray-address)")
     p.add_argument("--ray-address", metavar="ADDR", help="a running Ray cluster for the attack workers (ray://host:10001)")
     p.add_argument("--on-corrupt", choices=("skip", "fail"), help="corrupt image files: skip (listed) or stop")
@@ -49,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep", dest="sweeps", action="append", default=[], metavar="KEY=V1,V2,...",
                    help="run a grid over any dotted key into one folder (sweep.csv, plots), "
                         "e.g. --sweep defence.sigma=0,0.01,0.1 or --sweep gamma=0,0.27,0.5")
+    p.add_argument("--list", action="store_true",
+                   help="list the attacks, defences and model architectures a config can name (built-ins and "
+                        "installed plug-ins, with their origin) and exit")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p
@@ -57,9 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
 def resolve(args: argparse.Namespace) -> dict:
     """The validated config the flags describe (file < flags < --set)."""
     cfg = C.load_config(args.config)
-    flags = []
+    # flag values go in as the Python values argparse made (a text round trip would read 5e-05 as a string)
+    flags: list[tuple[list[str], object]] = []
     if args.setting:
-        flags.append(f"settings={'[a, b, c]' if args.setting == 'all' else '[' + args.setting + ']'}")
+        flags.append((["settings"], list(C.SETTINGS) if args.setting == "all" else [args.setting]))
     if args.images:
         source = args.images if args.images == "embedded" else str(Path(args.images).expanduser().resolve())
         cfg["data"]["source"] = source  # a flag path is relative to the working directory
@@ -69,14 +84,14 @@ def resolve(args: argparse.Namespace) -> dict:
                       ("attack_workers", "attack_workers"), ("ray_address", "ray_address")):
         value = getattr(args, flag)
         if value is not None:
-            flags.append(f"{key}={value}")
+            flags.append((key.split("."), value))
     if args.attack:
-        flags.append("attacks=[]")  # --attack names the one attacker: it replaces a preset's attacks list
+        flags.append((["attacks"], []))  # --attack names the one attacker: it replaces a preset's attacks list
     if args.output:
-        flags.append(f"output={Path(args.output).expanduser().resolve()}")
+        flags.append((["output"], str(Path(args.output).expanduser().resolve())))
     if args.dry_run:
-        flags.append("dry_run=true")
-    cfg = C.apply_overrides(cfg, flags + list(args.overrides))
+        flags.append((["dry_run"], True))
+    cfg = C.apply_overrides(C.with_values(cfg, flags), list(args.overrides))
     if getattr(args, "sweeps", None):
         from .sweep import parse_sweep_flag
 
@@ -86,6 +101,18 @@ def resolve(args: argparse.Namespace) -> dict:
         cfg["sweep"] = {**(cfg.get("sweep") or {}), **dict(parse_sweep_flag(t) for t in args.sweeps)}
     cfg = C.select_models(cfg, args.models)
     return C.validate(cfg)
+
+
+def catalog_text() -> str:
+    """``--list``: every attack, defence and model architecture by kind, with its origin."""
+    lines = []
+    for kind, entries in C.catalog().items():
+        lines.append(f"{kind}:")
+        width = max((len(name) for name, _ in entries), default=0)
+        lines += [f"  {name:<{width}}  {origin}" for name, origin in entries]
+    lines.append("plug-ins: an entry point of group fedmjp.attacks / fedmjp.defences / fedmjp.models, or "
+                 "package.module:Name in the config (docs/plugins.md)")
+    return "\n".join(lines)
 
 
 def default_output(cfg: dict) -> str:

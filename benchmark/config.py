@@ -21,8 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Literal, Mapping, Optional, Sequence, Union
 
-import yaml
-
 from clients.runconfig import MODES, PARTITIONERS, PRECISIONS, RunConfig
 from fedmjp import config as core
 from fedmjp.config import option
@@ -33,6 +31,9 @@ from .errors import ConfigError
 _logger = logging.getLogger(__name__)
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
+#: Largest seed (torch, numpy and Flower's 64-bit config values all take it, with room for the
+#: per-row and per-round offsets added to it).
+SEED_MAX = 2**32 - 1
 DEFAULT_CONFIG = PROJECT_ROOT / "configs" / "default.yaml"
 
 #: settings (b) and (c) attack the same gradient (of x~): one federation per model row serves both.
@@ -78,7 +79,7 @@ class ModelRow:
     kwargs: dict[str, Any] = field(default_factory=dict)
     checkpoint: Optional[str] = None  # None: seeded fresh weights, marked "untrained"
     april: Optional[str] = None  # surgery | trained | None
-    seed: Optional[int] = None  # None: the config's seed + row index
+    seed: Optional[int] = option(None, minimum=0, maximum=SEED_MAX)  # None: the config's seed + row index
     recipe: Optional[str] = None  # training recipe of --train-missing (configs/train/...)
     defence: Optional[dict[str, Any]] = None  # replaces the top-level defence for this row
 
@@ -127,7 +128,7 @@ class Utility:
 @dataclass
 class BenchmarkConfig:
     name: str = "benchmark"
-    seed: int = option(0, minimum=0, client="seed")
+    seed: int = option(0, minimum=0, maximum=SEED_MAX, client="seed")
     device: str = option("auto", client="device")  # auto | cpu | cuda | cuda:N
     # "all" is a, b, c; validate() turns either form into the list in SETTINGS order
     settings: Union[list[Literal[SETTINGS]], Literal[(*SETTINGS, "all")]] = option(["c"])
@@ -262,8 +263,9 @@ def validate(cfg: dict) -> dict:
     if not settings:
         raise ConfigError(f"settings must be a non-empty list of {', '.join(SETTINGS)}, got {settings!r}")
     cfg["settings"] = [s for s in SETTINGS if s in settings]
-    with _as_benchmark_error():
-        core.conform(RunConfig, cfg["federation"]["options"], "federation.options.")
+    with _as_benchmark_error():  # the keys given, their values as the clients read them ("1e-4" -> 1e-4)
+        options = core.conform(RunConfig, cfg["federation"]["options"], "federation.options.")
+    cfg["federation"]["options"] = {k: options[k] for k in cfg["federation"]["options"]}
     if not cfg["device"].strip():
         raise ConfigError("device must be auto, cpu, cuda or cuda:N, got an empty string")
     cores = os.cpu_count() or 1
@@ -328,9 +330,14 @@ def _check_unique(names: list[str], what: str) -> None:
 
 
 def _validate_attack(name: str) -> None:
-    valid = available_attacks()
-    if name not in valid:
-        raise ConfigError(f"unknown attack {name!r}; valid: {', '.join(valid)}")
+    """A built-in, an installed plug-in's entry point or a ``package.module:Name`` reference that
+    loads as an Attack subclass (a plug-in is imported here, so a bad one fails before any work)."""
+    from attacks.base import attack_class
+
+    try:
+        attack_class(name)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
 
 
 def _validate_attack_list(cfg: dict) -> None:
@@ -349,10 +356,21 @@ def attack_entries(cfg: Mapping[str, Any]) -> list[dict]:
 
 
 def available_attacks() -> list[str]:
-    """Names :func:`attacks.create_attack` knows."""
+    """Names :func:`attacks.create_attack` knows (built-ins and installed plug-ins' entry points)."""
     import attacks
 
     return list(attacks.attack_names())
+
+
+def catalog() -> dict[str, list[tuple[str, str]]]:
+    """Every attack, defence and model architecture a config can name, as (name, origin) by kind:
+    ``built-in`` or the entry point's package (``run_benchmark.py --list``). ``package.module:Name``
+    references are not listed: any importable one is valid."""
+    from attacks.base import attack_catalog
+    from defences.spec import defence_names
+    from fedmjp.models import model_catalog
+
+    return {"attacks": attack_catalog(), "defences": defence_names(), "models": model_catalog()}
 
 
 def model_spec(cfg: dict, index: int) -> dict:
@@ -369,13 +387,14 @@ def model_label(row: Mapping[str, Any]) -> str:
 
 
 def save_config(cfg: dict, path: str | Path) -> None:
-    """Write the resolved config (``yaml.safe_dump``; plain data only) atomically: a temporary file
+    """Write the resolved config (safe YAML, plain data only; a string that reads as a number is
+    quoted, :func:`fedmjp.config.dump_yaml`) atomically: a temporary file
     beside it, then ``os.replace``, so a reader never sees half a config."""
     import os
 
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(yaml.safe_dump(cfg, sort_keys=False, default_flow_style=None))
+    tmp.write_text(core.dump_yaml(cfg, sort_keys=False, default_flow_style=None))
     os.replace(tmp, path)
 
 

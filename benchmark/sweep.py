@@ -42,16 +42,17 @@ SWEEP_METRICS = ("psnr", "ssim", "mse", "lpips", "fft2d", "correct", "defence_co
 
 
 def parse_sweep_flag(text: str) -> tuple[str, list[Any]]:
-    """``"defence.sigma=0,0.01,0.1"`` -> ("defence.sigma", [0, 0.01, 0.1]) (values: YAML scalars)."""
-    import yaml
+    """``"defence.sigma=0,1e-2,0.1"`` -> ("defence.sigma", [0, 0.01, 0.1]) (values: YAML scalars, read
+    like every config value by :func:`fedmjp.config.parse_value`)."""
+    from fedmjp import config as core
 
     if "=" not in text:
         raise ConfigError(f"--sweep {text!r} must look like key=v1,v2,... (e.g. defence.sigma=0,0.01,0.1)")
     key, raw = text.split("=", 1)
     try:
-        values = [yaml.safe_load(v) for v in raw.split(",") if v.strip()]
-    except yaml.YAMLError as err:
-        raise ConfigError(f"--sweep {text!r}: a value is not a YAML scalar: {err}") from err
+        values = [core.parse_value(v, f"--sweep {text!r}") for v in raw.split(",") if v.strip()]
+    except core.ConfigError as err:
+        raise ConfigError(str(err)) from err
     if not key.strip() or not values:
         raise ConfigError(f"--sweep {text!r} needs a key and at least one value")
     return key.strip(), values

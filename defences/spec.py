@@ -31,10 +31,62 @@ mixup      instahide-style: each private image is mixed with ``k - 1``  k 2, alp
 fedavg     FedAvg with ``steps`` local SGD steps instead of one          steps 5
            FedSGD gradient: the implicit defence of local training
 ========== ============================================================ ============================
+
+Other packages add defences (plug-ins): a :class:`UpdateDefence` subclass named by an entry point
+of group ``fedmjp.defences`` or a ``package.module:Name`` reference (fedmjp/plugins.py,
+docs/plugins.md); its ``defaults`` are its keys, checked like the built-ins' here.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Optional
+
+from fedmjp import plugins
+from fedmjp.config import as_number
+
+if TYPE_CHECKING:  # the spec stays plain data; only a plug-in's apply() sees tensors
+    import torch
+
+
+class UpdateDefence:
+    """Base class of a plug-in defence: a transform of a client's finished update (FedSGD
+    gradients or FedAvg weight delta), applied on the client before it replies.
+
+    Subclasses set ``defaults`` (every spec key with its default; a number key's default fixes its
+    type: an int default makes an integer key) and implement :meth:`apply`; they may override
+    :meth:`check` to refuse values. One instance serves every client of a process.
+    """
+
+    #: Spec keys (besides ``name``) and their defaults.
+    defaults: ClassVar[dict[str, Any]] = {}
+
+    def check(self, spec: dict[str, Any]) -> None:
+        """Raise ValueError for a value ``spec`` (complete: defaults filled in) may not hold."""
+
+    def apply(self, update: Mapping[str, "torch.Tensor"], spec: Mapping[str, Any],
+              generator: "torch.Generator") -> dict[str, "torch.Tensor"]:
+        """The update to send: a new dict with the same names, shapes and dtypes (``update`` is not
+        modified). Draw randomness only from ``generator`` (seeded per client and round)."""
+        raise NotImplementedError
+
+
+def plugin_defence(name: Any) -> Optional[UpdateDefence]:
+    """The plug-in defence ``name`` refers to (an instance), or None for a built-in or unknown name.
+
+    Raises:
+        ValueError (:class:`fedmjp.plugins.PluginError`): a plug-in that cannot be loaded or is not
+            an :class:`UpdateDefence` subclass.
+    """
+    if name in DEFENCES:
+        return None
+    plugin = plugins.find("defence", name)
+    return None if plugin is None else plugins.load("defence", plugin, UpdateDefence)()
+
+
+def defence_names() -> list[tuple[str, str]]:
+    """(name, origin) of every defence: ``built-in``, or the entry point's package and version."""
+    entries = plugins.entry_points("defence")
+    return [(n, "built-in") for n in DEFENCES] + [(n, entries[n].origin) for n in sorted(entries)
+                                                  if n not in DEFENCES]
 
 #: Every defence with its keys and their defaults.
 DEFENCES: dict[str, dict[str, Any]] = {
@@ -52,9 +104,15 @@ NOISES = ("gaussian", "laplace")
 UPDATE_TRANSFORMS = ("local_dp", "prune", "quantize")
 
 
-def _number(spec: Mapping[str, Any], key: str, low: float, high: float = float("inf"),
+#: The number keys of each defence and their type (what :func:`validate_defence` checks and converts).
+NUMBER_KEYS: dict[str, type] = {"clip": float, "sigma": float, "delta": float, "keep": float, "alpha": float,
+                                "bits": int, "k": int, "steps": int}
+
+
+def _number(spec: dict[str, Any], key: str, low: float, high: float = float("inf"),
             low_open: bool = False, integer: bool = False) -> float:
-    value = spec[key]
+    # a number written another way ("1e-3", 1e1 for an integer key) as the number (fedmjp.config.as_number)
+    value = spec[key] = as_number(int if integer else float, spec[key])
     ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
     if isinstance(value, bool) or not ok_type:
         kind = "an integer" if integer else "a number"
@@ -80,7 +138,7 @@ def validate_defence(spec: Any) -> dict[str, Any]:
         raise ValueError(f"a defence must be a mapping like {{name: local_dp, clip: 1.0, sigma: 0.1}}, got {spec!r}")
     name = spec.get("name", "none")
     if name not in DEFENCES:
-        raise ValueError(f"unknown defence {name!r}; valid: {', '.join(DEFENCES)}")
+        return _validate_plugin(name, spec)
     unknown = sorted(set(spec) - set(DEFENCES[name]) - {"name"})
     if unknown:
         valid = ", ".join(["name", *DEFENCES[name]])
@@ -106,9 +164,33 @@ def validate_defence(spec: Any) -> dict[str, Any]:
             raise ValueError(f"defence 'mixup': sign_flip must be true or false, got {out['sign_flip']!r}")
     if name == "fedavg":
         _number(out, "steps", 1, integer=True)
-    return {k: (float(v) if isinstance(v, int) and not isinstance(v, bool) and k in ("clip", "sigma", "keep",
-                                                                                        "alpha", "delta") else v)
+    return {k: (float(v) if isinstance(v, int) and not isinstance(v, bool) and NUMBER_KEYS.get(k) is float else v)
             for k, v in out.items()}
+
+
+def _validate_plugin(name: Any, spec: Mapping[str, Any]) -> dict[str, Any]:
+    """A plug-in defence's complete spec: its keys and their defaults' types, then its own check."""
+    defence = plugin_defence(name)
+    if defence is None:
+        valid = ", ".join(n for n, _ in defence_names())
+        raise ValueError(f"unknown defence {name!r}; valid: {valid}, or a plug-in's package.module:Name")
+    keys = dict(type(defence).defaults)
+    unknown = sorted(set(spec) - set(keys) - {"name"})
+    if unknown:
+        raise ValueError(f"defence {name!r}: unknown key(s) {unknown}; valid: {', '.join(['name', *keys])}")
+    out = {"name": name, **keys, **{k: v for k, v in spec.items() if k != "name"}}
+    for key, default in keys.items():
+        if isinstance(default, (int, float)) and not isinstance(default, bool):
+            kind = int if isinstance(default, int) else float
+            out[key] = value = as_number(kind, out[key])
+            if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
+                raise ValueError(f"defence {name!r}: {key} must be {'an integer' if kind is int else 'a number'}, "
+                                 f"got {value!r}")
+            out[key] = kind(value)
+        elif isinstance(default, bool) and not isinstance(out[key], bool):
+            raise ValueError(f"defence {name!r}: {key} must be true or false, got {out[key]!r}")
+    defence.check(out)
+    return out
 
 
 def defence_label(spec: Mapping[str, Any]) -> str:

@@ -123,9 +123,14 @@ def quantize_update(update: Update, bits: int, stochastic: bool = False,
 
 def apply_update_defence(update: Update, spec: Mapping[str, Any], generator: torch.Generator
                          ) -> dict[str, torch.Tensor]:
-    """Apply a validated spec's update transform (local_dp, prune, quantize); any other defence
-    returns an unchanged copy (it acts in local training or on the server)."""
+    """Apply a validated spec's update transform (local_dp, prune, quantize, or a plug-in's); any
+    other defence returns an unchanged copy (it acts in local training or on the server)."""
     name = spec["name"]
+    from .spec import plugin_defence  # a plug-in defence (docs/plugins.md) transforms the update itself
+
+    plugin = plugin_defence(name)
+    if plugin is not None:
+        return plugin.apply(update, spec, generator)
     if name == "local_dp":
         return local_dp(update, float(spec["clip"]), float(spec["sigma"]), generator, spec["noise"])
     if name == "prune":

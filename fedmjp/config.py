@@ -9,6 +9,14 @@ value checked: an unknown key is named with the valid keys, a wrong value with w
 Types are YAML's: a bool is no number, an int is a valid float (and becomes one), null only where
 Optional.
 
+Numbers parse as numbers wherever a user types them (YAML files, ``--set``, ``--sweep``, training's
+``--key value``): YAML is read with :class:`ConfigLoader`, which reads floats the YAML 1.2 way
+(``1e-4``, ``5E-05``, ``.5``, ``-.5``, ``1.``; YAML 1.1, PyYAML's default, reads ``1e-4`` as a
+string). At the schema boundary a string holding a Python number literal (``"1e-4"``, ``"1_000"``)
+is taken as that number for a number key, and an integer key takes a float with an integral value
+(``1e3`` -> 1000; ``2.5`` is refused). A bool is never a number; anything else that is not a number
+(``1e-4x``) is refused with the key named.
+
 Not OmegaConf (2.3, installed with breaching): its bool field takes 3 and its str field takes 5 (as
 True, '5'), merging deep-merges a free-form mapping (a new ``defence`` would keep the old one's
 keys), ``Union[list, str]`` is refused, and an unknown-key error does not list the valid keys. Not
@@ -21,6 +29,7 @@ import copy
 import dataclasses
 import functools
 import math
+import re
 import typing
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional, Union
@@ -30,6 +39,78 @@ import yaml
 
 class ConfigError(ValueError):
     """A config names an unknown key or holds a value its schema does not take."""
+
+
+_FLOAT_TAG = "tag:yaml.org,2002:float"
+#: YAML 1.2 core-schema floats (exponent without a dot or without a sign, a signed leading dot) plus
+#: YAML 1.1's forms that PyYAML reads (``_`` separators, sexagesimal, ``.inf``/``.nan``). Integers
+#: never match: PyYAML's int resolver keeps them.
+_YAML_FLOAT = re.compile(r"""^(?:[-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+
+    |[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+\.[0-9_]*
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""", re.X)
+
+
+class ConfigLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` (data, never code) that reads floats as YAML 1.2 does: ``1e-4`` is a
+    float, not the string YAML 1.1 makes of it. Used for every config file and command-line value."""
+
+    yaml_implicit_resolvers = {
+        first: [(tag, regexp) for tag, regexp in resolvers if tag != _FLOAT_TAG]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+
+
+class ConfigDumper(yaml.SafeDumper):
+    """``yaml.SafeDumper`` that quotes a string :class:`ConfigLoader` would read as a float
+    (``'1e-4'``), so a written config reads back the same."""
+
+    yaml_implicit_resolvers = copy.deepcopy(ConfigLoader.yaml_implicit_resolvers)
+
+
+for _cls in (ConfigLoader, ConfigDumper):
+    _cls.add_implicit_resolver(_FLOAT_TAG, _YAML_FLOAT, list("-+0123456789."))
+
+
+def load_yaml(text: str) -> Any:
+    """YAML text as data (:class:`ConfigLoader`: safe, YAML 1.2 floats)."""
+    return yaml.load(text, Loader=ConfigLoader)  # noqa: S506 (a SafeLoader subclass)
+
+
+def dump_yaml(data: Any, **kwargs: Any) -> str:
+    """Plain data as YAML text that :func:`load_yaml` reads back equal (:class:`ConfigDumper`)."""
+    return yaml.dump(data, Dumper=ConfigDumper, **kwargs)
+
+
+#: A Python number literal in decimal (``1e-4``, ``5E-05``, ``.5``, ``1_000``, ``-3``); what a string
+#: value of a number key may hold.
+_NUMBER_TEXT = re.compile(r"[-+]?(?:\d(?:_?\d)*(?:\.(?:\d(?:_?\d)*)?)?|\.\d(?:_?\d)*)(?:[eE][-+]?\d(?:_?\d)*)?")
+
+
+def _members(tp: Any) -> tuple[Any, ...]:
+    return typing.get_args(tp) if typing.get_origin(tp) is Union else (tp,)
+
+
+def as_number(tp: Any, value: Any) -> Any:
+    """``value`` as the number a number type ``tp`` (int, float, or a Union holding one) takes, when
+    it is one written another way: a str holding a number literal (``"1e-4"`` -> 1e-4, ``"1_000"``
+    -> 1000) unless ``tp`` also takes str, and an integral float for an int-only key (1e3 -> 1000).
+    Anything else (a bool, ``"1e-4x"``, 2.5 for an int) is returned unchanged for the type check to
+    refuse."""
+    members = _members(tp)
+    numeric = [m for m in members if m in (int, float)]
+    if not numeric or isinstance(value, bool):
+        return value
+    if isinstance(value, str) and str not in members and Any not in members:
+        text = value.strip()
+        if not _NUMBER_TEXT.fullmatch(text):
+            return value
+        number = float(text) if any(c in text for c in ".eE") else int(text)
+        value = int(number) if float not in numeric and isinstance(number, float) and number.is_integer() else number
+    if isinstance(value, float) and float not in numeric and math.isfinite(value) and value.is_integer():
+        value = int(value)
+    return value
 
 
 def option(default: Any, minimum: Optional[float] = None, maximum: Optional[float] = None, **metadata: Any) -> Any:
@@ -118,7 +199,18 @@ def _matches(tp: Any, value: Any) -> Any:
     return tp if isinstance(base, type) and isinstance(value, base) else None
 
 
+def check_value(tp: Any, value: Any, key: str) -> Any:
+    """``value`` checked against type ``tp`` the way :func:`conform` checks a key (numbers written
+    another way converted, :func:`as_number`); for typed values outside a schema (attack options).
+
+    Raises:
+        ConfigError: the value is not of the type (``key`` and what it takes named).
+    """
+    return _check(tp, value, key, {})
+
+
 def _check(tp: Any, value: Any, key: str, meta: Mapping[str, Any]) -> Any:
+    value = as_number(tp, value)
     member = _matches(tp, value)
     if member is None and typing.get_origin(tp) is Literal:
         choices = ", ".join(map(str, typing.get_args(tp)))
@@ -145,12 +237,12 @@ def _check(tp: Any, value: Any, key: str, meta: Mapping[str, Any]) -> Any:
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
-    """A YAML mapping read with ``yaml.safe_load`` (data, never code); an empty file is ``{}``."""
+    """A YAML mapping read with :func:`load_yaml` (data, never code); an empty file is ``{}``."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = load_yaml(path.read_text())
     except yaml.YAMLError as err:
         raise ConfigError(f"config file {path} is not valid YAML: {err}") from err
     if not isinstance(data, (dict, type(None))):
@@ -159,9 +251,10 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 
 
 def parse_value(text: str, what: str) -> Any:
-    """A command-line value as YAML data (``0.5`` -> float, ``null`` -> None, ``{a: 1}`` -> dict)."""
+    """A command-line value as YAML data (``0.5`` and ``1e-4`` -> float, ``null`` -> None, ``{a: 1}``
+    -> dict), read by :func:`load_yaml`."""
     try:
-        return yaml.safe_load(text) if text.strip() else None
+        return load_yaml(text) if text.strip() else None
     except yaml.YAMLError as err:
         raise ConfigError(f"{what}: value is not a YAML scalar: {err}") from err
 

@@ -26,7 +26,7 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
 from . import models  # noqa: F401  (registers the mjp_* models)
 from .checkpoint import load_checkpoint
-from .models import VARIANTS, april_surgery
+from .models import VARIANTS, april_surgery, model_plugin
 
 _logger = logging.getLogger(__name__)
 
@@ -44,8 +44,9 @@ def validate_spec(spec: Mapping[str, Any]) -> None:
     if unknown:
         raise ValueError(f"unknown model spec keys {sorted(unknown)}; valid: {', '.join(SPEC_KEYS)}")
     arch = spec.get("arch")
-    if arch not in available_archs():
-        raise ValueError(f"unknown model arch {arch!r}; valid: {', '.join(available_archs())}")
+    if arch not in available_archs() and model_plugin(arch) is None:  # a plug-in: docs/plugins.md
+        raise ValueError(f"unknown model arch {arch!r}; valid: {', '.join(available_archs())}, "
+                         "or a plug-in's package.module:fn")
     variant = spec.get("variant", "plain")
     if variant not in VARIANTS:
         raise ValueError(f"unknown MJP variant {variant!r} in model {spec.get('name', arch)!r}; valid: {', '.join(VARIANTS)}")
@@ -59,6 +60,9 @@ def create_model(arch: str, **kwargs: Any) -> nn.Module:
     """``timm.create_model(arch, pretrained=False, **kwargs)`` with the ``mjp_*`` models registered:
     the one place a model object is constructed (central training builds any timm ViT here; the
     benchmark goes through :func:`build_model`). Uses the global RNG for the fresh weights."""
+    plugin = model_plugin(arch) if not timm.is_model(arch) else None
+    if plugin is not None:  # an architecture from another package (fedmjp.models.model_plugin)
+        return plugin(pretrained=False, **kwargs)
     return timm.create_model(arch, pretrained=False, **kwargs)
 
 

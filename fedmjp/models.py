@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import random
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -33,6 +33,7 @@ from timm.layers import trunc_normal_
 from timm.models import get_pretrained_cfg, load_pretrained, register_model
 from timm.models.vision_transformer import Block, VisionTransformer, checkpoint_filter_fn
 
+from . import plugins
 from .dal import DALHead, dal_loss, grid_targets
 from .jigsaw import JigsawPlan, make_plan, make_spp_plan, shuffle_images, shuffle_tokens
 from .masking import SeedLike, check_gamma, make_rng
@@ -362,3 +363,35 @@ def mjp_vit_cifar_patch4_32(pretrained: bool = False, **kwargs) -> MJPVisionTran
     """CIFAR-scale ViT for CPU work: 32 px, patch 4 (8x8 grid), width 192, depth 6, 10 classes."""
     defaults = dict(img_size=32, patch_size=4, embed_dim=192, depth=6, num_heads=3, num_classes=10)
     return _create(None, pretrained, defaults, _entry(kwargs)[1])
+
+
+# --------------------------------------------------------------------------------- registry
+# Built-in architectures are timm models (@register_model above); plug-in architectures from other
+# packages are named by an entry point of group ``fedmjp.models`` or a ``package.module:fn``
+# reference (fedmjp/plugins.py, docs/plugins.md) and imported when a model row names them.
+def model_plugin(arch: str) -> Optional[Callable[..., nn.Module]]:
+    """The model function a plug-in architecture name refers to, or None when ``arch`` is no plug-in
+    name (a timm name, or unknown). Contract: ``fn(pretrained=False, **kwargs) -> nn.Module`` like a
+    timm model function; it receives ``variant`` and the model row's ``kwargs``.
+
+    Raises:
+        ValueError (:class:`fedmjp.plugins.PluginError`): a plug-in that cannot be loaded or whose
+            object is not callable.
+    """
+    plugin = plugins.find("model", arch)
+    if plugin is None:
+        return None
+    fn = plugins.load("model", plugin)
+    if not callable(fn):
+        raise plugins.PluginError(f"model {arch!r}: {plugin.value} is not callable (got {type(fn).__name__})")
+    return fn
+
+
+def model_catalog() -> list[tuple[str, str]]:
+    """(name, origin) of every architecture a model row can name: ``built-in`` (the ``mjp_*`` timm
+    models) or the entry point's package and version."""
+    import timm
+
+    entries = plugins.entry_points("model")
+    builtin = sorted(timm.list_models("mjp_*"))
+    return [(n, "built-in") for n in builtin] + [(n, entries[n].origin) for n in sorted(entries) if n not in builtin]

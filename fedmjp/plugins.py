@@ -1,0 +1,106 @@
+"""Attacks, defences and models from other installed packages (plug-ins), named two ways.
+
+* **Entry points**: a package declares ``[project.entry-points."fedmjp.attacks"]`` (or
+  ``fedmjp.defences``, ``fedmjp.models``) ``my_attack = "mypkg.attacks:MyAttack"``; a config then
+  names ``my_attack`` like a built-in. Found through :func:`importlib.metadata.entry_points`, so the
+  package must be installed (``pip install -e .`` of it, or any distribution on ``sys.path``).
+* **A code reference** ``package.module:Name`` written where the name goes
+  (``attack: {name: mypkg.attacks:MyAttack}``). This imports ``package.module`` the way
+  ``import package.module`` would: only modules Python can already import (installed packages, the
+  working directory, ``PYTHONPATH``); never a file path, never code written in the config itself.
+  It is a deliberate reference to code the user installed, like an entry point without the
+  packaging step.
+
+Both are loaded lazily: listing names reads package metadata only; a plug-in's module is imported
+when a config names it. Errors are :class:`PluginError` (a ``ValueError``) naming the reference and
+what went wrong (module not found, attribute missing, wrong kind of object). See docs/plugins.md.
+
+The processes that use a plug-in import it themselves: with Flower's Ray simulation or a deployed
+federation, the package must be installed where the clients (defences, models) and the attack
+workers (attacks) run.
+"""
+from __future__ import annotations
+
+import importlib
+import re
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any, Optional
+
+#: Entry-point group of each kind of plug-in.
+GROUPS = {"attack": "fedmjp.attacks", "defence": "fedmjp.defences", "model": "fedmjp.models"}
+
+_IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
+_REFERENCE = re.compile(rf"{_IDENT}(?:\.{_IDENT})*:{_IDENT}(?:\.{_IDENT})*")
+
+
+class PluginError(ValueError):
+    """A plug-in reference that cannot be loaded or is not the kind of object its group takes."""
+
+
+@dataclass(frozen=True)
+class Plugin:
+    """A named plug-in: ``value`` is its ``module:attribute`` reference, ``origin`` says where the
+    name comes from (``entry point (mypkg 0.1)`` or ``module reference``)."""
+
+    name: str
+    value: str
+    origin: str
+
+
+def is_reference(name: Any) -> bool:
+    """True for a ``package.module:Name`` code reference."""
+    return isinstance(name, str) and _REFERENCE.fullmatch(name) is not None
+
+
+def entry_points(kind: str) -> dict[str, Plugin]:
+    """The plug-ins installed packages declare for ``kind`` (``attack``, ``defence``, ``model``), by
+    name; read from package metadata on every call (nothing is imported)."""
+    found: dict[str, Plugin] = {}
+    for ep in metadata.entry_points(group=GROUPS[kind]):
+        dist = getattr(ep, "dist", None)
+        origin = f"entry point ({dist.name} {dist.version})" if dist is not None else "entry point"
+        found.setdefault(ep.name, Plugin(ep.name, ep.value, origin))
+    return found
+
+
+def find(kind: str, name: Any) -> Optional[Plugin]:
+    """The plug-in ``name`` stands for: an entry point of that name, else a ``module:Name``
+    reference, else None (not a plug-in name)."""
+    if not isinstance(name, str):
+        return None
+    plugin = entry_points(kind).get(name)
+    if plugin is None and is_reference(name):
+        plugin = Plugin(name, name, "module reference")
+    return plugin
+
+
+def load(kind: str, plugin: Plugin, base: Optional[type] = None) -> Any:
+    """Import the object ``plugin`` refers to; with ``base``, it must be a subclass of it.
+
+    Raises:
+        PluginError: the module is not importable (not installed here), it fails to import, the
+            attribute is missing, or the object is not a ``base`` subclass.
+    """
+    what = f"{kind} {plugin.name!r}" + ("" if plugin.value == plugin.name else f" ({plugin.value})")
+    if not is_reference(plugin.value):
+        raise PluginError(f"{what}: an entry point must look like package.module:Name, got {plugin.value!r}")
+    module_name, _, attribute = plugin.value.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name and (module_name == err.name or module_name.startswith(err.name + ".")):
+            raise PluginError(f"{what}: module {module_name!r} not found; install the package that provides it "
+                              "(it must be importable wherever fedmjp and its clients run)") from err
+        raise PluginError(f"{what}: importing {module_name!r} failed: {err}") from err
+    except Exception as err:  # the plug-in's own import-time error, reported with the reference
+        raise PluginError(f"{what}: importing {module_name!r} failed: {type(err).__name__}: {err}") from err
+    for part in attribute.split("."):
+        if not hasattr(obj, part):
+            raise PluginError(f"{what}: {module_name!r} has no attribute {attribute!r}")
+        obj = getattr(obj, part)
+    if base is not None and not (isinstance(obj, type) and issubclass(obj, base)):
+        got = obj.__name__ if isinstance(obj, type) else type(obj).__name__
+        raise PluginError(f"{what}: {plugin.value} is not a subclass of {base.__module__}.{base.__qualname__} "
+                          f"(got {got})")
+    return obj
