@@ -15,6 +15,7 @@ from .matching import AprilOptimization, GradientMatching, InvertingGradientsBat
 from .mjp_adaptive import MJPAdaptive, detect_shuffled, mjp_reduction
 from .jigsaw_solver import solve_jigsaw
 from .pe_closed_form import PEClosedForm, PESystem, pe_closed_form_system, pe_conditions
+from .april_robust import AprilRobust
 
 __all__ = [
     "BREACHING_ATTACKS", "AprilAnalytic", "AprilConditionError", "AprilOptimization", "Attack", "AttackFailure",

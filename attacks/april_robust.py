@@ -1,0 +1,361 @@
+"""The first layer's closed-form equations solved jointly as a regularised least squares.
+
+The exact closed forms (attacks/pe_closed_form.py, attacks/april.py) each invert one linear system
+and break under any perturbation of the update (APRIL's qkv system has condition numbers of ~1e7).
+This attack writes every first-layer equation of a batch-1 update as one noisy observation model,
+
+    dL/dP (patch rows)  = G                                 (observed, noise s_P)
+    dL/dW_e             = G^T X                             (noise s_We)
+    dL/db_e             = G^T 1   (dL/dE_unk = G_S^T 1)     (noise s_be)
+    W_qkv^T dL/dW_qkv   = G_Z^T Z(X),  Z = [prefix; X W_e^T + b_e] + P   (design A only; rows d of
+                                                            noise s_qkv^2 ||W_qkv[:, d]||^2)
+
+with X [N, C p^2] the patches (normalised input) and G [N, D] the patch rows of dL/dz, both
+unknown, and finds the maximum a posteriori (X, G) under a Gaussian smoothness prior on the image
+(squared horizontal and vertical pixel differences, weight lambda) by alternating two linear least
+squares: X given G (preconditioned conjugate gradients over the image) and G given X (one N x N
+system per embedding dimension). Entries that are exactly zero are treated as missing (pruning;
+MJP's zero rows at E_unk positions), so G is estimated where it was pruned from the other
+equations. See docs/design.md ("The patch-embedding closed form").
+
+Noise levels (Kerckhoffs: the server may know the defence's parameters): ``sigma`` and ``clip`` of
+local DP give the noise std sigma * clip of every entry, ``quant_bits`` gives each tensor's
+uniform rounding error max|t| / ((2^bits - 1) sqrt 3). Without them the common noise std is read
+off the update's own redundancy, the bias residual dL/db_e - G^T 1 (zero on a clean update). The
+prior's weight is chosen from the estimate itself (empirical Bayes: lambda = count / ||L X||^2,
+times ``prior_scale``), so on a clean update the data dominate and the solution is exact.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Optional
+
+import numpy as np
+import scipy.sparse.linalg as spla
+import torch
+import torch.nn as nn
+
+from .april import _gradient_of_Z, _is_design_a, _vit, check_conditions
+from .base import Attack, AttackFailure, AttackMetadata, AttackResult, Update, register_attack, update_to_gradients
+from .pe_closed_form import images_to_patches, patches_to_images, pe_closed_form_system, pe_conditions
+
+_logger = logging.getLogger(__name__)
+_DT = torch.float64
+
+
+def _noise_floor(t: torch.Tensor) -> float:
+    """The smallest noise std assumed for a tensor: float64 rounding of its entries."""
+    return 1e-13 * float(t.pow(2).mean().sqrt()) + 1e-150
+
+
+def _smooth_normal(img: torch.Tensor) -> torch.Tensor:
+    """L^T L img for L the horizontal and vertical pixel differences of [C, H, W] images."""
+    out = torch.zeros_like(img)
+    dx = img[..., :, 1:] - img[..., :, :-1]
+    dy = img[..., 1:, :] - img[..., :-1, :]
+    out[..., :, 1:] += dx
+    out[..., :, :-1] -= dx
+    out[..., 1:, :] += dy
+    out[..., :-1, :] -= dy
+    return out
+
+
+def _smooth_energy(img: torch.Tensor) -> tuple[float, int]:
+    dx = img[..., :, 1:] - img[..., :, :-1]
+    dy = img[..., 1:, :] - img[..., :-1, :]
+    return float(dx.pow(2).sum() + dy.pow(2).sum()), dx.numel() + dy.numel()
+
+
+@register_attack("april_robust")
+class AprilRobust(Attack):
+    """Joint regularised least squares of the first layer's equations (see the module docstring).
+
+    Args:
+        sigma, clip: local DP's noise multiplier and clip, if the server knows them (noise std
+            sigma * clip); ``clip`` alone is not used (clipping scales every equation alike).
+        quant_bits: the quantisation's bits, if known.
+        prune_missing: treat exactly-zero entries as missing (True) or as observed zeros.
+        prior_scale: multiplier of the automatically chosen prior weight.
+        prior_weight: a fixed prior weight lambda instead of the automatic choice.
+        iterations: alternations of the X and G solves (stops early when X stops changing).
+        use_qkv: ``auto`` (design-A block 0 and a qkv gradient without missing entries), ``never``.
+        cg_tol, cg_maxiter: the conjugate gradients' relative tolerance and iteration cap.
+    """
+
+    name = "april_robust"
+
+    def __init__(self, sigma: Optional[float] = None, clip: Optional[float] = None,
+                 quant_bits: Optional[int] = None, prune_missing: bool = True, prior_scale: float = 1.0,
+                 prior_weight: Optional[float] = None, iterations: int = 10, use_qkv: str = "auto",
+                 cg_tol: float = 1e-12, cg_maxiter: int = 300, raise_errors: bool = False) -> None:
+        super().__init__(raise_errors)
+        if sigma is not None and (not math.isfinite(sigma) or sigma < 0):
+            raise ValueError(f"sigma must be >= 0, got {sigma!r}")
+        if clip is not None and not clip > 0:
+            raise ValueError(f"clip must be > 0, got {clip!r}")
+        if sigma is not None and sigma > 0 and clip is None:
+            raise ValueError("sigma needs the clip it multiplies (noise std = sigma * clip)")
+        if quant_bits is not None and not 1 <= int(quant_bits) <= 32:
+            raise ValueError(f"quant_bits must be in [1, 32], got {quant_bits!r}")
+        if use_qkv not in ("auto", "never"):
+            raise ValueError(f"use_qkv must be 'auto' or 'never', got {use_qkv!r}")
+        if not prior_scale > 0 or (prior_weight is not None and not prior_weight >= 0):
+            raise ValueError(f"prior_scale must be > 0 and prior_weight >= 0, got {prior_scale!r}, {prior_weight!r}")
+        if int(iterations) < 1:
+            raise ValueError(f"iterations must be >= 1, got {iterations!r}")
+        self.sigma, self.clip = sigma, clip
+        self.quant_bits = None if quant_bits is None else int(quant_bits)
+        self.prune_missing, self.prior_scale, self.prior_weight = bool(prune_missing), float(prior_scale), prior_weight
+        self.iterations, self.use_qkv = int(iterations), use_qkv
+        self.cg_tol, self.cg_maxiter = float(cg_tol), int(cg_maxiter)
+
+    # --------------------------------------------------------------------------------- noise model
+    def _known_std(self, t: torch.Tensor) -> Optional[float]:
+        """The noise std of one received tensor from the defence's known parameters, or None."""
+        if self.sigma is None and self.quant_bits is None:
+            return None
+        var = (self.sigma * self.clip) ** 2 if self.sigma else 0.0
+        if self.quant_bits is not None:
+            m = float(t.abs().max())
+            var += (m / math.sqrt(3)) ** 2 if self.quant_bits == 1 else (m / ((2 ** self.quant_bits - 1) * math.sqrt(3))) ** 2
+        return math.sqrt(var)
+
+    def _reconstruct(self, model: nn.Module, update: Update, meta: AttackMetadata) -> AttackResult:
+        t0 = time.perf_counter()
+        if meta.num_images != 1:
+            raise AttackFailure(f"the closed forms need batch size 1 per update, got num_images={meta.num_images}: "
+                                "the update sums the images' first-layer systems")
+        vit = _vit(model)
+        info = pe_conditions(model, meta.image_size)
+        grads, notes = update_to_gradients(update, meta)
+        sysm = pe_closed_form_system(model, grads, _DT, info)
+        N, D, J = info.N, info.D, info.patch_dim
+        pre = info.num_prefix
+        miss = (lambda t: t != 0) if self.prune_missing else (lambda t: torch.ones_like(t, dtype=torch.bool))
+        G_obs, dW = sysm.G, sysm.dW_e
+        mG, mW = miss(G_obs), miss(dW)
+        if info.has_unk:
+            mG = mG & ~sysm.zero_rows[:, None]
+        proj = vit.patch_embed.proj
+        W_e = proj.weight.detach().to("cpu", _DT).reshape(D, J)
+        b_e = proj.bias.detach().to("cpu", _DT) if proj.bias is not None else W_e.new_zeros(D)
+
+        # bias equations: a^T G = target (a: [N] indicator), observed entries of target
+        bias_eqs = []
+        if sysm.db_e is not None:
+            bias_eqs.append(("b_e", torch.ones(N, dtype=_DT), sysm.db_e, miss(sysm.db_e)))
+        if sysm.g_unk is not None and bool(sysm.zero_rows.any()):
+            bias_eqs.append(("E_unk", sysm.zero_rows.to(_DT), sysm.g_unk, miss(sysm.g_unk)))
+
+        # design A: W^T dL/dW_qkv = G_Z^T Z(X)
+        qkv = None
+        design_a = len(getattr(vit, "blocks", [])) > 0 and _is_design_a(vit.blocks[0])
+        if self.use_qkv == "auto" and design_a:
+            qkv = self._qkv_system(vit, grads, pre, info, sysm, notes)
+            if qkv is not None:
+                qkv.update(W_e=W_e, b_e=b_e)
+        elif self.use_qkv == "auto":
+            notes.append("block 0 is not design A: the qkv equation does not hold and is not used")
+
+        # noise std of each equation group
+        std_known = {k: self._known_std(t) for k, t in (("P", G_obs), ("We", dW))}
+        est = self._redundancy_std(G_obs, mG, bias_eqs, N)
+        def std(key: str, t: torch.Tensor) -> float:
+            s = std_known.get(key) if key in std_known else self._known_std(t)
+            s = est if s is None else s
+            return max(s, _noise_floor(t))
+        s_P, s_We = std("P", G_obs), std("We", dW)
+        s_b = [std(name, tgt) for name, _, tgt, _ in bias_eqs]
+        wP, wW, wb = 1 / s_P ** 2, 1 / s_We ** 2, [1 / s ** 2 for s in s_b]
+        if qkv is not None:
+            s_q = max(self._known_std(qkv["G_W"]) if self._known_std(qkv["G_W"]) is not None else est,
+                      _noise_floor(qkv["G_W"]))
+            qkv["omega"] = 1.0 / (s_q ** 2 * qkv["W"].pow(2).sum(0) + _noise_floor(qkv["R"]) ** 2)
+            qkv["s"] = s_q
+        fracG = float(mG.double().mean())
+
+        # A consistent update (no defence known, every entry present, the bias redundancy zero to
+        # float64 rounding): every equation holds at the truth, so the joint least squares solution
+        # is the closed form's; solved directly (the normal equations above square the condition
+        # number, ~1e7 for a design-A model, and would lose the exactness).
+        G = torch.where(mG, G_obs, torch.zeros_like(G_obs))
+        consistent = (self.sigma is None and self.quant_bits is None and bool(mG.all()) and bool(mW.all())
+                      and est <= 1e-9 * float(G_obs.pow(2).mean().sqrt()))
+        if consistent:
+            X = torch.linalg.lstsq(G.T, dW, driver="gelsd").solution
+            notes.append(f"consistent update (bias redundancy residual {est:.1e}): exact closed form, no prior")
+            img = patches_to_images(X[None], info)
+            res = float((G.T @ X - dW).norm() / dW.norm().clamp_min(1e-300))
+            stats = dict(objective=res, iterations=0, cg_iterations=0, time_s=time.perf_counter() - t0,
+                         prior_weight=0.0, noise_std_from_redundancy=est, residual=res, used_qkv=False,
+                         observed_fraction=dict(P=1.0, We=1.0), failed=False, notes=notes)
+            return AttackResult(meta.denormalize(img), [stats], labels=meta.labels)
+        if fracG < 0.5:
+            notes.append(f"dL/dP {100 * (1 - fracG):.0f}% missing: G is estimated from dL/dW_e and the bias "
+                         "equations; the first-layer signal is largely gone")
+            X = self._mean_patch_start(dW, mW, bias_eqs, N, J)
+        else:
+            X = None
+        lam = self.prior_weight
+        history, it, cg_its = [], 0, 0
+        for it in range(1, self.iterations + 1):
+            if X is not None and self.prior_weight is None:
+                energy, count = _smooth_energy(patches_to_images(X[None], info))
+                # clamped to pixel-difference std between 1e-3 and 10 (normalised input)
+                lam = self.prior_scale * min(max(count / max(energy, 1e-300), 1e-2), 1e6)
+            elif lam is None:
+                lam = self.prior_scale * 1.0  # first solve: unit-variance differences (normalised input)
+            X_new, n_cg = self._x_step(G, dW, mW, wW, qkv, lam, info, X)
+            cg_its += n_cg
+            change = float((X_new - X).norm() / X_new.norm().clamp_min(1e-300)) if X is not None else float("inf")
+            X = X_new
+            G = self._g_step(X, G_obs, mG, wP, dW, mW, wW, bias_eqs, wb, qkv, W_e, b_e, info)
+            history.append(change)
+            if change < 1e-10:
+                break
+
+        # residuals (chi^2 per observed entry) of every equation group at the solution
+        chi = {"P": float(((G - G_obs)[mG]).pow(2).sum() * wP / max(int(mG.sum()), 1)),
+               "We": float(((G.T @ X - dW)[mW]).pow(2).sum() * wW / max(int(mW.sum()), 1))}
+        for (name, a, tgt, m), w in zip(bias_eqs, wb):
+            chi[name] = float(((a @ G - tgt)[m]).pow(2).sum() * w / max(int(m.sum()), 1))
+        if qkv is not None:
+            Zp = X @ W_e.T + b_e + qkv["offset"]
+            r = qkv["R"] - qkv["G_pre"].T @ qkv["Z_pre"] - G.T @ Zp
+            chi["qkv"] = float((r.pow(2).sum(1) * qkv["omega"]).sum() / r.numel())
+        img = patches_to_images(X[None], info)
+        stats = dict(objective=sum(chi.values()), iterations=it, cg_iterations=cg_its, time_s=time.perf_counter() - t0,
+                     prior_weight=float(lam), noise_std=dict(P=s_P, We=s_We, **{n: s for (n, *_), s in zip(bias_eqs, s_b)},
+                                                             **({"qkv": qkv["s"]} if qkv is not None else {})),
+                     noise_std_from_redundancy=est, chi2_per_entry=chi, used_qkv=qkv is not None,
+                     observed_fraction=dict(P=fracG, We=float(mW.double().mean())), change_history=history,
+                     failed=False, notes=notes)
+        return AttackResult(meta.denormalize(img), [stats], labels=meta.labels)
+
+    # --------------------------------------------------------------------------------- pieces
+    def _qkv_system(self, vit, grads, pre, info, sysm, notes) -> Optional[dict]:
+        """The design-A equation's data, or None (noted) where it cannot be used."""
+        name = info.prefix + "blocks.0.attn.qkv.weight"
+        if name not in grads:
+            notes.append("update lacks blocks.0.attn.qkv.weight: the qkv equation is not used")
+            return None
+        a_info = check_conditions(vit)
+        G_W = grads[name].to("cpu", _DT)
+        if self.prune_missing and float((G_W == 0).double().mean()) > 1e-3:
+            notes.append("the qkv gradient has missing (zero) entries: W^T dL/dW_qkv cannot be formed, "
+                         "the qkv equation is not used")
+            return None
+        W = vit.blocks[0].attn.qkv.weight.detach().to("cpu", _DT)
+        G_Z = _gradient_of_Z(vit, {k.removeprefix(info.prefix): grads[k] for k in
+                                   (info.prefix + "pos_embed", info.prefix + "cls_token", info.prefix + "reg_token")
+                                   if k in grads}, a_info).to("cpu", _DT)
+        D = info.D
+        P = vit.pos_embed.detach().to("cpu", _DT).reshape(-1, D)
+        if not a_info["pos_embed_covers_prefix"]:
+            P = torch.cat([P.new_zeros(pre, D), P])
+        if getattr(vit, "index_embed", None) is not None:
+            P = P + vit.index_embed.detach().to("cpu", _DT).reshape(-1, D)
+        toks = [t.detach().to("cpu", _DT).reshape(-1, D) for t in (getattr(vit, "cls_token", None),
+                                                                    getattr(vit, "reg_token", None)) if t is not None]
+        Z_pre = (torch.cat(toks) if toks else P.new_zeros(0, D)) + P[:pre]
+        offset = P[pre:].clone()
+        if info.has_unk and bool(sysm.zero_rows.any()):
+            offset[sysm.zero_rows] = vit.unk_embed.detach().to("cpu", _DT).reshape(D)
+        return dict(G_W=G_W, W=W, R=W.T @ G_W, G_pre=G_Z[:pre], Z_pre=Z_pre, offset=offset)
+
+    @staticmethod
+    def _redundancy_std(G_obs, mG, bias_eqs, N) -> float:
+        """Common noise std from the bias residual over fully observed columns (0 if none)."""
+        if not bias_eqs:
+            return 0.0
+        _, a, tgt, m = bias_eqs[0]
+        cols = mG.all(dim=0) & m
+        if len(bias_eqs) > 1 or not bool(cols.any()):
+            return 0.0
+        r = (a @ G_obs - tgt)[cols]
+        return float(r.pow(2).mean().sqrt()) / math.sqrt(N + 1)
+
+    @staticmethod
+    def _mean_patch_start(dW, mW, bias_eqs, N, J) -> torch.Tensor:
+        """X with every patch equal to argmin_x sum_d (dW[d] - db[d] x)^2 (observed entries):
+        dL/dW_e = db_e x^T exactly when all patches equal x."""
+        if not bias_eqs:
+            return dW.new_zeros(N, J)
+        _, _, db, mb = bias_eqs[0]
+        m = mW & mb[:, None]
+        num = (m * dW * db[:, None]).sum(0)
+        den = (m * db[:, None] ** 2).sum(0).clamp_min(1e-300)
+        return (num / den).expand(N, J).clone()
+
+    def _x_step(self, G, dW, mW, wW, qkv, lam, info, X0) -> tuple[torch.Tensor, int]:
+        """argmin_X wW |mW (G^T X - dW)|^2 + sum_d omega_d |(G^T X W_e^T - R1)_d|^2 + lam |L X|^2 + eps |X|^2."""
+        N, J = info.N, info.patch_dim
+        eps = 1e-6 * lam
+        full = bool(mW.all())
+        GGt = G @ G.T
+        if full:
+            A1 = (wW * GGt).expand(J, N, N)
+        else:
+            A1 = wW * torch.einsum("nd,dj,md->jnm", G, mW.to(_DT), G)
+        rhs = wW * G @ (mW * dW)
+        if qkv is not None:
+            W_e, b_e = qkv["W_e"], qkv["b_e"]
+            om = qkv["omega"][:, None]
+            R1 = qkv["R"] - qkv["G_pre"].T @ qkv["Z_pre"] - G.T @ (b_e + qkv["offset"])
+            GoG = G @ (om * G.T)
+            cj = (W_e * W_e).sum(0)  # diag of W_e^T W_e, [J]
+            A1 = A1 + cj[:, None, None] * GoG
+            rhs = rhs + G @ (om * R1) @ W_e
+        jitter = 1e-12 * A1.diagonal(dim1=1, dim2=2).mean(1).clamp_min(1e-300)  # rounding of near-singular G G^T
+        prec = A1 + ((4 * lam + eps) + jitter)[:, None, None] * torch.eye(N, dtype=_DT)
+        L = torch.linalg.cholesky(prec)  # [J, N, N]
+
+        def op(x: torch.Tensor) -> torch.Tensor:
+            X = x.reshape(N, J)
+            out = wW * G @ (mW * (G.T @ X))
+            if qkv is not None:
+                out = out + G @ (om * (G.T @ X @ qkv["W_e"].T)) @ qkv["W_e"]
+            img = patches_to_images(X[None], info)
+            out = out + lam * images_to_patches(_smooth_normal(img), info)[0] + eps * X
+            return out
+
+        def pre(x: torch.Tensor) -> torch.Tensor:
+            Xc = x.reshape(N, J).T[:, :, None]  # [J, N, 1]
+            return torch.cholesky_solve(Xc, L)[:, :, 0].T
+
+        A = spla.LinearOperator((N * J, N * J), dtype=np.float64,
+                                matvec=lambda v: op(torch.from_numpy(np.ascontiguousarray(v))).reshape(-1).numpy())
+        M = spla.LinearOperator((N * J, N * J), dtype=np.float64,
+                                matvec=lambda v: pre(torch.from_numpy(np.ascontiguousarray(v))).reshape(-1).numpy())
+        count = [0]
+        start = pre(rhs.reshape(-1)).reshape(-1).numpy() if X0 is None else X0.reshape(-1).numpy()
+        sol, _ = spla.cg(A, rhs.reshape(-1).numpy(), x0=start, rtol=self.cg_tol, maxiter=self.cg_maxiter, M=M,
+                         callback=lambda _: count.__setitem__(0, count[0] + 1))
+        return torch.from_numpy(sol).reshape(N, J), count[0]
+
+    def _g_step(self, X, G_obs, mG, wP, dW, mW, wW, bias_eqs, wb, qkv, W_e, b_e, info) -> torch.Tensor:
+        """argmin_G of the same objective with X fixed: one N x N system per embedding dimension."""
+        N, D = info.N, info.D
+        mGd = mG.to(_DT)
+        H = torch.diag_embed(wP * mGd.T)  # [D, N, N]
+        if bool(mW.all()):
+            H = H + wW * (X @ X.T)
+        else:
+            H = H + wW * torch.einsum("nj,dj,mj->dnm", X, mW.to(_DT), X)
+        rhs = wP * (mGd * G_obs).T + wW * ((mW * dW) @ X.T)  # [D, N]
+        for (_, a, tgt, m), w in zip(bias_eqs, wb):
+            md = m.to(_DT)
+            H = H + (w * md)[:, None, None] * torch.outer(a, a)
+            rhs = rhs + (w * md * tgt)[:, None] * a[None]
+        if qkv is not None:
+            Zp = X @ W_e.T + b_e + qkv["offset"]  # [N, D]
+            om = qkv["omega"]
+            H = H + om[:, None, None] * (Zp @ Zp.T)
+            target = qkv["R"] - qkv["G_pre"].T @ qkv["Z_pre"]  # [D, D], row d = sum_t G[t, d] Zp[t]
+            rhs = rhs + om[:, None] * (target @ Zp.T)
+        scale = H.diagonal(dim1=1, dim2=2).mean(1).clamp_min(1e-300)
+        H = H + (1e-12 * scale)[:, None, None] * torch.eye(N, dtype=_DT)
+        return torch.linalg.solve(H, rhs[:, :, None])[:, :, 0].T
+
