@@ -201,7 +201,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--max-images", type=int, default=None, help="fixed random subset of the split")
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--output-dir", default=None, help="default: <checkpoint dir>/eval")
+    p.add_argument("--output-dir", default=None,
+                   help="default: <checkpoint dir>/eval, or runs/eval/<name> for a .safetensors weights file")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.threads:
@@ -213,7 +214,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                                args.max_images, args.seed)
     gammas = [args.gamma] + [g for g in (args.gamma_sweep or []) if g != args.gamma]
     rows = evaluate_gammas(model, loader, gammas, args.seed, device, progress=True)
-    out = Path(args.output_dir or Path(args.checkpoint).parent / "eval")
+    ckpt = Path(args.checkpoint)
+    # shipped weights (checkpoints/*.safetensors) keep their folder clean: results go under runs/
+    default_out = Path("runs") / "eval" / ckpt.stem if ckpt.suffix == ".safetensors" else ckpt.parent / "eval"
+    out = Path(args.output_dir) if args.output_dir else default_out
     out.mkdir(parents=True, exist_ok=True)
     main_row = {**rows[0], "checkpoint": str(args.checkpoint), "epoch": state.get("epoch")}
     with open(out / "eval.json", "w") as f:
