@@ -7,8 +7,10 @@ the paper's protocol). Overrides are YAML data (``--set data.num_images=null`` -
 A field's ``client=`` names the clients' run-config key(s) it feeds (:func:`client_values`).
 
 Relative paths in a config file (image folder, checkpoints, LPIPS backbone) are resolved against the
-project root, so ``../shared/data/imagenet-sample`` means the same thing from any working directory;
-paths given as flags (``--images``) are resolved against the working directory.
+project root, so ``checkpoints/deit.pt`` means the same thing from any working directory; paths given
+as flags (``--images``) are resolved against the working directory. A path that starts with
+``$FEDMJP_DATA/`` names a file in the data folder (:mod:`fedmjp.datadir`: ``$FEDMJP_DATA/imagenet-sample``);
+while the variable is unset it stays as written, and the step that reads the data says what to set.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from typing import Any, Iterable, Iterator, Literal, Mapping, Optional, Sequence
 
 from clients.runconfig import MODES, PARTITIONERS, PRECISIONS, RunConfig
 from fedmjp import config as core
+from fedmjp import datadir
 from fedmjp.config import option
 from fedmjp.settings import SETTINGS
 
@@ -116,7 +119,7 @@ class Utility:
     meaning: benchmark/utility.py."""
 
     rounds: int = option(0, minimum=0)
-    source: str = "../shared/data/cifar10.tar.gz"
+    source: str = "$FEDMJP_DATA/cifar10.tar.gz"
     num_train: int = option(64, minimum=0)
     num_eval: int = option(200, minimum=1)
     clients: int = option(2, minimum=1)
@@ -191,6 +194,10 @@ def load_config(path: Optional[str | Path] = None) -> dict:
 def _resolve_path(value: Any, base: Path) -> Any:
     if value is None or value == "embedded" or not isinstance(value, str):
         return value
+    if datadir.names_data_dir(value):
+        if datadir.data_dir() is None:
+            return value  # kept as written: loading the data says what to set
+        value = datadir.expand(value)
     p = Path(value).expanduser()
     return str(p if p.is_absolute() else (base / p).resolve())
 

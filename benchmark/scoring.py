@@ -23,7 +23,7 @@ class Scorer:
     """Builds LPIPS once and scores batches.
 
     LPIPS weights come from ``metrics.lpips_backbone`` when the config names a file, else from the
-    metrics package's route (``$FEDMJP_LPIPS_BACKBONE``, ``../shared/data/lpips``, torchvision's
+    metrics package's route (``$FEDMJP_LPIPS_BACKBONE``, ``$FEDMJP_DATA/lpips``, torchvision's
     cache or download); the features of images scored before are reused (:class:`metrics.LpipsFeatureCache`,
     ``$FEDMJP_LPIPS_CACHE_MB``). Where none can be had, the run goes on without LPIPS: one warning, the rows
     carry ``lpips`` NaN and ``lpips_note`` with the reason, and the table says why the column is empty.

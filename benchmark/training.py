@@ -19,7 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from .errors import ConfigError, ModelCheckpointError
+from fedmjp import datadir
+
+from .errors import ConfigError, InputDataError, ModelCheckpointError
 
 _logger = logging.getLogger(__name__)
 
@@ -93,6 +95,10 @@ def train_missing(cfg: dict, progress: bool = True) -> list[TrainJob]:
     if not todo:
         return []
     data: Optional[str] = cfg.get("train_data")
+    try:
+        data = datadir.expand(data, "train_data") if data else data
+    except datadir.DataDirUnset as err:
+        raise InputDataError(str(err)) from None
     if not data or not Path(data).exists():
         raise ConfigError(f"--train-missing needs the training data of the recipes: train_data={data!r} does not "
                           "exist (set train_data in the config or --set train_data=PATH to an ImageFolder or "

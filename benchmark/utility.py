@@ -2,7 +2,7 @@
 
 For one model row and its defence, :func:`defence_utility` runs a separate federation (Flower's
 in-process or simulation engine, no tap, no attack) of ``utility.rounds`` FedAvg rounds on the
-``utility.source`` images (a dataset archive such as ../shared/data/cifar10.tar.gz, a folder, or
+``utility.source`` images (a dataset archive such as ``$FEDMJP_DATA/cifar10.tar.gz``, a folder, or
 ``embedded``), starting from the row's checkpoint or, when it has none, from its seeded fresh
 weights (``start`` in the result says which), and measures top-1 of the final global model on
 ``utility.num_eval`` held-out images of the same source (the images after the ``num_train`` that
@@ -36,10 +36,11 @@ def defence_utility(cfg: dict, row: Any, federate: Optional[Callable[..., Any]] 
         "fresh"), "utility_num_eval", "utility_source"}.
     """
     from clients.runconfig import resolve_config
-    from fedmjp.data import load_images
+    from fedmjp.data import DataError, load_images
     from fedmjp.evaluate import loss_and_top1
     from server.federation import run_federation
 
+    from .errors import InputDataError
     from .pipeline import client_run_config
 
     u = cfg["utility"]
@@ -52,8 +53,11 @@ def defence_utility(cfg: dict, row: Any, federate: Optional[Callable[..., Any]] 
         "precision": "float32", "server-eval": False, "out-dir": "",
     })
     resolved = resolve_config(run_config)
-    data = load_images(u["source"], int(cfg["data"]["image_size"]), int(u["num_train"]) + int(u["num_eval"]),
-                       int(cfg["data"]["num_classes"]))
+    try:
+        data = load_images(u["source"], int(cfg["data"]["image_size"]), int(u["num_train"]) + int(u["num_eval"]),
+                           int(cfg["data"]["num_classes"]))
+    except DataError as err:
+        raise InputDataError(f"utility.source: {err}") from err
     held_out = slice(int(u["num_train"]), len(data))
     if held_out.start >= len(data):
         raise ValueError(f"utility.source {u['source']} holds {len(data)} images, none left after num_train="

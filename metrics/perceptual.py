@@ -5,13 +5,14 @@ is resolved in this order (:func:`resolve_lpips_route`):
 
 1. the ``backbone_path`` argument (a config key such as ``metrics.lpips_backbone`` feeds it),
 2. the file named by the environment variable ``FEDMJP_LPIPS_BACKBONE``,
-3. ``<project root>/../shared/data/lpips/alexnet_features.pth`` if it exists,
+3. ``$FEDMJP_DATA/lpips/alexnet_features.pth`` if the data folder ``FEDMJP_DATA`` is set and holds it
+   (the layout of :mod:`fedmjp.datadir`),
 4. the ``lpips`` package's normal route: torchvision's AlexNet checkpoint in torch hub's cache
    (``$TORCH_HOME/hub/checkpoints/alexnet-owt-7be5be79.pth``; torchvision checks the hash only when it
    downloads, so a cached file works offline), downloaded there once where a network exists,
 5. otherwise :class:`LpipsUnavailable` (a RuntimeError) saying why and naming the variable and file.
 
-A file in 1-3 holds a state dict with torchvision's keys ``features.{0,3,6,8,10}.{weight,bias}`` (a
+A path in 1-2 may start with ``$FEDMJP_DATA/`` (read inside the data folder). A file in 1-3 holds a state dict with torchvision's keys ``features.{0,3,6,8,10}.{weight,bias}`` (a
 full torchvision AlexNet checkpoint works too; its classifier is ignored). The route used is
 recorded on the model (:func:`lpips_source`).
 
@@ -48,9 +49,11 @@ log = logging.getLogger(__name__)
 BACKBONE_ENV = "FEDMJP_LPIPS_BACKBONE"
 #: torchvision's ImageNet AlexNet checkpoint (AlexNet_Weights.IMAGENET1K_V1).
 TORCHVISION_ALEXNET_URL = "https://download.pytorch.org/models/alexnet-owt-7be5be79.pth"
-#: The converted copy that the tests and benchmarks use, looked up next to the project.
-SHARED_BACKBONE = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "lpips" / "alexnet_features.pth"
-SHARED_BACKBONE_HINT = "../shared/data/lpips/alexnet_features.pth"
+#: Environment variable naming the data folder (fedmjp/datadir.py; read here, since metrics/ imports
+#: nothing else of this project).
+DATA_ENV = "FEDMJP_DATA"
+#: Where the AlexNet features file sits inside the data folder (route 3).
+DATA_BACKBONE = "lpips/alexnet_features.pth"
 #: Seconds to wait for a TCP connection to the download host before giving up (no hang offline).
 CONNECT_TIMEOUT_S = 5.0
 #: Images smaller than this (either side) are upsampled to it before LPIPS when ``resize="auto"``.
@@ -78,7 +81,7 @@ class LpipsRoute:
     """Where the AlexNet trunk comes from.
 
     Attributes:
-        kind: "argument", "env", "shared", "torchvision-cache" or "torchvision-download".
+        kind: "argument", "env", "data", "torchvision-cache" or "torchvision-download".
         path: the weights file (for "torchvision-download": where it will be cached).
     """
 
@@ -129,30 +132,49 @@ def _reachable(url: str, timeout: float) -> bool:
     return False
 
 
+def data_backbone() -> Optional[Path]:
+    """``$FEDMJP_DATA/lpips/alexnet_features.pth`` (route 3), or None when ``FEDMJP_DATA`` is unset."""
+    root = os.environ.get(DATA_ENV, "").strip()
+    return Path(root).expanduser() / DATA_BACKBONE if root else None
+
+
+def _named_file(value: Union[str, os.PathLike[str]], source: str) -> Path:
+    """An explicit weights file (route 1 or 2), ``$FEDMJP_DATA/...`` read inside the data folder."""
+    text = os.fspath(value)
+    for prefix in ("$" + DATA_ENV, "${" + DATA_ENV + "}"):
+        if text == prefix or text.startswith((prefix + "/", prefix + "\\")):
+            root = os.environ.get(DATA_ENV, "").strip()
+            if not root:
+                raise LpipsUnavailable(f"LPIPS AlexNet weights given by {source} ({text}) are inside the data "
+                                       f"folder, but {DATA_ENV} is not set: export {DATA_ENV}=/path/to/data")
+            text = str(Path(root) / text[len(prefix):].lstrip("/\\"))
+    return Path(text).expanduser().resolve()
+
+
 def resolve_lpips_route(
     backbone_path: Optional[Union[str, os.PathLike[str]]] = None,
-    shared_path: Optional[Path] = None,
+    data_file: Optional[Path] = None,
     allow_download: bool = True,
 ) -> LpipsRoute:
     """The first available source of the AlexNet trunk, in the order of the module docstring.
 
     Args:
         backbone_path: explicit weights file.
-        shared_path: the ../shared lookup (default :data:`SHARED_BACKBONE`).
+        data_file: the route-3 file (default :func:`data_backbone`).
         allow_download: allow route 4 to download when the cache is empty.
     Raises:
         LpipsUnavailable: an explicit file (argument or variable) is missing, or nothing is available.
     """
     for kind, value in (("argument", backbone_path), ("env", os.environ.get(BACKBONE_ENV))):
         if value:
-            path = Path(value).expanduser().resolve()
+            source = "backbone_path" if kind == "argument" else f"${BACKBONE_ENV}"
+            path = _named_file(value, source)
             if not path.is_file():
-                source = "backbone_path" if kind == "argument" else f"${BACKBONE_ENV}"
                 raise LpipsUnavailable(f"LPIPS AlexNet weights given by {source} not found: {path}")
             return LpipsRoute(kind, path)
-    shared = SHARED_BACKBONE if shared_path is None else shared_path
-    if shared.is_file():
-        return LpipsRoute("shared", shared.resolve())
+    in_data = data_backbone() if data_file is None else data_file
+    if in_data is not None and in_data.is_file():
+        return LpipsRoute("data", in_data.resolve())
     cached = hub_cache_file()
     if cached.is_file():
         return LpipsRoute("torchvision-cache", cached)
@@ -161,15 +183,17 @@ def resolve_lpips_route(
         if _reachable(TORCHVISION_ALEXNET_URL, CONNECT_TIMEOUT_S):
             return LpipsRoute("torchvision-download", cached)
         why = f"download.pytorch.org cannot be reached (no network within {CONNECT_TIMEOUT_S:g} s)"
-    raise LpipsUnavailable(_unavailable_message(why, shared))
+    raise LpipsUnavailable(_unavailable_message(why, in_data))
 
 
-def _unavailable_message(why: str, shared: Path) -> str:
+def _unavailable_message(why: str, in_data: Optional[Path]) -> str:
+    data = (f"{in_data} (missing)" if in_data is not None
+            else f"${DATA_ENV}/{DATA_BACKBONE} ({DATA_ENV} unset)")
     return (
         f"LPIPS needs torchvision's ImageNet AlexNet weights: none found locally and {why}. Looked at "
-        f"${BACKBONE_ENV} (unset), {shared} (missing) and the torch hub cache {hub_cache_file()} "
+        f"${BACKBONE_ENV} (unset), {data} and the torch hub cache {hub_cache_file()} "
         f"(missing). Set {BACKBONE_ENV} (or backbone_path / the config key metrics.lpips_backbone) to a "
-        f"file of AlexNet features.* weights such as {SHARED_BACKBONE_HINT} (alexnet_features.pth), "
+        f"file of AlexNet features.* weights (alexnet_features.pth), put it at ${DATA_ENV}/{DATA_BACKBONE}, "
         f"or put torchvision's alexnet-owt-7be5be79.pth into the hub cache."
     )
 
@@ -207,7 +231,7 @@ def _build(device: str, route: LpipsRoute) -> lpips_pkg.LPIPS:
                                     verbose=False)
         except (OSError, RuntimeError) as err:  # URLError is an OSError; a bad hash is a RuntimeError
             raise LpipsUnavailable(
-                _unavailable_message(f"the torchvision route failed ({type(err).__name__}: {err})", SHARED_BACKBONE)
+                _unavailable_message(f"the torchvision route failed ({type(err).__name__}: {err})", data_backbone())
             ) from err
     if not use_torchvision:
         state = torch.load(route.path, map_location="cpu", weights_only=True)
@@ -227,7 +251,7 @@ def get_lpips_model(
     device: Union[str, torch.device] = "cpu",
     backbone_path: Optional[Union[str, os.PathLike[str]]] = None,
     allow_download: bool = True,
-    shared_path: Optional[Path] = None,
+    data_file: Optional[Path] = None,
 ) -> lpips_pkg.LPIPS:
     """The LPIPS(AlexNet, v0.1) model on ``device``, built once per (device, weights route) and reused.
 
@@ -235,19 +259,19 @@ def get_lpips_model(
         device: where the model runs.
         backbone_path: AlexNet ``features.*`` weights (route 1 of the module docstring).
         allow_download: let the torchvision route download when its cache is empty.
-        shared_path: override of the ../shared lookup (route 3).
+        data_file: override of the route-3 file in the data folder.
     Returns:
         The model; ``lpips_source(model)`` (or ``model.lpips_source``) says which route it came from.
     Raises:
         LpipsUnavailable: no weights (the message says why and names the variable and file).
     """
-    route = resolve_lpips_route(backbone_path, shared_path, allow_download)
+    route = resolve_lpips_route(backbone_path, data_file, allow_download)
     return _cached(str(torch.device(device)), route)
 
 
 def lpips_source(model: lpips_pkg.LPIPS) -> str:
     """``"<kind>:<path>"`` of the weights a model from :func:`get_lpips_model` was built with, e.g.
-    ``"shared:/work/shared/data/lpips/alexnet_features.pth"``; "unknown" for other models."""
+    ``"data:/data/fedmjp/lpips/alexnet_features.pth"``; "unknown" for other models."""
     return getattr(model, "lpips_source", "unknown")
 
 

@@ -1,45 +1,18 @@
 """APRIL closed form, the attack interface and our batched gradient matching (CPU, small models)."""
 from __future__ import annotations
 
-from pathlib import Path
-
-import numpy as np
 import pytest
 import timm
 import torch
-from PIL import Image
 
 import attacks
 import fedmjp  # noqa: F401  (registers the mjp_* models)
-from attacks import AttackMetadata
-
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "imagenet-sample"
-MEAN = torch.tensor([0.485, 0.456, 0.406])
-STD = torch.tensor([0.229, 0.224, 0.225])
-MD = dict(mean=MEAN, std=STD)
+from helpers import MD, bundled_images, normalize, psnr
 
 
 def real_images(n: int = 1, size: int = 32) -> torch.Tensor:
-    """[n, 3, size, size] in [0, 1] from the imagenet sample (center crop, bilinear resize)."""
-    files = sorted(DATA.glob("*.JPEG"))[:n] if DATA.is_dir() else []
-    if len(files) < n:
-        pytest.skip(f"no imagenet sample at {DATA}")
-    out = []
-    for f in files:
-        img = Image.open(f).convert("RGB")
-        s = min(img.size)
-        left, top = (img.width - s) // 2, (img.height - s) // 2
-        img = img.crop((left, top, left + s, top + s)).resize((size, size), Image.BILINEAR)
-        out.append(torch.from_numpy(np.array(img)).permute(2, 0, 1).float() / 255)
-    return torch.stack(out)
-
-
-def normalize(x: torch.Tensor) -> torch.Tensor:
-    return AttackMetadata(x.shape[0], tuple(x.shape[1:]), MEAN.double(), STD.double(), None).normalize(x)
-
-
-def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float(10 * torch.log10(1 / ((a.double() - b.double()) ** 2).mean()))
+    """[n, 3, size, size] float32 in [0, 1]: scikit-image's bundled photographs (centre crop, bilinear)."""
+    return bundled_images(n, size).float()
 
 
 def april_model(variant: str = "plain", **kw) -> torch.nn.Module:

@@ -8,7 +8,7 @@ import torch
 import attacks
 import fedmjp  # noqa: F401
 
-from test_attacks import MD, normalize, real_images
+from helpers import MD, bundled_images, normalize
 
 
 @pytest.fixture(scope="module")
@@ -17,7 +17,7 @@ def case():
     # variant mjp: E_unk and the DAL head exist but are not used by the plain forward (adapter drops them)
     model = timm.create_model("mjp_vit_cifar_patch4_32", variant="mjp", img_size=16, embed_dim=48,
                               num_heads=2, depth=1).eval()
-    x = real_images(1, 16)
+    x = bundled_images(1, 16).float()
     y = torch.tensor([4])
     return model, x, y, attacks.compute_update(model, normalize(x), y)
 

@@ -23,7 +23,7 @@ import torch
 import yaml
 from PIL import Image
 
-from helpers import set_dotted
+from helpers import assert_same_scores, metric_rows, run, tiny_config, write_config  # noqa: F401 (re-exported)
 
 from benchmark import config as C
 from fedmjp.config import fields
@@ -32,75 +32,6 @@ from benchmark.report import GridLayout, grid_columns, to_latex
 from benchmark.store import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
-LPIPS = ROOT.parent / "shared" / "data" / "lpips" / "alexnet_features.pth"
-KW = {"depth": 2}  # depth 1: only the cls token reaches the head, dL/dP has rank 7 < T
-
-
-def tiny_config(**changes) -> dict:
-    """2 model rows (plain, MJP) of a 32 px / patch 4 / width 192 / depth-2 design-A ViT,
-    4 embedded images, 2 clients x 2 rounds, float64 clients (APRIL exact)."""
-    cfg = {
-        "name": "tiny", "seed": 0, "device": "cpu", "settings": ["c"], "gamma": 0.27,
-        "data": {"source": "embedded", "image_size": 32, "num_images": 4, "num_classes": 10},
-        "federation": {"engine": "inprocess", "rounds": 2, "clients": 2, "precision": "float64", "lr": 0.01},
-        "models": [
-            {"name": "DeiT", "arch": "mjp_vit_cifar_patch4_32", "variant": "plain", "kwargs": KW, "april": "surgery"},
-            {"name": "DeiT+MJP", "arch": "mjp_vit_cifar_patch4_32", "variant": "mjp", "kwargs": KW, "april": "surgery"},
-        ],
-        "attack": {"name": "april_analytic"},
-        "metrics": {"lpips_backbone": str(LPIPS)},
-        "report": {"grid_images": 2, "tile": 32},
-    }
-    set_dotted(cfg, changes)
-    return cfg
-
-
-def write_config(folder: Path, **changes) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "tiny.yaml"
-    path.write_text(yaml.safe_dump(tiny_config(**changes)))
-    return path
-
-
-def run(config: Path, output: Path, *extra: str) -> int:
-    return main(["--config", str(config), "--output", str(output), "--no-progress", *extra])
-
-
-def metric_rows(path: Path) -> list[dict]:
-    """Rows without timings (which differ between runs), sorted by key."""
-    rows = [{k: v for k, v in r.items() if not k.startswith("time_") and k != "attack_stats"}
-            for r in read_jsonl(path)]
-    return sorted(rows, key=lambda r: (r["model"], r["setting"], r["round"], r["partition_id"], r["image_id"]))
-
-
-PSNR_CAP = 100.0  # dB: the tables' cap; above it two reconstructions are both exact copies
-
-
-def assert_same_scores(got: list[dict], want: list[dict]) -> None:
-    """Rows equal in what is meaningful at their precision, never in digits below the noise floor.
-
-    Uncapped PSNR of an exact copy (MSE ~1e-23 in float64) is set by the summation order alone
-    (threads in a Ray worker vs the driver, OMP_NUM_THREADS), so PSNRs are compared capped at 100 dB;
-    errors and distances of float64 reconstructions to 1e-9 absolute; LPIPS (AlexNet in float32) to
-    1e-5; everything else exactly.
-    """
-    def number(v):  # results.jsonl keeps +-inf (PSNR of an exact copy) as the strings "inf"/"-inf"
-        return float(v) if v in ("inf", "-inf") else v
-
-    assert len(got) == len(want)
-    for a, b in zip(got, want):
-        assert a.keys() == b.keys()
-        a, b = {k: number(v) for k, v in a.items()}, {k: number(v) for k, v in b.items()}
-        for k in a:
-            if isinstance(a[k], float) and isinstance(b[k], float):
-                if k.startswith("psnr"):
-                    assert min(a[k], PSNR_CAP) == pytest.approx(min(b[k], PSNR_CAP), abs=1e-6), k
-                elif k.startswith("lpips"):
-                    assert a[k] == pytest.approx(b[k], abs=1e-5), k
-                else:
-                    assert a[k] == pytest.approx(b[k], rel=1e-6, abs=1e-9), k
-            else:
-                assert a[k] == b[k], k
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +62,8 @@ def test_presets_validate() -> None:
     paper = C.validate(C.load_config(ROOT / "configs" / "paper.yaml"))
     assert paper["data"]["image_size"] == 224 and paper["data"]["num_images"] == 999
     assert paper["gamma"] == 0.27 and paper["settings"] == ["a", "b", "c"]
-    assert paper["data"]["source"] == str((ROOT.parent / "shared" / "data" / "imagenet-sample").resolve())
+    # the ImageNet sample in the data folder: $FEDMJP_DATA/imagenet-sample (tests/test_datadir.py)
+    assert paper["data"]["source"].endswith("imagenet-sample")
     assert len(paper["models"]) == 5 and all(m["april"] == "surgery" for m in paper["models"])
     fed = paper["federation"]
     assert fed["rounds"] * fed["clients"] * fed["batch_size"] == 999
@@ -161,7 +93,8 @@ def test_tables_are_means_of_results(full_run: Path) -> None:
     for i, r in full.iterrows():
         g = rows[(rows["model"] == r["model"]) & (rows["setting"] == r["setting"])]
         assert r["n"] == len(g)
-        for m in ("mse", "fft2d", "ssim", "lpips"):
+        # LPIPS where weights exist ($FEDMJP_DATA/lpips, torchvision's cache); else the column is empty
+        for m in ("mse", "fft2d", "ssim", "lpips")[: 4 if g["lpips"].notna().any() else 3]:
             assert r[f"{m}_mean"] == pytest.approx(g[m].astype(float).mean(), rel=1e-9, abs=1e-15)
             assert r[f"{m}_count"] == len(g)
         assert r["psnr_mean"] == pytest.approx(np.minimum(g["psnr"].astype(float), 100.0).mean(), rel=1e-9)
@@ -414,12 +347,12 @@ def test_corrected_command_runs_after_a_bad_value(tmp_path: Path) -> None:
 
 
 def test_without_any_lpips_weights_the_run_completes_and_says_why(tmp_path: Path, monkeypatch, capsys) -> None:
-    """A user without ../shared, without a torch hub cache and without a network: exit 0, the LPIPS
+    """A user without a data folder, without a torch hub cache and without a network: exit 0, the LPIPS
     column is empty, every row and the table say why, the other metrics are there."""
     from metrics import perceptual
 
     monkeypatch.delenv(perceptual.BACKBONE_ENV, raising=False)
-    monkeypatch.setattr(perceptual, "SHARED_BACKBONE", tmp_path / "no-shared" / "alexnet_features.pth")
+    monkeypatch.delenv(perceptual.DATA_ENV, raising=False)
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
     # nothing listens on port 9 of this machine: the download fails at once, as it does offline
     monkeypatch.setattr(perceptual, "TORCHVISION_ALEXNET_URL", "http://127.0.0.1:9/alexnet-owt-7be5be79.pth")

@@ -18,7 +18,6 @@ from fedmjp.models import MJPVisionTransformer
 
 HAS_CUDA = torch.cuda.is_available()
 cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-LPIPS_FILE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "lpips" / "alexnet_features.pth"
 TINY = dict(img_size=32, patch_size=4, embed_dim=48, depth=2, num_heads=3, num_classes=10)
 
 
@@ -90,14 +89,13 @@ def test_training_with_amp_on_cuda(tmp_path, amp):
 
 @pytest.mark.cuda
 @cuda
-@pytest.mark.skipif(not LPIPS_FILE.is_file(), reason="offline LPIPS weights missing")
-def test_lpips_on_cuda_matches_cpu():
+def test_lpips_on_cuda_matches_cpu(alexnet_features: Path):
     import metrics
 
     torch.manual_seed(0)
     a, b = torch.rand(3, 3, 64, 64), torch.rand(3, 3, 64, 64)
-    on_cpu = metrics.lpips(a, b, model=metrics.get_lpips_model("cpu", backbone_path=LPIPS_FILE))
-    on_gpu = metrics.lpips(a.cuda(), b.cuda(), model=metrics.get_lpips_model("cuda", backbone_path=LPIPS_FILE))
+    on_cpu = metrics.lpips(a, b, model=metrics.get_lpips_model("cpu", backbone_path=alexnet_features))
+    on_gpu = metrics.lpips(a.cuda(), b.cuda(), model=metrics.get_lpips_model("cuda", backbone_path=alexnet_features))
     assert torch.allclose(on_gpu.cpu(), on_cpu, atol=1e-4)
 
 

@@ -11,9 +11,6 @@ from PIL import Image
 
 from fedmjp.data import DataError, EMBEDDED_IMAGES, load_images
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-
-
 def _save(path: Path, mode: str = "RGB", size=(40, 30)) -> None:
     rng = np.random.default_rng(sum(map(ord, str(path))))
     channels = {"RGB": 3, "RGBA": 4, "L": 1}[mode]
@@ -83,7 +80,6 @@ def test_archive_uses_val_split(tmp_path, monkeypatch):
     assert torch.equal(s.images, again.images)
 
 
-@pytest.mark.skipif(not (SHARED / "imagenet-sample").is_dir(), reason="../shared/data/imagenet-sample missing")
-def test_imagenet_sample_labels_follow_sorted_order():
-    s = load_images(SHARED / "imagenet-sample", 32, num_images=3)
+def test_imagenet_sample_labels_follow_sorted_order(imagenet_sample: Path):
+    s = load_images(imagenet_sample, 32, num_images=3)
     assert s.labels.tolist() == [0, 1, 2] and s.names[0] == "n01440764_tench.JPEG"

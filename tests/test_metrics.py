@@ -12,25 +12,16 @@ import pytest
 import torch
 from skimage.metrics import mean_squared_error, peak_signal_noise_ratio, structural_similarity
 
-from helpers import load_images
+from helpers import bundled_images
 import metrics as M
 
-DATA = Path(os.environ.get("FEDMJP_SHARED_DATA", Path(__file__).resolve().parents[1] / ".." / "shared" / "data"))
-IMAGENET = DATA / "imagenet-sample"
-BACKBONE = DATA / "lpips" / "alexnet_features.pth"
 SIZE = 64
-
-
-def _load(n: int) -> torch.Tensor:
-    return load_images(IMAGENET, n, SIZE)
 
 
 @pytest.fixture(scope="module")
 def real() -> torch.Tensor:
-    """[4, 3, 64, 64] float64 real ImageNet images (or skip)."""
-    if not IMAGENET.is_dir():
-        pytest.skip(f"real images not found at {IMAGENET}")
-    return _load(4)
+    """[4, 3, 64, 64] float64 photographs (scikit-image's bundled ones)."""
+    return bundled_images(4, SIZE)
 
 
 def _distort(x: torch.Tensor, sigma: float, seed: int = 0) -> torch.Tensor:
@@ -142,10 +133,9 @@ def test_point_reflect() -> None:
 
 
 @pytest.fixture(scope="module")
-def lpips_model():
-    if not BACKBONE.is_file():
-        pytest.skip(f"LPIPS AlexNet weights not found at {BACKBONE} (set up ../shared/data)")
-    return M.get_lpips_model("cpu", backbone_path=BACKBONE)
+def lpips_model(alexnet_features: Path):
+    """LPIPS on the conftest's AlexNet trunk (trained where the data folder holds it, else seeded random)."""
+    return M.get_lpips_model("cpu", backbone_path=alexnet_features)
 
 
 def test_lpips_identity_and_ordering(real: torch.Tensor, lpips_model) -> None:
@@ -157,14 +147,14 @@ def test_lpips_identity_and_ordering(real: torch.Tensor, lpips_model) -> None:
     assert (mild > 1e-4).all() and (strong > mild).all()
 
 
-def test_lpips_matches_package_called_directly(real: torch.Tensor, lpips_model) -> None:
+def test_lpips_matches_package_called_directly(real: torch.Tensor, lpips_model, alexnet_features: Path) -> None:
     import lpips as lpips_pkg
 
     with warnings.catch_warnings():  # torchvision's deprecation of lpips' `pretrained=` argument
         warnings.simplefilter("ignore", UserWarning)
         ref_model = lpips_pkg.LPIPS(net="alex", version="0.1", pretrained=True, pnet_rand=True, verbose=False)
     ref_model.eval()
-    feats = torch.load(BACKBONE, map_location="cpu", weights_only=True)
+    feats = torch.load(alexnet_features, map_location="cpu", weights_only=True)
     slice_of = {0: 1, 3: 2, 6: 3, 8: 4, 10: 5}  # lpips' AlexNet keeps torchvision's layer indices
     ref_model.net.load_state_dict(
         {f"slice{slice_of[int(k.split('.')[1])]}.{k.split('.', 1)[1]}": v for k, v in feats.items()}
@@ -175,12 +165,12 @@ def test_lpips_matches_package_called_directly(real: torch.Tensor, lpips_model) 
     torch.testing.assert_close(M.lpips(rec, real, model=lpips_model, batch_size=3), want, atol=1e-6, rtol=1e-5)
 
 
-def test_lpips_model_cached_and_env_var(monkeypatch: pytest.MonkeyPatch, lpips_model) -> None:
-    assert M.get_lpips_model(torch.device("cpu"), backbone_path=str(BACKBONE)) is lpips_model
-    assert M.lpips_source(lpips_model) == f"argument:{BACKBONE.resolve()}"
-    monkeypatch.setenv(M.BACKBONE_ENV, str(BACKBONE))
+def test_lpips_model_cached_and_env_var(monkeypatch: pytest.MonkeyPatch, lpips_model, alexnet_features: Path) -> None:
+    assert M.get_lpips_model(torch.device("cpu"), backbone_path=str(alexnet_features)) is lpips_model
+    assert M.lpips_source(lpips_model) == f"argument:{alexnet_features.resolve()}"
+    monkeypatch.setenv(M.BACKBONE_ENV, str(alexnet_features))
     from_env = M.get_lpips_model()
-    assert from_env is M.get_lpips_model() and M.lpips_source(from_env) == f"env:{BACKBONE.resolve()}"
+    assert from_env is M.get_lpips_model() and M.lpips_source(from_env) == f"env:{alexnet_features.resolve()}"
 
 
 def test_lpips_feature_cache_gives_the_packages_values_and_reuses_features(real: torch.Tensor, lpips_model) -> None:

@@ -3,7 +3,6 @@ LPIPS weight routes. References are independent: scikit-image, SciPy, NumPy, tor
 from __future__ import annotations
 
 import math
-import os
 import time
 import warnings
 from pathlib import Path
@@ -17,24 +16,18 @@ from PIL import Image
 from skimage.metrics import structural_similarity
 from torchvision.transforms.functional import to_tensor
 
-from helpers import load_images
+from helpers import bundled_images
 import metrics as M
 from metrics import perceptual
 
-DATA = Path(os.environ.get("FEDMJP_SHARED_DATA", Path(__file__).resolve().parents[1] / ".." / "shared" / "data"))
-IMAGENET = DATA / "imagenet-sample"
-BACKBONE = DATA / "lpips" / "alexnet_features.pth"
-
 
 def _load(n: int, size: int) -> torch.Tensor:
-    return load_images(IMAGENET, n, size, start=5)
+    return bundled_images(n, size, start=2)
 
 
 @pytest.fixture(scope="module")
 def real() -> torch.Tensor:
-    """[3, 3, 48, 48] float64 real ImageNet images (or skip)."""
-    if not IMAGENET.is_dir():
-        pytest.skip(f"real images not found at {IMAGENET}")
+    """[3, 3, 48, 48] float64 photographs (scikit-image's bundled ones)."""
     return _load(3, 48)
 
 
@@ -51,8 +44,6 @@ def _distortions(x: torch.Tensor) -> list[torch.Tensor]:
 
 
 def test_ssim_torch_matches_skimage_on_real_images_float32_and_float64() -> None:
-    if not IMAGENET.is_dir():
-        pytest.skip(f"real images not found at {IMAGENET}")
     ref = _load(2, 224)  # full size, as the benchmark scores
     for rec in _distortions(ref):
         for dtype in (torch.float64, torch.float32):
@@ -196,10 +187,9 @@ def test_score_all_equals_each_function(real: torch.Tensor) -> None:
 
 
 @pytest.fixture(scope="module")
-def lpips_model():
-    if not BACKBONE.is_file():
-        pytest.skip(f"LPIPS AlexNet weights not found at {BACKBONE}")
-    return M.get_lpips_model("cpu", backbone_path=BACKBONE)
+def lpips_model(alexnet_features: Path):
+    """LPIPS on the conftest's AlexNet trunk (trained where the data folder holds it, else seeded random)."""
+    return M.get_lpips_model("cpu", backbone_path=alexnet_features)
 
 
 def test_lpips_resize_small_images(real: torch.Tensor, lpips_model) -> None:
@@ -224,19 +214,30 @@ def test_lpips_resize_small_images(real: torch.Tensor, lpips_model) -> None:
 
 @pytest.fixture
 def no_local_weights(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
-    """No $FEDMJP_LPIPS_BACKBONE, no ../shared file, an empty torch hub cache; returns TORCH_HOME."""
+    """No $FEDMJP_LPIPS_BACKBONE, no data folder, an empty torch hub cache; returns TORCH_HOME."""
     monkeypatch.delenv(M.BACKBONE_ENV, raising=False)
-    monkeypatch.setattr(perceptual, "SHARED_BACKBONE", tmp_path / "no-shared" / "alexnet_features.pth")
+    monkeypatch.delenv(perceptual.DATA_ENV, raising=False)
     home = tmp_path / "torch_home"
     monkeypatch.setenv("TORCH_HOME", str(home))
     return home
 
 
-def test_lpips_route_shared_file(monkeypatch: pytest.MonkeyPatch, real: torch.Tensor, lpips_model) -> None:
+def test_lpips_route_data_folder(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, real: torch.Tensor, lpips_model,
+                                 alexnet_features: Path) -> None:
+    """Route 3: $FEDMJP_DATA/lpips/alexnet_features.pth; a config path may name the data folder too."""
+    data = tmp_path / "data"
+    (data / "lpips").mkdir(parents=True)
+    (data / "lpips" / "alexnet_features.pth").write_bytes(alexnet_features.read_bytes())
     monkeypatch.delenv(M.BACKBONE_ENV, raising=False)
-    monkeypatch.setattr(perceptual, "SHARED_BACKBONE", BACKBONE)
+    monkeypatch.setenv(perceptual.DATA_ENV, str(data))
+    in_data = (data / "lpips" / "alexnet_features.pth").resolve()
     model = M.get_lpips_model()
-    assert M.lpips_source(model) == f"shared:{BACKBONE.resolve()}"
+    assert M.lpips_source(model) == f"data:{in_data}"
+    named = M.get_lpips_model(backbone_path="$FEDMJP_DATA/lpips/alexnet_features.pth")
+    assert M.lpips_source(named) == f"argument:{in_data}"
+    monkeypatch.delenv(perceptual.DATA_ENV)
+    with pytest.raises(M.LpipsUnavailable, match="FEDMJP_DATA is not set"):
+        M.get_lpips_model(backbone_path="$FEDMJP_DATA/lpips/alexnet_features.pth")
     rec = _noisy(real, 0.1)
     torch.testing.assert_close(M.lpips(rec, real, model=model), M.lpips(rec, real, model=lpips_model))
 
@@ -260,13 +261,14 @@ def test_lpips_unavailable_offline_fails_fast(no_local_weights: Path) -> None:
     assert not (no_local_weights / "hub" / "checkpoints" / "alexnet-owt-7be5be79.pth").exists()
 
 
-def test_lpips_torchvision_cache_route_offline(no_local_weights: Path, real: torch.Tensor, lpips_model) -> None:
-    # A valid torchvision AlexNet checkpoint under the name torchvision expects: trunk from the shared
-    # file, random classifier. torchvision checks the hash only after a download, not for a cached file.
+def test_lpips_torchvision_cache_route_offline(no_local_weights: Path, real: torch.Tensor, lpips_model,
+                                               alexnet_features: Path) -> None:
+    # A valid torchvision AlexNet checkpoint under the name torchvision expects: the fixture's trunk,
+    # random classifier. torchvision checks the hash only after a download, not for a cached file.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         state = torchvision.models.alexnet(weights=None).state_dict()
-    state.update(torch.load(BACKBONE, map_location="cpu", weights_only=True))
+    state.update(torch.load(alexnet_features, map_location="cpu", weights_only=True))
     cached = no_local_weights / "hub" / "checkpoints" / "alexnet-owt-7be5be79.pth"
     cached.parent.mkdir(parents=True)
     torch.save(state, cached)

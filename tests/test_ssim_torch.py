@@ -1,7 +1,7 @@
 """The float64 SSIM of metrics.structural (NumPy/SciPy on the CPU, torch on any device) against
 scikit-image, the reference: per-image values, the
-full map (``full=True``) and region means, on real images (ImageNet sample, skipped when absent),
-on images bundled with scikit-image, and on odd reconstructions (constant, saturated, noise).
+full map (``full=True``) and region means, on photographs bundled with scikit-image (at the
+benchmark's sizes and at odd ones), and on odd reconstructions (constant, saturated, noise).
 
 Tolerances: both compute in float64 like scikit-image but in another order; measured
 differences are <= 1e-13 per image and ~1e-12 on the map (largest where the denominators are near
@@ -9,22 +9,17 @@ C1 * C2). 1e-10 and 1e-9 sit well above that rounding noise and well below the 1
 """
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import numpy as np
 import pytest
 import skimage.data
 import torch
 from skimage.metrics import structural_similarity
 
-from helpers import load_images
+from helpers import bundled_images
 import metrics as M
 from metrics.regions import masked_map_mean, masked_ssim
 from metrics.structural import _with_map_torch, ssim_with_map
 
-DATA = Path(os.environ.get("FEDMJP_SHARED_DATA", Path(__file__).resolve().parents[1] / ".." / "shared" / "data"))
-IMAGENET = DATA / "imagenet-sample"
 TOL_VALUE = 1e-10
 TOL_MAP = 1e-9
 
@@ -71,9 +66,7 @@ def _check_values(rec: torch.Tensor, ref: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("size", [224, 32])
 def test_matches_skimage_on_real_images(size: int) -> None:
-    if not IMAGENET.is_dir():
-        pytest.skip(f"real images not found at {IMAGENET}")
-    ref = load_images(IMAGENET, 2, size, start=7)
+    ref = bundled_images(2, size, start=3)
     for name, rec in _reconstructions(ref).items():
         _check_values(rec, ref)
     # A constant reference (a blank image in a batch) against real content, and both constant.
@@ -84,7 +77,7 @@ def test_matches_skimage_on_real_images(size: int) -> None:
 
 @pytest.mark.parametrize("name", ["astronaut", "chelsea", "coffee"])
 def test_matches_skimage_on_bundled_images(name: str) -> None:
-    """No shared folder needed: scikit-image's own images, odd sizes, cropped to keep the test short."""
+    """scikit-image's own images at odd sizes, cropped to keep the test short."""
     image = torch.from_numpy(getattr(skimage.data, name)()[:123, :97].astype(np.float64) / 255.0)
     ref = image.permute(2, 0, 1)[None].contiguous()
     for rec in _reconstructions(ref).values():
