@@ -28,8 +28,6 @@ from torchvision.transforms import InterpolationMode
 
 from . import datadir
 
-from . import datadir
-
 _logger = logging.getLogger(__name__)
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm")
@@ -244,10 +242,6 @@ def load_images(
         raise ValueError(f"image size must be >= 1, got {size}")
     if source is None or str(source) == "embedded":
         return load_embedded(size, num_images, num_classes)
-    try:
-        source = datadir.expand(str(source), "the image source")
-    except datadir.DataDirUnset as err:
-        raise DataError(str(err)) from None
     try:
         source = datadir.expand(str(source), "the image source")
     except datadir.DataDirUnset as err:

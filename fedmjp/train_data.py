@@ -24,7 +24,6 @@ from torch.utils.data import DataLoader, Dataset, RandomSampler, SequentialSampl
 from torchvision import datasets, transforms
 
 from . import datadir
-from . import datadir
 from .trainconfig import TrainConfig
 
 _logger = logging.getLogger(__name__)
