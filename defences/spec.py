@@ -189,7 +189,10 @@ def _validate_plugin(name: Any, spec: Mapping[str, Any]) -> dict[str, Any]:
             out[key] = kind(value)
         elif isinstance(default, bool) and not isinstance(out[key], bool):
             raise ValueError(f"defence {name!r}: {key} must be true or false, got {out[key]!r}")
-    defence.check(out)
+    try:
+        defence.check(out)
+    except ValueError as err:
+        raise ValueError(f"defence {name!r}: {err}") from err
     return out
 
 
