@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from test_benchmark import metric_rows, write_config
+from helpers import metric_rows, write_config
 
 import clients.defence as defence
 from benchmark import config as C

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from test_benchmark import tiny_config
+from helpers import tiny_config
 
 from benchmark import config as C
 

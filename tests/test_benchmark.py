@@ -27,7 +27,6 @@ from helpers import assert_same_scores, metric_rows, run, tiny_config, write_con
 
 from benchmark import config as C
 from fedmjp.config import fields
-from run_benchmark import main
 from benchmark.report import GridLayout, grid_columns, to_latex
 from benchmark.store import read_jsonl
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from test_benchmark import assert_same_scores, metric_rows, write_config
+from helpers import assert_same_scores, metric_rows, write_config
 
 from benchmark import config as C
 from benchmark.pipeline import run_benchmark

@@ -21,7 +21,7 @@ from fedmjp.evaluate import (
 from fedmjp.train import run_training
 from fedmjp.trainutils import model_from_checkpoint
 
-from test_train import make_imagefolder, tiny_config  # tests/ is on sys.path under pytest
+from helpers import make_imagefolder, tiny_train_config as tiny_config
 
 SMALL = dict(depth=2, embed_dim=48, num_heads=3, num_classes=5)
 

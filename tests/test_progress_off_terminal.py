@@ -7,9 +7,7 @@ import sys
 from pathlib import Path
 
 import yaml
-from test_benchmark import write_config
-from test_train_missing import RECIPE
-from test_train import make_imagefolder
+from helpers import RECIPE, make_imagefolder, write_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -20,7 +20,7 @@ from server.rounds import ServerOutcome
 from server.tap import load_tapped_updates
 
 ROOT = Path(__file__).resolve().parents[1]
-#: the same pattern as ../shared/tools/fresh-clone-check: `flwr run .` on the local default federation
+#: the pattern a fresh-clone check uses: `flwr run .` on the local default federation
 FLWR_LINE = re.compile(r"^\s*([A-Z_]+=[^ ]+ )*flwr run \. (--|-c|$)")
 
 

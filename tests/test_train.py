@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from PIL import Image
 
 from fedmjp.train import main as train_main
 from fedmjp.train import run_training
@@ -21,33 +20,9 @@ from fedmjp.train_data import build_transform, resolve_data_path
 from fedmjp.trainconfig import TrainConfig, load_config, parse_overrides
 from fedmjp.trainutils import load_checkpoint_state, model_from_checkpoint
 
+from helpers import make_imagefolder, tiny_train_config as tiny_config
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def make_imagefolder(root: Path, classes: int = 2, per_class: int = 8, size: int = 32) -> Path:
-    """train/ and val/ with ``classes`` x ``per_class`` RGB images whose colour depends on the class."""
-    rng = np.random.default_rng(0)
-    for split in ("train", "val"):
-        for c in range(classes):
-            d = root / split / f"class{c}"
-            d.mkdir(parents=True, exist_ok=True)
-            for i in range(per_class):
-                base = np.zeros((size, size, 3))
-                base[..., c % 3] = 160
-                img = (base + rng.integers(0, 90, (size, size, 3))).clip(0, 255).astype(np.uint8)
-                Image.fromarray(img).save(d / f"{i}.png")
-    return root
-
-
-def tiny_config(data: Path, out: Path, **changes) -> TrainConfig:
-    """A 1-block, width-48 MJP model at 32 px; 2 classes; every recipe component on."""
-    cfg = TrainConfig(
-        model="mjp_vit_cifar_patch4_32", model_kwargs={"depth": 1, "embed_dim": 48, "num_heads": 3},
-        variant="mjp", gamma=0.5, shuffle_prob=1.0, shuffle_start_epoch=0, per_sample=True,
-        dal_schedule="official", img_size=32, data_path=str(data), batch_size=4, num_workers=0,
-        epochs=2, warmup_epochs=1, lr=1e-3, output_dir=str(out), threads=1, log_interval=1,
-    )
-    return cfg.replace(**changes)
 
 
 @pytest.fixture(scope="module")

@@ -6,19 +6,13 @@ import json
 from pathlib import Path
 
 import yaml
-from test_train import make_imagefolder
+from helpers import RECIPE, make_imagefolder
 
 from benchmark.store import read_jsonl
 from fedmjp.train import run_training
 from fedmjp.trainconfig import load_config
 from fedmjp.trainutils import load_checkpoint_state
 from run_benchmark import main
-
-RECIPE = {  # a 2-block, width-96 model: T = 65 <= D and 3 p^2 = 48 <= D, so APRIL's closed form applies
-    "model": "mjp_vit_cifar_patch4_32", "model_kwargs": {"depth": 2, "embed_dim": 96, "num_heads": 3},
-    "variant": "plain", "img_size": 32, "batch_size": 4, "num_workers": 0, "epochs": 2, "warmup_epochs": 1,
-    "lr": 1.0e-3, "threads": 1, "log_interval": 1, "mixup": 0.0, "cutmix": 0.0,
-}
 
 
 def _setup(tmp_path: Path) -> tuple[Path, Path, Path]:

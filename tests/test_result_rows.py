@@ -1,13 +1,10 @@
-"""Numbers a reviewer can trust (issue 12), end to end on tiny configs (in-process Flower engine,
-32 px, depth-2 models): Acc. on the model as trained, failure semantics and exit status, batch
-pairing, several attackers, per-region columns, distribution statistics, provenance, quarantine,
-lock, and a server that never evaluates on private images."""
+"""What a row of results.jsonl means, end to end on tiny configs (in-process Flower engine, 32 px,
+depth-2 models): Acc. on the model as trained and the attacked model's top-1, failure semantics and
+exit status, batch pairing, several attackers, per-region columns, distribution statistics, and the
+estimate each setting is scored on."""
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,24 +12,24 @@ import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
-import yaml
 
-from helpers import set_dotted
 import attacks
 from attacks.base import Attack, AttackFailure, register_attack
-from clients import partition, runconfig, update
 from benchmark import scoring
-from benchmark.errors import OutputLockedError
 from benchmark.report import bootstrap_ci
-from benchmark.store import RunFolder, read_jsonl
+from benchmark.store import read_jsonl
 from fedmjp.data import load_images
-from fedmjp.devices import resolve_device
 from fedmjp.factory import build_model, model_input
-from run_benchmark import main
+from helpers import run as _run
+from helpers import write_config
 
-ROOT = Path(__file__).resolve().parents[1]
-LPIPS = ROOT.parent / "shared" / "data" / "lpips" / "alexnet_features.pth"
 ARCH = "mjp_vit_cifar_patch4_32"
+MJP_ROW = {"name": "MJP", "arch": ARCH, "variant": "mjp", "kwargs": {"depth": 2}, "april": "surgery"}
+
+
+def _config(tmp: Path, **changes) -> Path:
+    """helpers.tiny_config with one MJP row, one round, one grid image; then ``changes``."""
+    return write_config(tmp, **{"federation.rounds": 1, "models": [MJP_ROW], "report.grid_images": 1, **changes})
 
 
 @register_attack("test_buggy")
@@ -53,27 +50,6 @@ class ConditionAttack(Attack):
 
     def _reconstruct(self, model, update, meta):
         raise AttackFailure("condition not met (test)")
-
-
-def _config(tmp: Path, **changes) -> Path:
-    cfg = {
-        "name": "review", "seed": 0, "device": "cpu", "settings": ["c"], "gamma": 0.27,
-        "data": {"source": "embedded", "image_size": 32, "num_images": 4, "num_classes": 10},
-        "federation": {"engine": "inprocess", "rounds": 1, "clients": 2, "precision": "float64", "lr": 0.01},
-        "models": [{"name": "MJP", "arch": ARCH, "variant": "mjp", "kwargs": {"depth": 2}, "april": "surgery"}],
-        "attack": {"name": "april_analytic"},
-        "metrics": {"lpips_backbone": str(LPIPS)},
-        "report": {"grid_images": 1, "tile": 32},
-    }
-    set_dotted(cfg, changes)
-    tmp.mkdir(parents=True, exist_ok=True)
-    path = tmp / "review.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
-
-
-def _run(config: Path, output: Path, *extra: str) -> int:
-    return main(["--config", str(config), "--output", str(output), "--no-progress", *extra])
 
 
 # ------------------------------------------------------------------ 1. Acc. on the model as trained
@@ -290,81 +266,3 @@ def test_unshuffled_estimate_scores_setting_c(tmp_path: Path) -> None:
     assert math.isclose(rows["b"]["mse"], float(((x - 0.25) ** 2).mean()), rel_tol=1e-5)
     assert math.isclose(rows["c"]["mse"], float(((x - 0.75) ** 2).mean()), rel_tol=1e-5)
     assert rows["b"]["scored_estimate"] == "images" and rows["c"]["scored_estimate"] == "unshuffled"
-
-
-# ------------------------------------------------------------------ 7. provenance, quarantine, lock
-def test_provenance_difference_refuses_resume(tmp_path: Path, capsys) -> None:
-    cfg, out = _config(tmp_path), tmp_path / "out"
-    assert _run(cfg, out, "--dry-run") == 0
-    record = json.loads((out / "provenance.json").read_text())
-    assert set(record) >= {"code", "libraries", "device", "checkpoints"}
-    record["code"]["dirty"] = not record["code"]["dirty"]  # only warns
-    (out / "provenance.json").write_text(json.dumps(record))
-    assert _run(cfg, out, "--dry-run") == 0
-    record["libraries"]["timm"] = "0.0.1"
-    record["device"] = "cuda:0 (elsewhere)"
-    (out / "provenance.json").write_text(json.dumps(record))
-    capsys.readouterr()
-    assert _run(cfg, out, "--dry-run") == 6
-    err = capsys.readouterr().err
-    assert "libraries.timm: '0.0.1'" in err and "device:" in err
-
-
-def test_corrupt_middle_line_is_quarantined_not_truncating(tmp_path: Path) -> None:
-    path = tmp_path / "results.jsonl"
-    path.write_text('{"a": 1}\n{"a": 2\n{"a": 3}\n{"a": 4')  # corrupt line 2, torn line 4
-    assert read_jsonl(path) == [{"a": 1}, {"a": 3}]
-    assert read_jsonl(path, repair=True) == [{"a": 1}, {"a": 3}]
-    assert path.read_text() == '{"a": 1}\n{"a": 3}\n'
-    quarantined = [json.loads(line) for line in (tmp_path / "results.quarantine.jsonl").read_text().splitlines()]
-    assert [(q["line"], q["text"]) for q in quarantined] == [(2, '{"a": 2\n'), (4, '{"a": 4')]
-
-
-def test_lock_stops_a_second_writer(tmp_path: Path, capsys) -> None:
-    held = RunFolder(tmp_path / "out")
-    held.lock()
-    try:
-        with pytest.raises(OutputLockedError, match=str(tmp_path / "out")):
-            RunFolder(tmp_path / "out").lock()
-        code = subprocess.run([sys.executable, "-c", (
-            "import sys; from benchmark.store import RunFolder\n"
-            "from benchmark.errors import OutputLockedError\n"
-            f"try: RunFolder({str(tmp_path / 'out')!r}).lock()\n"
-            "except OutputLockedError: sys.exit(9)\n")], cwd=ROOT).returncode
-        assert code == 9  # another process too
-    finally:
-        held.unlock()
-    RunFolder(tmp_path / "out").lock()  # released
-
-
-# ------------------------------------------------------------------ 8-9. server eval, device
-def test_server_eval_uses_a_public_split() -> None:
-    cfg = {"num-images": 8, "image-size": 32}
-    private = partition.private_image_set(cfg)
-    public = partition.public_eval_set(cfg)
-    assert len(public) > 0 and not set(public.names) & set(private.names)
-    assert runconfig.DEFAULTS["server-eval"] is False and runconfig.DEFAULTS["device"] == "auto"
-    with pytest.raises(ValueError, match="public split"):
-        partition.public_eval_set({"num-images": 0, "image-size": 32})
-
-
-def test_benchmark_device_reaches_the_clients() -> None:
-    from benchmark import config as C
-    from benchmark.pipeline import ModelRow, client_run_config
-
-    cfg = C.validate(C.apply_overrides(C.load_config(), ["device=cpu"]))
-    row = ModelRow(0, "x", "x", C.model_spec(cfg, 0), torch.nn.Identity(), False)
-    run_config = client_run_config(cfg, row, "shuffled")
-    assert run_config["device"] == "cpu" and runconfig.resolve_config(run_config)["device"] == "cpu"
-    with pytest.raises(ValueError, match="cuda"):
-        resolve_device("cuda:99" if torch.cuda.is_available() else "cuda")
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks that a CUDA request fails on a CPU-only machine")
-def test_local_update_reads_the_device_key() -> None:
-    cfg = {"num-images": 4, "image-size": 32, "model-kwargs": {"depth": 1}}
-    state = update.load_global_model(runconfig.resolve_config(cfg)).state_dict()
-    _, _, batch = update.local_update({**cfg, "device": "cpu"}, state, 0, 1)
-    assert batch.images.shape[0] == 1
-    with pytest.raises(ValueError, match="cuda"):
-        update.local_update({**cfg, "device": "cuda"}, state, 0, 1)  # 'auto' would have run on the CPU

@@ -1,0 +1,68 @@
+"""A run folder refuses to mix results: a provenance difference refuses a resume, a corrupt line of
+results.jsonl is quarantined (not truncating what follows), and a lock stops a second writer."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmark.errors import OutputLockedError
+from benchmark.store import RunFolder, read_jsonl
+from helpers import run as _run
+from helpers import write_config
+
+ROOT = Path(__file__).resolve().parents[1]
+ARCH = "mjp_vit_cifar_patch4_32"
+MJP_ROW = {"name": "MJP", "arch": ARCH, "variant": "mjp", "kwargs": {"depth": 2}, "april": "surgery"}
+
+
+def _config(tmp: Path, **changes) -> Path:
+    """helpers.tiny_config with one MJP row, one round, one grid image; then ``changes``."""
+    return write_config(tmp, **{"federation.rounds": 1, "models": [MJP_ROW], "report.grid_images": 1, **changes})
+
+
+def test_provenance_difference_refuses_resume(tmp_path: Path, capsys) -> None:
+    cfg, out = _config(tmp_path), tmp_path / "out"
+    assert _run(cfg, out, "--dry-run") == 0
+    record = json.loads((out / "provenance.json").read_text())
+    assert set(record) >= {"code", "libraries", "device", "checkpoints"}
+    record["code"]["dirty"] = not record["code"]["dirty"]  # only warns
+    (out / "provenance.json").write_text(json.dumps(record))
+    assert _run(cfg, out, "--dry-run") == 0
+    record["libraries"]["timm"] = "0.0.1"
+    record["device"] = "cuda:0 (elsewhere)"
+    (out / "provenance.json").write_text(json.dumps(record))
+    capsys.readouterr()
+    assert _run(cfg, out, "--dry-run") == 6
+    err = capsys.readouterr().err
+    assert "libraries.timm: '0.0.1'" in err and "device:" in err
+
+
+def test_corrupt_middle_line_is_quarantined_not_truncating(tmp_path: Path) -> None:
+    path = tmp_path / "results.jsonl"
+    path.write_text('{"a": 1}\n{"a": 2\n{"a": 3}\n{"a": 4')  # corrupt line 2, torn line 4
+    assert read_jsonl(path) == [{"a": 1}, {"a": 3}]
+    assert read_jsonl(path, repair=True) == [{"a": 1}, {"a": 3}]
+    assert path.read_text() == '{"a": 1}\n{"a": 3}\n'
+    quarantined = [json.loads(line) for line in (tmp_path / "results.quarantine.jsonl").read_text().splitlines()]
+    assert [(q["line"], q["text"]) for q in quarantined] == [(2, '{"a": 2\n'), (4, '{"a": 4')]
+
+
+def test_lock_stops_a_second_writer(tmp_path: Path, capsys) -> None:
+    held = RunFolder(tmp_path / "out")
+    held.lock()
+    try:
+        with pytest.raises(OutputLockedError, match=str(tmp_path / "out")):
+            RunFolder(tmp_path / "out").lock()
+        code = subprocess.run([sys.executable, "-c", (
+            "import sys; from benchmark.store import RunFolder\n"
+            "from benchmark.errors import OutputLockedError\n"
+            f"try: RunFolder({str(tmp_path / 'out')!r}).lock()\n"
+            "except OutputLockedError: sys.exit(9)\n")], cwd=ROOT).returncode
+        assert code == 9  # another process too
+    finally:
+        held.unlock()
+    RunFolder(tmp_path / "out").lock()  # released
