@@ -161,8 +161,7 @@ def test_safetensors_errors_are_one_line(tmp_path):
 def test_train_missing_rebuilds_a_missing_weights_file(tmp_path):
     """A row whose checkpoint is a .safetensors file: finished while the file exists; without it,
     --train-missing trains the recipe into the recipe's output_dir and writes the file."""
-    from test_train import make_imagefolder
-    from test_train_missing import RECIPE
+    from helpers import RECIPE, make_imagefolder
 
     from benchmark.training import train_jobs, train_missing
 
