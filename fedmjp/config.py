@@ -19,9 +19,12 @@ is taken as that number for a number key, and an integer key takes a float with 
 
 Not OmegaConf (2.3, installed with breaching): its bool field takes 3 and its str field takes 5 (as
 True, '5'), merging deep-merges a free-form mapping (a new ``defence`` would keep the old one's
-keys), ``Union[list, str]`` is refused, and an unknown-key error does not list the valid keys. Not
-pydantic 2: strict mode refuses a mapping for a dataclass field, and every message would still need
-rewriting to say what a key takes and which keys are valid.
+keys), ``Union[list, str]`` is refused, and an unknown-key error does not list the valid keys.
+Pydantic 2's ``BaseModel`` (``strict=True, extra="forbid"``; a number type ``Annotated[int,
+BeforeValidator(as_number), Strict()]``) takes every semantic here (its dataclasses in strict mode
+refuse a mapping for a nested section; ``BaseModel`` takes one); moving to it means ``BaseModel``
+schemas plus a formatter over ``ValidationError.errors()`` that keeps these messages (the key, what
+it takes, the valid keys), and typed objects for the code that reads a config.
 """
 from __future__ import annotations
 
