@@ -24,6 +24,7 @@ is timed apart and printed, not counted in its per-image loop.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -222,7 +223,8 @@ def bench_mjp(args: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", type=Path, default=Path(__file__).resolve().parents[2] / "shared/data/imagenet-sample")
+    p.add_argument("--data", type=Path, default=Path(os.environ.get("FEDMJP_DATA", "")) / "imagenet-sample",
+                   help="ImageNet-sample JPEGs (default: $FEDMJP_DATA/imagenet-sample)")
     p.add_argument("--april-images", type=int, default=64)
     p.add_argument("--april-depth", type=int, default=6, help="depth of the design-A ViT (32 px, D=192)")
     p.add_argument("--victim", choices=("loop", "vmap"), default="loop", help="our victim-gradient pass")

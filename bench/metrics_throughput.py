@@ -36,7 +36,8 @@ from torchvision.transforms import v2
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout without pip install -e
 import metrics
 
-DEFAULT_DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
+#: the data folder (fedmjp/datadir.py): imagenet-sample/ and lpips/ inside it
+DEFAULT_DATA = Path(os.environ["FEDMJP_DATA"]) if os.environ.get("FEDMJP_DATA") else None
 
 
 def load_pairs(data: Path, n_pairs: int, n_unique: int, size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,9 +75,10 @@ def main() -> None:
     parser.add_argument("--per-metric", action="store_true", help="also time each metric function on its own")
     parser.add_argument("--ssim-torch", action="store_true",
                         help="also time metrics.ssim_torch (slow when other processes share the cores)")
-    parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA, required=DEFAULT_DATA is None,
+                        help="the data folder with imagenet-sample/ (default: $FEDMJP_DATA)")
     parser.add_argument("--backbone", type=Path, default=None,
-                        help="AlexNet features file (default: metrics' route: env var, ../shared, torch hub cache)")
+                        help="AlexNet features file (default: metrics' route: env var, $FEDMJP_DATA/lpips, torch hub cache)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 

@@ -70,8 +70,8 @@ def main() -> int:
     p.add_argument("--group", default="clean", choices=["clean", "shuffled"])
     p.add_argument("--clients", type=int, default=9)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--images", default=str(ROOT.parent / "shared" / "data" / "imagenet-sample"),
-                   help="an image folder (default: ../shared/data/imagenet-sample; 'embedded' for the built-in set)")
+    p.add_argument("--images", default="$FEDMJP_DATA/imagenet-sample",
+                   help="an image folder (default: $FEDMJP_DATA/imagenet-sample; 'embedded' for the built-in set)")
     args = p.parse_args()
     if args.clients < 1 or args.repeats < 1:
         p.error("--clients and --repeats must be positive")
