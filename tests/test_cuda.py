@@ -9,12 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 import attacks
 from fedmjp.devices import resolve_device
 from fedmjp.factory import normalize
 from fedmjp.models import MJPVisionTransformer
+from helpers import make_imagefolder
 
 HAS_CUDA = torch.cuda.is_available()
 cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
@@ -57,17 +57,6 @@ def test_mjp_forward_and_unk_gradient_match_cpu():
     assert out.logits.is_cuda and out.dal_loss.is_cuda
 
 
-def _imagefolder(root: Path) -> Path:
-    rng = np.random.default_rng(0)
-    for split in ("train", "val"):
-        for c in range(2):
-            d = root / split / f"class{c}"
-            d.mkdir(parents=True, exist_ok=True)
-            for i in range(8):
-                Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)).save(d / f"{i}.png")
-    return root
-
-
 @pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("amp", ["bf16", "fp16"])
@@ -79,7 +68,7 @@ def test_training_with_amp_on_cuda(tmp_path, amp):
     cfg = TrainConfig(
         model="mjp_vit_cifar_patch4_32", model_kwargs={"depth": 1, "embed_dim": 48, "num_heads": 3},
         variant="mjp", gamma=0.5, shuffle_prob=1.0, shuffle_start_epoch=0, img_size=32,
-        data_path=str(_imagefolder(tmp_path / "data")), batch_size=4, num_workers=0, epochs=1,
+        data_path=str(make_imagefolder(tmp_path / "data")), batch_size=4, num_workers=0, epochs=1,
         warmup_epochs=0, lr=1e-3, output_dir=str(tmp_path / "out"), threads=1, device="cuda", amp=amp,
     )
     result = run_training(cfg, progress=False)

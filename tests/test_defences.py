@@ -15,6 +15,7 @@ import defences as D
 import fedmjp  # noqa: F401  (registers the mjp_* models)
 from clients import partition, runconfig, update
 from clients.defence import defended_local_update
+from helpers import psnr as _psnr
 from server.federation import run_federation
 
 # 32 px design-A ViT (T = 65 <= D = 192): APRIL's closed form is exact on float64 gradients.
@@ -34,10 +35,6 @@ def _one_torch_thread():
 def _big_update(seed: int = 0, n: int = 400_000) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {"a.weight": torch.randn(n // 2, generator=g).view(-1, 100), "b.bias": 3 * torch.randn(n // 2, generator=g)}
-
-
-def _psnr(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float(10 * torch.log10(1 / ((a.double() - b.double()) ** 2).mean()))
 
 
 # ------------------------------------------------------------------------------------- spec
