@@ -15,9 +15,9 @@ Both are loaded lazily: listing names reads package metadata only; a plug-in's m
 when a config names it. Errors are :class:`PluginError` (a ``ValueError``) naming the reference and
 what went wrong (module not found, attribute missing, wrong kind of object). See docs/plugins.md.
 
-The processes that use a plug-in import it themselves: with Flower's Ray simulation or a deployed
-federation, the package must be installed where the clients (defences, models) and the attack
-workers (attacks) run.
+The processes that use a plug-in import it themselves: the clients (defences, models) and the
+attack workers (attacks), so on a Ray cluster or a deployed federation the package must be
+installed where they run (docs/plugins.md, "Where the plug-in must be installed").
 """
 from __future__ import annotations
 
