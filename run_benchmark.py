@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import os
 import signal
 import sys
 import threading
@@ -58,11 +59,12 @@ def parser() -> argparse.ArgumentParser:
 def output_folder(args: argparse.Namespace, cfg: dict) -> Path:
     """``--output`` (relative to the working directory), else the config's ``output:`` (relative to
     the project root, like every path in a config file), else ``runs/<time>-setting-<s>``."""
+    # made absolute without resolving links: an output folder that is a symbolic link is refused
+    # (benchmark/store.py), never followed
     if args.output:
-        return Path(args.output).expanduser().resolve()
+        return Path(os.path.abspath(Path(args.output).expanduser()))
     if cfg["output"]:
-        path = Path(str(cfg["output"])).expanduser()
-        return path if path.is_absolute() else (PROJECT_ROOT / path).resolve()
+        return Path(os.path.abspath(PROJECT_ROOT / Path(str(cfg["output"])).expanduser()))
     return Path(default_output(cfg))
 
 

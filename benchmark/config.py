@@ -194,6 +194,13 @@ def load_config(path: Optional[str | Path] = None) -> dict:
 def _resolve_path(value: Any, base: Path) -> Any:
     if value is None or value == "embedded" or not isinstance(value, str):
         return value
+    try:
+        value.encode()  # YAML's "\ud800" escapes give unpaired surrogates, which no file system takes
+    except UnicodeEncodeError:
+        raise ConfigError(f"path {value!r} holds characters that are not valid text (unpaired surrogates); "
+                          "write it in plain UTF-8") from None
+    if "\x00" in value:
+        raise ConfigError(f"path {value!r} holds a NUL character; no file name can")
     if datadir.names_data_dir(value):
         if datadir.data_dir() is None:
             return value  # kept as written: loading the data says what to set

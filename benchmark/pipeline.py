@@ -199,7 +199,7 @@ def make_scorer(cfg: dict, device: torch.device) -> scoring.Scorer:
 
     try:
         return scoring.Scorer(device, cfg["metrics"])
-    except (pickle.UnpicklingError, RuntimeError, KeyError, EOFError, OSError) as err:
+    except (pickle.UnpicklingError, RuntimeError, KeyError, ValueError, EOFError, OSError) as err:
         backbone = cfg["metrics"].get("lpips_backbone")
         if not backbone:
             raise

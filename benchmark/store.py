@@ -312,6 +312,9 @@ class RunFolder:
             return None
         try:
             old = yaml.safe_load(self.config_path.read_text())
+        except yaml.MarkedYAMLError as err:
+            mark = err.problem_mark
+            why = f"not YAML: {err.problem}{f' at line {mark.line + 1}' if mark is not None else ''}"
         except (yaml.YAMLError, UnicodeDecodeError, OSError) as err:
             why = " ".join(str(err).split())[:200]
         else:
