@@ -81,6 +81,10 @@ class AprilRobust(Attack):
         prior_weight: a fixed prior weight lambda instead of the automatic choice.
         iterations: alternations of the X and G solves (stops early when X stops changing).
         use_qkv: ``auto`` (design-A block 0 and a qkv gradient without missing entries), ``never``.
+        errors: ``joint`` (G is estimated with X: errors in variables) or ``weighted`` (observed
+            entries of G kept, their noise carried into the weights of dL/dW_e = G^T X).
+        reestimate_noise: without known defence parameters, re-estimate each equation group's
+            noise std from its residual after every alternation (variance components).
         cg_tol, cg_maxiter: the conjugate gradients' relative tolerance and iteration cap.
     """
 
@@ -89,7 +93,8 @@ class AprilRobust(Attack):
     def __init__(self, sigma: Optional[float] = None, clip: Optional[float] = None,
                  quant_bits: Optional[int] = None, prune_missing: bool = True, prior_scale: float = 1.0,
                  prior_weight: Optional[float] = None, iterations: int = 10, use_qkv: str = "auto",
-                 cg_tol: float = 1e-12, cg_maxiter: int = 300, raise_errors: bool = False) -> None:
+                 errors: str = "joint", reestimate_noise: bool = True, cg_tol: float = 1e-12, cg_maxiter: int = 300,
+                 raise_errors: bool = False) -> None:
         super().__init__(raise_errors)
         if sigma is not None and (not math.isfinite(sigma) or sigma < 0):
             raise ValueError(f"sigma must be >= 0, got {sigma!r}")
@@ -99,6 +104,8 @@ class AprilRobust(Attack):
             raise ValueError("sigma needs the clip it multiplies (noise std = sigma * clip)")
         if quant_bits is not None and not 1 <= int(quant_bits) <= 32:
             raise ValueError(f"quant_bits must be in [1, 32], got {quant_bits!r}")
+        if errors not in ("joint", "weighted"):
+            raise ValueError(f"errors must be 'joint' or 'weighted', got {errors!r}")
         if use_qkv not in ("auto", "never"):
             raise ValueError(f"use_qkv must be 'auto' or 'never', got {use_qkv!r}")
         if not prior_scale > 0 or (prior_weight is not None and not prior_weight >= 0):
@@ -108,7 +115,8 @@ class AprilRobust(Attack):
         self.sigma, self.clip = sigma, clip
         self.quant_bits = None if quant_bits is None else int(quant_bits)
         self.prune_missing, self.prior_scale, self.prior_weight = bool(prune_missing), float(prior_scale), prior_weight
-        self.iterations, self.use_qkv = int(iterations), use_qkv
+        self.iterations, self.use_qkv, self.errors = int(iterations), use_qkv, errors
+        self.reestimate_noise = bool(reestimate_noise)
         self.cg_tol, self.cg_maxiter = float(cg_tol), int(cg_maxiter)
 
     # --------------------------------------------------------------------------------- noise model
@@ -160,7 +168,9 @@ class AprilRobust(Attack):
             notes.append("block 0 is not design A: the qkv equation does not hold and is not used")
 
         # noise std of each equation group
-        std_known = {k: self._known_std(t) for k, t in (("P", G_obs), ("We", dW))}
+        # (quantisation levels are per received tensor: P's are set by the whole pos_embed, cls row included)
+        std_known = {"P": self._known_std(grads[info.prefix + "pos_embed"].to("cpu", _DT)),
+                     "We": self._known_std(dW)}
         est = self._redundancy_std(G_obs, mG, bias_eqs, N)
         def std(key: str, t: torch.Tensor) -> float:
             s = std_known.get(key) if key in std_known else self._known_std(t)
@@ -193,11 +203,17 @@ class AprilRobust(Attack):
                          observed_fraction=dict(P=1.0, We=1.0), failed=False, notes=notes)
             return AttackResult(meta.denormalize(img), [stats], labels=meta.labels)
         if fracG < 0.5:
-            notes.append(f"dL/dP {100 * (1 - fracG):.0f}% missing: G is estimated from dL/dW_e and the bias "
-                         "equations; the first-layer signal is largely gone")
+            # With most of G gone, dL/dW_e = G^T X is a bilinear system with no identifiable solution
+            # (any G' = A G, X' = A^-T X fits; alternating from here drifted below the mean image in
+            # every case tried). What the first layer still says: the G-weighted mean patch.
+            notes.append(f"dL/dP {100 * (1 - fracG):.0f}% missing: the first-layer signal is gone; returned the "
+                         "mean patch read off dL/dW_e ~ dL/db_e x^T, tiled")
             X = self._mean_patch_start(dW, mW, bias_eqs, N, J)
-        else:
-            X = None
+            stats = dict(objective=float("nan"), iterations=0, cg_iterations=0, time_s=time.perf_counter() - t0,
+                         prior_weight=0.0, noise_std_from_redundancy=est, used_qkv=False,
+                         observed_fraction=dict(P=fracG, We=float(mW.double().mean())), failed=False, notes=notes)
+            return AttackResult(meta.denormalize(patches_to_images(X[None], info)), [stats], labels=meta.labels)
+        X = None
         lam = self.prior_weight
         history, it, cg_its = [], 0, 0
         for it in range(1, self.iterations + 1):
@@ -207,12 +223,27 @@ class AprilRobust(Attack):
                 lam = self.prior_scale * min(max(count / max(energy, 1e-300), 1e-2), 1e6)
             elif lam is None:
                 lam = self.prior_scale * 1.0  # first solve: unit-variance differences (normalised input)
-            X_new, n_cg = self._x_step(G, dW, mW, wW, qkv, lam, info, X)
+            wWj = torch.full((J,), wW, dtype=_DT)
+            if self.errors == "weighted" and X is not None:  # G's noise carried into dL/dW_e = G^T X
+                wWj = 1.0 / (s_We ** 2 + s_P ** 2 * X.pow(2).sum(0))
+            X_new, n_cg = self._x_step(G, dW, mW, wWj, qkv, lam, info, X)
             cg_its += n_cg
             change = float((X_new - X).norm() / X_new.norm().clamp_min(1e-300)) if X is not None else float("inf")
             X = X_new
             G = self._g_step(X, G_obs, mG, wP, dW, mW, wW, bias_eqs, wb, qkv, W_e, b_e, info)
+            if self.errors == "weighted":
+                G = torch.where(mG, G_obs, G)  # only the missing entries are estimated
             history.append(change)
+            if self.sigma is None and self.quant_bits is None and self.reestimate_noise:
+                # variance components: each group's noise std from its own residual at the estimate
+                ms = self._mean_squares(X, G, G_obs, mG, dW, mW, bias_eqs, qkv, W_e, b_e)
+                s_P = max(math.sqrt(ms["P"]), _noise_floor(G_obs)) if self.errors == "joint" else s_P
+                s_We = max(math.sqrt(ms["We"]), _noise_floor(dW))
+                s_b = [max(math.sqrt(ms[n]), _noise_floor(t)) for n, _, t, _ in bias_eqs]
+                wP, wW, wb = 1 / s_P ** 2, 1 / s_We ** 2, [1 / v ** 2 for v in s_b]
+                if qkv is not None:
+                    qkv["s"] = max(math.sqrt(ms["qkv"]), _noise_floor(qkv["G_W"]))
+                    qkv["omega"] = 1.0 / (qkv["s"] ** 2 * qkv["W"].pow(2).sum(0) + _noise_floor(qkv["R"]) ** 2)
             if change < 1e-10:
                 break
 
@@ -266,6 +297,18 @@ class AprilRobust(Attack):
         return dict(G_W=G_W, W=W, R=W.T @ G_W, G_pre=G_Z[:pre], Z_pre=Z_pre, offset=offset)
 
     @staticmethod
+    def _mean_squares(X, G, G_obs, mG, dW, mW, bias_eqs, qkv, W_e, b_e) -> dict[str, float]:
+        """Mean squared residual of each equation group (the qkv one per unit ||W_qkv[:, d]||^2)."""
+        out = {"P": float(((G - G_obs)[mG]).pow(2).mean()) if bool(mG.any()) else 0.0,
+               "We": float(((G.T @ X - dW)[mW]).pow(2).mean()) if bool(mW.any()) else 0.0}
+        for name, a, tgt, m in bias_eqs:
+            out[name] = float(((a @ G - tgt)[m]).pow(2).mean()) if bool(m.any()) else 0.0
+        if qkv is not None:
+            r = qkv["R"] - qkv["G_pre"].T @ qkv["Z_pre"] - G.T @ (X @ W_e.T + b_e + qkv["offset"])
+            out["qkv"] = float((r.pow(2).mean(1) / qkv["W"].pow(2).sum(0).clamp_min(1e-300)).mean())
+        return out
+
+    @staticmethod
     def _redundancy_std(G_obs, mG, bias_eqs, N) -> float:
         """Common noise std from the bias residual over fully observed columns (0 if none)."""
         if not bias_eqs:
@@ -290,16 +333,16 @@ class AprilRobust(Attack):
         return (num / den).expand(N, J).clone()
 
     def _x_step(self, G, dW, mW, wW, qkv, lam, info, X0) -> tuple[torch.Tensor, int]:
-        """argmin_X wW |mW (G^T X - dW)|^2 + sum_d omega_d |(G^T X W_e^T - R1)_d|^2 + lam |L X|^2 + eps |X|^2."""
+        """argmin_X sum_j wW_j |mW (G^T X - dW)_j|^2 + sum_d omega_d |(G^T X W_e^T - R1)_d|^2 + lam |L X|^2 + eps |X|^2."""
         N, J = info.N, info.patch_dim
         eps = 1e-6 * lam
         full = bool(mW.all())
         GGt = G @ G.T
         if full:
-            A1 = (wW * GGt).expand(J, N, N)
+            A1 = wW[:, None, None] * GGt
         else:
-            A1 = wW * torch.einsum("nd,dj,md->jnm", G, mW.to(_DT), G)
-        rhs = wW * G @ (mW * dW)
+            A1 = torch.einsum("nd,dj,md->jnm", G, mW.to(_DT) * wW, G)
+        rhs = G @ (mW * dW * wW)
         if qkv is not None:
             W_e, b_e = qkv["W_e"], qkv["b_e"]
             om = qkv["omega"][:, None]
@@ -314,7 +357,7 @@ class AprilRobust(Attack):
 
         def op(x: torch.Tensor) -> torch.Tensor:
             X = x.reshape(N, J)
-            out = wW * G @ (mW * (G.T @ X))
+            out = G @ (wW * mW * (G.T @ X))
             if qkv is not None:
                 out = out + G @ (om * (G.T @ X @ qkv["W_e"].T)) @ qkv["W_e"]
             img = patches_to_images(X[None], info)
