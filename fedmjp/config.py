@@ -110,7 +110,9 @@ def as_number(tp: Any, value: Any) -> Any:
         if not _NUMBER_TEXT.fullmatch(text):
             return value
         number = float(text) if any(c in text for c in ".eE") else int(text)
-        value = int(number) if float not in numeric and isinstance(number, float) and number.is_integer() else number
+        if float not in numeric and isinstance(number, float) and not number.is_integer():
+            return value  # "2.5" or "1e999" for an integer key: refused as the user wrote it
+        value = number
     if isinstance(value, float) and float not in numeric and math.isfinite(value) and value.is_integer():
         value = int(value)
     return value
@@ -247,7 +249,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     try:
         data = load_yaml(path.read_text())
     except yaml.YAMLError as err:
-        raise ConfigError(f"config file {path} is not valid YAML: {err}") from err
+        raise ConfigError(f"config file {path} is not valid YAML: {' '.join(str(err).split())}") from err
     if not isinstance(data, (dict, type(None))):
         raise ConfigError(f"config file {path} must hold a mapping, got {type(data).__name__}")
     return data or {}
@@ -259,7 +261,7 @@ def parse_value(text: str, what: str) -> Any:
     try:
         return load_yaml(text) if text.strip() else None
     except yaml.YAMLError as err:
-        raise ConfigError(f"{what}: value is not a YAML scalar: {err}") from err
+        raise ConfigError(f"{what}: value is not a YAML scalar: {' '.join(str(err).split())}") from err
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

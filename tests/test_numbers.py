@@ -173,7 +173,7 @@ def test_spellings_of_an_integer(text: str, value: int) -> None:
     _same(integer(text), int, value)
 
 
-@pytest.mark.parametrize("text", ["2.5", "1e-1", "1e3x", "true", ".inf"])
+@pytest.mark.parametrize("text", ["2.5", "1e-1", "1e3x", "true", ".inf", "1e999", "'2.5'", "'1e999'"])
 def test_an_integer_key_refuses_a_fraction_and_text(text: str) -> None:
     with pytest.raises(BenchmarkConfigError, match="config key 'seed' must be an integer"):
         C.apply_overrides(C.load_config(), [f"seed={text}"])
