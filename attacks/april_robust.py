@@ -191,7 +191,7 @@ class AprilRobust(Attack):
         # is the closed form's; solved directly (the normal equations above square the condition
         # number, ~1e7 for a design-A model, and would lose the exactness).
         G = torch.where(mG, G_obs, torch.zeros_like(G_obs))
-        consistent = (self.sigma is None and self.quant_bits is None and bool(mG.all()) and bool(mW.all())
+        consistent = (not self.sigma and self.quant_bits is None and bool(mG.all()) and bool(mW.all())
                       and est <= 1e-9 * float(G_obs.pow(2).mean().sqrt()))
         if consistent:
             X = torch.linalg.lstsq(G.T, dW, driver="gelsd").solution

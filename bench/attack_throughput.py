@@ -17,6 +17,8 @@ is timed apart and printed, not counted in its per-image loop.
    MJP ViT (gamma 0.27, float64), next to ``april_analytic`` on the same updates: seconds per image
    and PSNR of the unshuffled region; ``--mjp-refine`` picks the refinement (``prior`` by default,
    fast; ``match``/``gauss_newton`` take seconds to minutes per image on a CPU).
+4. The first-layer attacks (``april_analytic``, ``pe_closed_form``, ``april_robust``) at 32 and
+   224 px: seconds per image on float64 clean and 8-bit quantised updates (``--only closed``).
 
     python bench/attack_throughput.py                     # short run (~1-2 min on 2 idle cores)
     python bench/attack_throughput.py --ig-iterations 50 --ig-depth 6 --ig-dim 192 --threads 2
@@ -221,6 +223,33 @@ def bench_mjp(args: argparse.Namespace) -> None:
               f"failed {sum(r.failed for r in res)}")
 
 
+def bench_closed(args: argparse.Namespace) -> None:
+    """Seconds per image of the first-layer attacks at 32 px (design-A DeiT, depth 4) and 224 px
+    (timm's deit_small_patch16_224, no surgery): float64 clients, clean and 8-bit quantised updates."""
+    from defences import quantize_update
+
+    md = dict(mean=MEAN, std=STD)
+    for size in (32, 224):
+        torch.manual_seed(0)
+        model = (timm.create_model("mjp_vit_cifar_patch4_32", variant="plain", first_block="april", depth=4)
+                 if size == 32 else timm.create_model("deit_small_patch16_224")).eval().double()
+        x = load_images(args.data, args.closed_images, size).double()
+        clean = [attacks.compute_update(model, normalize(x[i:i + 1], MEAN, STD), torch.tensor([i])) for i in range(len(x))]
+        for name, opts, defence in (("april_analytic", {}, None), ("pe_closed_form", {}, None),
+                                    ("april_robust", {}, None), ("april_robust", dict(quant_bits=8), 8)):
+            updates = clean if defence is None else [quantize_update(u, defence) for u in clean]
+            attack = attacks.create_attack(name, **opts)
+            t0 = time.perf_counter()
+            res = [attack.reconstruct(model, u, md) for u in updates]
+            dt = (time.perf_counter() - t0) / len(x)
+            ok = [r for r in res if not r.failed]
+            psnr = np.mean([float(-10 * torch.log10(((r.images.double() - x[i:i + 1]) ** 2).mean()))
+                            for i, r in enumerate(res) if not r.failed]) if ok else float("nan")
+            what = "clean" if defence is None else f"{defence}-bit"
+            print(f"[closed forms] {size:3d} px {name:15s} {what:6s} {dt:8.3f} s/image  mean PSNR {psnr:6.1f} dB  "
+                  f"failed {len(res) - len(ok)} ({res[0].reason or ''})"[:160], flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", type=Path, default=Path(os.environ.get("FEDMJP_DATA", "")) / "imagenet-sample",
@@ -236,7 +265,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each side (order alternated)")
     p.add_argument("--mjp-images", type=int, default=4)
     p.add_argument("--mjp-refine", default="prior", help="mjp_adaptive's refine option")
-    p.add_argument("--only", choices=("april", "ig", "mjp"), default=None)
+    p.add_argument("--closed-images", type=int, default=2, help="images per size for --only closed")
+    p.add_argument("--only", choices=("april", "ig", "mjp", "closed"), default=None)
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -246,6 +276,8 @@ def main() -> None:
         bench_ig(args)
     if args.only in (None, "mjp"):
         bench_mjp(args)
+    if args.only in (None, "closed"):
+        bench_closed(args)
 
 
 if __name__ == "__main__":

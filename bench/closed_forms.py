@@ -16,6 +16,7 @@ float64 and float32 clients, ``pe_closed_form`` (and ``april_robust`` on the per
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -103,7 +104,8 @@ def run(model: torch.nn.Module, x: torch.Tensor, dtype: torch.dtype, defences: d
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", type=Path, default=Path(__file__).resolve().parents[2] / "shared/data/imagenet-sample")
+    p.add_argument("--data", type=Path, default=Path(os.environ.get("FEDMJP_DATA", "")) / "imagenet-sample",
+                   help="ImageNet-sample JPEGs (default: $FEDMJP_DATA/imagenet-sample)")
     p.add_argument("--images", type=int, default=4)
     p.add_argument("--start", type=int, default=41, help="first file index (every 97th after it)")
     p.add_argument("--size", type=int, choices=(32, 224), default=32)
