@@ -21,13 +21,13 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Literal, Mapping, Optional, Sequence, Union
+from typing import Any, Iterable, Iterator, Literal, Mapping, Optional, Sequence, Union, get_args
 
-from clients.runconfig import MODES, PARTITIONERS, PRECISIONS, RunConfig
+from clients.runconfig import Mode, Partitioner, Precision, RunConfig
 from fedmjp import config as core
 from fedmjp import datadir
 from fedmjp.config import option
-from fedmjp.settings import SETTINGS
+from fedmjp.settings import SETTINGS, Setting
 
 from .errors import ConfigError
 
@@ -41,9 +41,12 @@ DEFAULT_CONFIG = PROJECT_ROOT / "configs" / "default.yaml"
 
 #: settings (b) and (c) attack the same gradient (of x~): one federation per model row serves both.
 SETTING_GROUPS = {"a": "clean", "b": "shuffled", "c": "shuffled"}
-ENGINES = ("inprocess", "simulation")
-LABEL_MODES = ("known", "none")
-# Choices are ``Literal[<owner's tuple>]``: each set of names is defined once, by the code that uses it.
+Engine = Literal["inprocess", "simulation"]
+LabelMode = Literal["known", "none"]
+ENGINES: tuple[str, ...] = get_args(Engine)
+LABEL_MODES: tuple[str, ...] = get_args(LabelMode)
+# Choices are Literal types defined once, by the code that uses them (Mode by the clients' run
+# config, Setting by fedmjp.settings); a tuple of the values is ``get_args`` of the type.
 
 
 @dataclass
@@ -58,16 +61,16 @@ class Data:
 
 @dataclass
 class Federation:
-    engine: Literal[ENGINES] = "inprocess"  # inprocess | simulation (Flower's Ray simulation)
+    engine: Engine = "inprocess"  # inprocess | simulation (Flower's Ray simulation)
     rounds: int = option(2, minimum=1, client="num-server-rounds")
     clients: int = option(4, minimum=1, client=("num-partitions", "min-nodes"))
     # fedsgd (one batch's gradient) | fedavg (weight delta of local steps)
-    algorithm: Literal[MODES] = option("fedsgd", client="mode")
+    algorithm: Mode = option("fedsgd", client="mode")
     batch_size: int = option(1, minimum=1, client="batch-size")
     local_steps: int = option(1, minimum=1, client="local-steps")
     lr: float = option(0.01, minimum=0.0, client="lr")
-    partition: Literal[PARTITIONERS] = option("iid", client="partitioner")
-    precision: Literal[PRECISIONS] = option("float32", client="precision")  # client forward/backward dtype
+    partition: Partitioner = option("iid", client="partitioner")
+    precision: Precision = option("float32", client="precision")  # client forward/backward dtype
     options: dict[str, Any] = field(default_factory=dict)  # run-config keys on top (RunConfig's schema)
 
 
@@ -90,7 +93,7 @@ class ModelRow:
 @dataclass
 class Attack:
     name: str = "april_analytic"
-    labels: Literal[LABEL_MODES] = "known"  # the threat model grants the server the labels (known) or not
+    labels: LabelMode = "known"  # the threat model grants the server the labels (known) or not
     options: dict[str, Any] = field(default_factory=dict)
 
 
@@ -134,7 +137,7 @@ class BenchmarkConfig:
     seed: int = option(0, minimum=0, maximum=SEED_MAX, client="seed")
     device: str = option("auto", client="device")  # auto | cpu | cuda | cuda:N
     # "all" is a, b, c; validate() turns either form into the list in SETTINGS order
-    settings: Union[list[Literal[SETTINGS]], Literal[(*SETTINGS, "all")]] = option(["c"])
+    settings: Union[list[Setting], Literal[Setting, "all"]] = option(["c"])
     # share of patches the client's MJP shuffle selects in settings (b)/(c)
     gamma: float = option(0.27, minimum=0.0, maximum=1.0, client="gamma")
     dry_run: bool = False

@@ -35,14 +35,17 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, Mapping, Union
+from typing import Any, ClassVar, Literal, Mapping, Union, get_args
 
 from fedmjp.config import conform, defaults, fields, option
-from fedmjp.settings import SETTINGS
+from fedmjp.settings import Setting
 
-MODES = ("fedsgd", "fedavg")
-PARTITIONERS = ("iid", "dirichlet")
-PRECISIONS = ("float32", "float64")
+Mode = Literal["fedsgd", "fedavg"]
+Partitioner = Literal["iid", "dirichlet"]
+Precision = Literal["float32", "float64"]
+MODES: tuple[str, ...] = get_args(Mode)
+PARTITIONERS: tuple[str, ...] = get_args(Partitioner)
+PRECISIONS: tuple[str, ...] = get_args(Precision)
 
 @dataclass
 class RunConfig:
@@ -53,8 +56,8 @@ class RunConfig:
     HYPHENATED: ClassVar[bool] = True  # Flower's keys: field batch_size is key batch-size
 
     num_server_rounds: int = option(2, minimum=1)
-    mode: Literal[MODES] = option("fedsgd", round=True)
-    setting: Literal[SETTINGS] = option("a", round=True)
+    mode: Mode = option("fedsgd", round=True)
+    setting: Setting = option("a", round=True)
     gamma: float = option(0.27, minimum=0.0, maximum=1.0, round=True)
     per_sample: bool = option(False, round=True)
     batch_size: int = option(1, minimum=1, round=True)
@@ -67,7 +70,7 @@ class RunConfig:
     num_images: int = 16  # 0: all images of the source
     num_classes: int = 10
     num_partitions: int = option(2, minimum=1)
-    partitioner: Literal[PARTITIONERS] = "iid"
+    partitioner: Partitioner = "iid"
     dirichlet_alpha: float = 0.5
     model_name: str = "ViT+MJP"
     model_arch: str = "mjp_vit_cifar_patch4_32"
@@ -76,7 +79,7 @@ class RunConfig:
     model_checkpoint: str = ""
     model_april: str = ""
     model_seed: int = 0
-    precision: Literal[PRECISIONS] = "float32"
+    precision: Precision = "float32"
     fraction_train: float = 1.0
     min_nodes: int = 2
     round_timeout: float = 600.0

@@ -10,11 +10,13 @@ Loss: L1 between the prediction and the (row, col) grid index, averaged over uns
 from __future__ import annotations
 
 import math
+from typing import Literal, get_args
 
 import torch
 import torch.nn as nn
 
-DAL_HEADS = ("ln", "nln", "pca")
+DalHead = Literal["ln", "nln", "pca"]
+DAL_HEADS: tuple[str, ...] = get_args(DalHead)
 
 
 class DALHead(nn.Module):

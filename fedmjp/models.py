@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import random
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Literal, Optional, get_args
 
 import torch
 import torch.nn as nn
@@ -40,9 +40,13 @@ from .masking import SeedLike, check_gamma, make_rng
 
 _logger = logging.getLogger(__name__)
 
-VARIANTS = ("plain", "nope", "jp", "jp_idx", "jp_unk", "mjp", "spp")
-PE_INITS = ("timm", "official")
-FIRST_BLOCKS = ("standard", "april")
+# Choices as Literal types (what a config schema and a type checker read) and tuples of their values
+Variant = Literal["plain", "nope", "jp", "jp_idx", "jp_unk", "mjp", "spp"]
+PeInit = Literal["timm", "official"]
+FirstBlock = Literal["standard", "april"]
+VARIANTS: tuple[str, ...] = get_args(Variant)
+PE_INITS: tuple[str, ...] = get_args(PeInit)
+FIRST_BLOCKS: tuple[str, ...] = get_args(FirstBlock)
 _SHUFFLING = {"jp", "jp_idx", "jp_unk", "mjp", "spp"}
 _UNK = {"jp_unk", "mjp"}
 

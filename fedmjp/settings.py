@@ -12,4 +12,8 @@ this tuple, so it lives in the core that every package may import.
 """
 from __future__ import annotations
 
-SETTINGS: tuple[str, ...] = ("a", "b", "c")
+from typing import Literal, get_args
+
+#: A setting's name (a type checker reads the values; :data:`SETTINGS` is the same, in order).
+Setting = Literal["a", "b", "c"]
+SETTINGS: tuple[str, ...] = get_args(Setting)

@@ -11,9 +11,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from .config import conform, parse_value, read_yaml
+from .dal import DalHead
+from .models import FirstBlock, PeInit, Variant
+
+AmpMode = Literal["auto", "none", "bf16", "fp16"]  # auto: bf16 on CUDA (fp16 on older GPUs), off on CPU
+DalSchedule = Literal["constant", "official"]  # official: warm-up + cosine, per epoch
 
 
 @dataclass
@@ -23,18 +28,18 @@ class TrainConfig:
 
     # ---- model
     model: str = "mjp_deit_small_patch16_224"  # timm name; mjp_* names take the MJP arguments below
-    variant: str = "mjp"  # plain | nope | jp | jp_idx | jp_unk | mjp | spp (fedmjp.models.VARIANTS)
+    variant: Variant = "mjp"
     gamma: float = 0.1  # training shuffle ratio (official train.sh: --mask-ratio 0.1)
     per_sample: bool = False  # official: one mask/permutation per batch
     shuffle_prob: float = 0.5  # official: a step is shuffled when rand > 0.5
     shuffle_start_epoch: int = 20  # official: no shuffling during the warm-up epochs
-    dal_head: str = "nln"  # ln | nln | pca
+    dal_head: DalHead = "nln"
     dal_normalize: bool = False  # official regresses raw grid indices
     dal_lambda: float = 0.01  # lambda of the DAL loss (paper)
     dal_final: float = 0.005  # end value of the official cosine lambda schedule
-    dal_schedule: str = "official"  # constant | official (warm-up + cosine, per epoch)
-    pe_init: str = "timm"  # timm (trunc-normal, no decay) | official (N(0,1), decayed)
-    first_block: str = "standard"  # standard | april (APRIL design A)
+    dal_schedule: DalSchedule = "official"
+    pe_init: PeInit = "timm"  # timm (trunc-normal, no decay) | official (N(0,1), decayed)
+    first_block: FirstBlock = "standard"  # april: APRIL design A
     img_size: int = 224
     num_classes: Optional[int] = None  # None: number of class folders in train/
     drop_path: float = 0.1
@@ -75,7 +80,7 @@ class TrainConfig:
 
     # ---- run
     seed: int = 0
-    amp: str = "auto"  # auto (bf16 on CUDA, off on CPU) | none | bf16 | fp16
+    amp: AmpMode = "auto"
     device: str = "auto"  # auto | cpu | cuda
     output_dir: str = "runs/train"
     threads: Optional[int] = None  # torch.set_num_threads for CPU runs
