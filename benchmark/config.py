@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import itertools
 import logging
 import os
 from dataclasses import dataclass, field
@@ -297,14 +298,61 @@ def validate(cfg: dict) -> dict:
 
 
 def _validate_defences(cfg: dict) -> None:
-    """The top-level defence, every row's own, and the sweep grid (defences/spec.py)."""
-    from .sweep import validate_sweep
-
+    """The top-level defence, every row's own (defences/spec.py), and the sweep grid."""
     cfg["defence"] = _checked_defence(cfg["defence"], "defence")
     for row in cfg["models"]:
         if row.get("defence") is not None:
             row["defence"] = _checked_defence(row["defence"], f"model row {row['name']!r}: defence")
     validate_sweep(cfg)
+
+
+def grid_points(cfg: dict) -> list[dict[str, Any]]:
+    """The sweep grid as a list of {dotted key: value}: the Cartesian product in the order given for
+    a mapping, the points themselves for a list of mappings (an explicit grid, e.g. several defences
+    and an MJP gamma series side by side). Running it: benchmark/sweep.py."""
+    sweep = cfg.get("sweep") or {}
+    if isinstance(sweep, list):
+        return [dict(point) for point in sweep]
+    keys = list(sweep)
+    return [dict(zip(keys, combo)) for combo in itertools.product(*(sweep[k] for k in keys))]
+
+
+def point_label(point: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in point.items())
+
+
+def point_config(cfg: dict, point: dict[str, Any]) -> dict:
+    """The validated config of one grid point (no sweep; the point's values set)."""
+    # the values are set as the Python objects themselves (a text round trip would turn 1e-06 into a
+    # YAML string); the schema check names an unknown key and the valid ones
+    changes = [(["sweep"], {})] + [(key.split("."), value) for key, value in point.items()]
+    return validate(with_values(cfg, changes))
+
+
+def validate_sweep(cfg: dict) -> None:
+    """Every swept key must be a list of values and every grid point a valid config (names, ranges,
+    defence keys), checked before anything is written. Raises ConfigError."""
+    sweep = cfg.get("sweep") or {}
+    if isinstance(sweep, list):
+        if not all(isinstance(p, dict) and p for p in sweep):
+            raise ConfigError(f"a sweep list must hold non-empty mappings of dotted key -> value, got {sweep!r}")
+        keys = [k for p in sweep for k in p]
+    elif isinstance(sweep, dict):
+        keys = list(sweep)
+        for key, values in sweep.items():
+            if not isinstance(values, list) or not values:
+                raise ConfigError(f"sweep.{key} must be a non-empty list of values, got {values!r}")
+    else:
+        raise ConfigError("sweep must be a mapping of dotted key -> list of values (a grid) or a list of "
+                          f"mappings of dotted key -> value (explicit points), got {sweep!r}")
+    for key in keys:
+        if key in ("sweep", "output") or str(key).startswith("sweep."):
+            raise ConfigError(f"sweep key {key!r} cannot be swept")
+    for point in grid_points(cfg) if sweep else []:
+        try:
+            point_config(cfg, point)
+        except ConfigError as err:
+            raise ConfigError(f"sweep point {point_label(point)}: {err}") from err
 
 
 def _checked_defence(spec: Any, where: str) -> dict:

@@ -25,7 +25,6 @@ the defence on (:mod:`benchmark.utility`, ``utility.jsonl`` in each point folder
 """
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 from pathlib import Path
@@ -33,6 +32,9 @@ from typing import Any, Callable, Optional
 
 import pandas as pd
 
+# The grid is part of the config (expanded and checked point by point when a config is validated):
+# benchmark/config.py holds it, so the config never imports this module.
+from .config import grid_points, point_config, point_label, validate_sweep  # noqa: F401
 from .errors import ConfigError
 
 _logger = logging.getLogger(__name__)
@@ -56,57 +58,6 @@ def parse_sweep_flag(text: str) -> tuple[str, list[Any]]:
     if not key.strip() or not values:
         raise ConfigError(f"--sweep {text!r} needs a key and at least one value")
     return key.strip(), values
-
-
-def grid_points(cfg: dict) -> list[dict[str, Any]]:
-    """The grid as a list of {dotted key: value}: the Cartesian product in the order given for a
-    mapping, the points themselves for a list of mappings (an explicit grid, e.g. several defences
-    and an MJP gamma series side by side)."""
-    sweep = cfg.get("sweep") or {}
-    if isinstance(sweep, list):
-        return [dict(point) for point in sweep]
-    keys = list(sweep)
-    return [dict(zip(keys, combo)) for combo in itertools.product(*(sweep[k] for k in keys))]
-
-
-def point_label(point: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in point.items())
-
-
-def point_config(cfg: dict, point: dict[str, Any]) -> dict:
-    """The validated config of one grid point (no sweep; the point's values set)."""
-    from . import config as C
-
-    # the values are set as the Python objects themselves (a text round trip would turn 1e-06 into a
-    # YAML string); the schema check names an unknown key and the valid ones
-    changes = [(["sweep"], {})] + [(key.split("."), value) for key, value in point.items()]
-    return C.validate(C.with_values(cfg, changes))
-
-
-def validate_sweep(cfg: dict) -> None:
-    """Every swept key must be a list of values and every grid point a valid config (names, ranges,
-    defence keys), checked before anything is written. Raises ConfigError."""
-    sweep = cfg.get("sweep") or {}
-    if isinstance(sweep, list):
-        if not all(isinstance(p, dict) and p for p in sweep):
-            raise ConfigError(f"a sweep list must hold non-empty mappings of dotted key -> value, got {sweep!r}")
-        keys = [k for p in sweep for k in p]
-    elif isinstance(sweep, dict):
-        keys = list(sweep)
-        for key, values in sweep.items():
-            if not isinstance(values, list) or not values:
-                raise ConfigError(f"sweep.{key} must be a non-empty list of values, got {values!r}")
-    else:
-        raise ConfigError("sweep must be a mapping of dotted key -> list of values (a grid) or a list of "
-                          f"mappings of dotted key -> value (explicit points), got {sweep!r}")
-    for key in keys:
-        if key in ("sweep", "output") or str(key).startswith("sweep."):
-            raise ConfigError(f"sweep key {key!r} cannot be swept")
-    for point in grid_points(cfg) if sweep else []:
-        try:
-            point_config(cfg, point)
-        except ConfigError as err:
-            raise ConfigError(f"sweep point {point_label(point)}: {err}") from err
 
 
 def run_sweep(cfg: dict, output: str, federate: Optional[Callable[..., Any]] = None,
