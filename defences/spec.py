@@ -38,10 +38,14 @@ docs/plugins.md); its ``defaults`` are its keys, checked like the built-ins' her
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Optional
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Mapping, Optional, get_args
 
+from fedmjp import config as core
 from fedmjp import plugins
-from fedmjp.config import as_number
+from fedmjp.config import option
 
 if TYPE_CHECKING:  # the spec stays plain data; only a plug-in's apply() sees tensors
     import torch
@@ -88,40 +92,68 @@ def defence_names() -> list[tuple[str, str]]:
     return [(n, "built-in") for n in DEFENCES] + [(n, entries[n].origin) for n in sorted(entries)
                                                   if n not in DEFENCES]
 
+Noise = Literal["gaussian", "laplace"]
+NOISES: tuple[str, ...] = get_args(Noise)
+
+
+# One schema per defence (checked by fedmjp.config, like every other config): keys, types, defaults, ranges.
+@dataclass
+class NoDefence:
+    pass
+
+
+@dataclass
+class LocalDp:
+    clip: float = option(1.0, above=0.0)
+    sigma: float = option(0.1, minimum=0.0)
+    noise: Noise = "gaussian"
+
+
+@dataclass
+class DpSgd:
+    clip: float = option(1.0, above=0.0)
+    sigma: float = option(1.0, minimum=0.0)
+    delta: float = option(1e-5, above=0.0, maximum=1.0)
+
+
+@dataclass
+class CentralDp:
+    clip: float = option(1.0, above=0.0)
+    sigma: float = option(0.1, minimum=0.0)
+
+
+@dataclass
+class Prune:
+    keep: float = option(0.1, above=0.0, maximum=1.0)
+
+
+@dataclass
+class Quantize:
+    bits: int = option(1, minimum=1, maximum=16)
+    stochastic: bool = False
+
+
+@dataclass
+class Mixup:
+    k: int = option(2, minimum=1)
+    alpha: float = option(1.0, above=0.0)
+    sign_flip: bool = False
+
+
+@dataclass
+class FedAvg:
+    steps: int = option(5, minimum=1)
+
+
+SCHEMAS: dict[str, type] = {"none": NoDefence, "local_dp": LocalDp, "dp_sgd": DpSgd, "central_dp": CentralDp,
+                            "prune": Prune, "quantize": Quantize, "mixup": Mixup, "fedavg": FedAvg}
 #: Every defence with its keys and their defaults.
-DEFENCES: dict[str, dict[str, Any]] = {
-    "none": {},
-    "local_dp": {"clip": 1.0, "sigma": 0.1, "noise": "gaussian"},
-    "dp_sgd": {"clip": 1.0, "sigma": 1.0, "delta": 1e-5},
-    "central_dp": {"clip": 1.0, "sigma": 0.1},
-    "prune": {"keep": 0.1},
-    "quantize": {"bits": 1, "stochastic": False},
-    "mixup": {"k": 2, "alpha": 1.0, "sign_flip": False},
-    "fedavg": {"steps": 5},
-}
-NOISES = ("gaussian", "laplace")
+DEFENCES: dict[str, dict[str, Any]] = {name: core.defaults(schema) for name, schema in SCHEMAS.items()}
 #: Defences applied to the finished update (the rest change local training or the server).
 UPDATE_TRANSFORMS = ("local_dp", "prune", "quantize")
-
-
-#: The number keys of each defence and their type (what :func:`validate_defence` checks and converts).
-NUMBER_KEYS: dict[str, type] = {"clip": float, "sigma": float, "delta": float, "keep": float, "alpha": float,
-                                "bits": int, "k": int, "steps": int}
-
-
-def _number(spec: dict[str, Any], key: str, low: float, high: float = float("inf"),
-            low_open: bool = False, integer: bool = False) -> float:
-    # a number written another way ("1e-3", 1e1 for an integer key) as the number (fedmjp.config.as_number)
-    value = spec[key] = as_number(int if integer else float, spec[key])
-    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
-    if isinstance(value, bool) or not ok_type:
-        kind = "an integer" if integer else "a number"
-        raise ValueError(f"defence {spec['name']!r}: {key} must be {kind}, got {value!r}")
-    too_low = value <= low if low_open else value < low
-    if too_low or value > high:
-        bracket = "(" if low_open else "["
-        raise ValueError(f"defence {spec['name']!r}: {key}={value!r} outside {bracket}{low}, {high}]")
-    return value
+#: The number keys of the defences and their type.
+NUMBER_KEYS: dict[str, type] = {key: tp for schema in SCHEMAS.values() for key, (tp, _) in core.fields(schema).items()
+                                if tp in (int, float)}
 
 
 def validate_defence(spec: Any) -> dict[str, Any]:
@@ -139,33 +171,19 @@ def validate_defence(spec: Any) -> dict[str, Any]:
     name = spec.get("name", "none")
     if name not in DEFENCES:
         return _validate_plugin(name, spec)
-    unknown = sorted(set(spec) - set(DEFENCES[name]) - {"name"})
+    return _conform(name, SCHEMAS[name], spec)
+
+
+def _conform(name: Any, schema: type, spec: Mapping[str, Any]) -> dict[str, Any]:
+    """``{name, **keys}`` with the schema's defaults, every value checked (fedmjp.config)."""
+    keys = core.fields(schema)
+    unknown = sorted(set(spec) - set(keys) - {"name"}, key=str)
     if unknown:
-        valid = ", ".join(["name", *DEFENCES[name]])
-        raise ValueError(f"defence {name!r}: unknown key(s) {unknown}; valid: {valid}")
-    out = {"name": name, **DEFENCES[name], **{k: v for k, v in spec.items() if k != "name"}}
-    if name in ("local_dp", "dp_sgd", "central_dp"):
-        _number(out, "clip", 0.0, low_open=True)
-        _number(out, "sigma", 0.0)
-    if name == "local_dp" and out["noise"] not in NOISES:
-        raise ValueError(f"defence 'local_dp': noise must be one of {', '.join(NOISES)}, got {out['noise']!r}")
-    if name == "dp_sgd":
-        _number(out, "delta", 0.0, 1.0, low_open=True)
-    if name == "prune":
-        _number(out, "keep", 0.0, 1.0, low_open=True)
-    if name == "quantize":
-        _number(out, "bits", 1, 16, integer=True)
-        if not isinstance(out["stochastic"], bool):
-            raise ValueError(f"defence 'quantize': stochastic must be true or false, got {out['stochastic']!r}")
-    if name == "mixup":
-        _number(out, "k", 1, integer=True)
-        _number(out, "alpha", 0.0, low_open=True)
-        if not isinstance(out["sign_flip"], bool):
-            raise ValueError(f"defence 'mixup': sign_flip must be true or false, got {out['sign_flip']!r}")
-    if name == "fedavg":
-        _number(out, "steps", 1, integer=True)
-    return {k: (float(v) if isinstance(v, int) and not isinstance(v, bool) and NUMBER_KEYS.get(k) is float else v)
-            for k, v in out.items()}
+        raise ValueError(f"defence {name!r}: unknown key(s) {unknown}; valid: {', '.join(['name', *keys])}")
+    try:
+        return {"name": name, **core.conform(schema, {k: v for k, v in spec.items() if k != "name"})}
+    except core.ConfigError as err:
+        raise ValueError(f"defence {name!r}: {err}") from None
 
 
 def _validate_plugin(name: Any, spec: Mapping[str, Any]) -> dict[str, Any]:
@@ -174,26 +192,23 @@ def _validate_plugin(name: Any, spec: Mapping[str, Any]) -> dict[str, Any]:
     if defence is None:
         valid = ", ".join(n for n, _ in defence_names())
         raise ValueError(f"unknown defence {name!r}; valid: {valid}, or a plug-in's package.module:Name")
-    keys = dict(type(defence).defaults)
-    unknown = sorted(set(spec) - set(keys) - {"name"})
-    if unknown:
-        raise ValueError(f"defence {name!r}: unknown key(s) {unknown}; valid: {', '.join(['name', *keys])}")
-    out = {"name": name, **keys, **{k: v for k, v in spec.items() if k != "name"}}
-    for key, default in keys.items():
-        if isinstance(default, (int, float)) and not isinstance(default, bool):
-            kind = int if isinstance(default, int) else float
-            out[key] = value = as_number(kind, out[key])
-            if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
-                raise ValueError(f"defence {name!r}: {key} must be {'an integer' if kind is int else 'a number'}, "
-                                 f"got {value!r}")
-            out[key] = kind(value)
-        elif isinstance(default, bool) and not isinstance(out[key], bool):
-            raise ValueError(f"defence {name!r}: {key} must be true or false, got {out[key]!r}")
+    out = _conform(name, _plugin_schema(type(defence)), spec)
     try:
         defence.check(out)
     except ValueError as err:
         raise ValueError(f"defence {name!r}: {err}") from err
     return out
+
+
+@functools.cache
+def _plugin_schema(cls: type) -> type:
+    """A schema of a plug-in's ``defaults``: each key typed by its default (an int default makes an
+    integer key, a float one a number key; a number written ``1e-3`` is a number)."""
+    def kind(value: Any) -> Any:
+        return type(value) if isinstance(value, (bool, int, float, str)) else Any
+
+    return dataclasses.make_dataclass(f"{cls.__name__}Spec", [
+        (key, kind(value), option(value)) for key, value in cls.defaults.items()])
 
 
 def defence_label(spec: Mapping[str, Any]) -> str:

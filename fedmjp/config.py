@@ -118,10 +118,13 @@ def as_number(tp: Any, value: Any) -> Any:
     return value
 
 
-def option(default: Any, minimum: Optional[float] = None, maximum: Optional[float] = None, **metadata: Any) -> Any:
-    """A schema field with a range that :func:`conform` checks, and owner metadata (e.g. the Flower
-    run-config key a benchmark key feeds). Mutable defaults are copied per instance."""
-    meta = {**metadata, **{k: v for k, v in (("min", minimum), ("max", maximum)) if v is not None}}
+def option(default: Any, minimum: Optional[float] = None, maximum: Optional[float] = None,
+           above: Optional[float] = None, **metadata: Any) -> Any:
+    """A schema field with a range that :func:`conform` checks (``minimum``/``maximum`` inclusive,
+    ``above`` an exclusive lower bound), and owner metadata (e.g. the Flower run-config key a
+    benchmark key feeds). Mutable defaults are copied per instance."""
+    bounds = (("min", minimum), ("max", maximum), ("above", above))
+    meta = {**metadata, **{k: v for k, v in bounds if v is not None}}
     if isinstance(default, (list, dict)):
         return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -232,11 +235,13 @@ def _check(tp: Any, value: Any, key: str, meta: Mapping[str, Any]) -> Any:
         return {k: _check(item, v, f"{key}.{k}", {}) for k, v in value.items()}
     if member is float:
         value = float(value)
-    if value is not None and ("min" in meta or "max" in meta):
-        lo, hi = meta.get("min", -math.inf), meta.get("max", math.inf)
-        if not (math.isfinite(value) and lo <= value <= hi):
-            bounds = (f"in [{lo}, {hi}]" if "min" in meta and "max" in meta
-                      else f">= {lo}" if "min" in meta else f"<= {hi}")
+    if value is not None and ("min" in meta or "max" in meta or "above" in meta):
+        open_ = "above" in meta
+        lo, hi = meta.get("above", meta.get("min", -math.inf)), meta.get("max", math.inf)
+        if not (math.isfinite(value) and (lo < value if open_ else lo <= value) and value <= hi):
+            low = "min" in meta or open_
+            bounds = (f"in {'(' if open_ else '['}{lo}, {hi}]" if low and "max" in meta
+                      else f"{'>' if open_ else '>='} {lo}" if low else f"<= {hi}")
             raise ConfigError(f"config key {key!r} must be {describe(member)} {bounds}, got {value!r}")
     return copy.deepcopy(value)
 

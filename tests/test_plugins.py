@@ -153,7 +153,7 @@ def test_a_plugin_is_typed_like_a_builtin(plugin_package: Path) -> None:
     assert validate_defence({"name": "add_constant", "value": "1e-2"}) == {"name": "add_constant", "value": 0.01}
     with pytest.raises(ValueError, match=r"defence 'add_constant': unknown key\(s\) \['sigma'\]; valid: name, value"):
         validate_defence({"name": "add_constant", "sigma": 1.0})
-    with pytest.raises(ValueError, match="defence 'add_constant': value must be a number, got True"):
+    with pytest.raises(ValueError, match="defence 'add_constant': config key 'value' must be a number, got True"):
         validate_defence({"name": "add_constant", "value": True})
     with pytest.raises(ValueError, match="defence 'add_constant': value must be finite, got nan"):
         validate_defence({"name": "add_constant", "value": float("nan")})
