@@ -20,6 +20,7 @@ It works for any ViT (pre-norm included) that has a ``pos_embed``.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Optional, Sequence, Union
 
@@ -89,14 +90,27 @@ class GradientMatching(Attack):
         progress: show a tqdm bar over iterations.
         unk_mask: [N] bool positions that get E_unk in the attacker's forward (MJP models), shared
             by every attacked update; None: the plain forward.
+        converge_window: 0: exactly ``iterations`` steps per restart (breaching's schedule). > 0:
+            up to ``iterations`` steps, each update stopping once its best objective improved by
+            less than ``converge_tol`` (relative) over the last ``converge_window`` steps; the step
+            size halves after ``converge_window // 2`` steps without improvement; the stats keep
+            the loss curve (``objective_curve``: [iteration, best objective] every ``curve_every``
+            steps) and whether it converged.
     """
 
     def __init__(self, iterations: int = 200, lr: float = 0.1, tv: float = 0.2, signed: Optional[str] = "hard",
                  scheduler: Optional[str] = "step-lr", restarts: int = 1, pe_weight: float = 0.0,
                  label_strategy: str = "bias", seed: Optional[int] = 0, device: str = "cpu",
                  progress: bool = False, unk_mask: Optional[torch.Tensor] = None,
+                 converge_window: int = 0, converge_tol: float = 1e-4, curve_every: int = 50,
                  raise_errors: bool = False) -> None:
         super().__init__(raise_errors)
+        if converge_window < 0 or curve_every < 1 or converge_tol < 0:
+            raise ValueError("converge_window must be >= 0, converge_tol >= 0 and curve_every >= 1")
+        # converge_window > 0: run up to ``iterations`` and stop each update once its best objective
+        # improved by less than converge_tol (relative) over the last converge_window iterations
+        self.converge_window, self.converge_tol = int(converge_window), float(converge_tol)
+        self.curve_every = int(curve_every)
         if signed not in (None, "hard"):
             raise ValueError(f"signed must be 'hard' or None, got {signed!r}")
         if scheduler not in (None, "step-lr"):
@@ -146,8 +160,10 @@ class GradientMatching(Attack):
         K, n, size = len(updates), metas[0].num_images, metas[0].image_size
         work = attack_copy(model, torch.float32, self.device)
         converted = [update_to_gradients(u, m) for u, m in zip(updates, metas)]
+        masks, starts, start_notes = self._prepare_groups(model, updates, metas, converted)
         names = matched_names(work, converted[0][0], size)
-        if self.unk_mask is not None and "unk_embed" in converted[0][0] and "unk_embed" not in names:
+        if (self.unk_mask is not None or masks is not None) and "unk_embed" not in names and all(
+                "unk_embed" in g for g, _ in converted):
             names.insert(0, "unk_embed")  # used by the masked forward, not by the plain one
         names = [nm for nm in names if all(nm in g for g, _ in converted)]
         if self.pe_weight > 0 and "pos_embed" not in names:
@@ -156,8 +172,8 @@ class GradientMatching(Attack):
         head_ids = {id(p) for p in head.parameters()} if isinstance(head, nn.Module) else set()
         head_names = [nm for nm, p in work.named_parameters() if id(p) in head_ids]
         labels, notes = [], []
-        for (g, note), meta in zip(converted, metas):
-            notes.append(list(note))
+        for (g, note), meta, more in zip(converted, metas, start_notes):
+            notes.append(list(note) + list(more))
             if meta.labels is not None:
                 labels.append(meta.labels)
             else:
@@ -166,20 +182,27 @@ class GradientMatching(Attack):
         y = torch.stack(labels).to(self.device)  # [K, n]
         targets = {nm: torch.stack([g[nm] for g, _ in converted]).to(self.device, torch.float32) for nm in names}
         lo, hi = metas[0].box(torch.float32, self.device)
-        per_group = self._per_group_gradients(work, names)
+        per_group = self._per_group_gradients(work, names, masks)
 
-        best_x, best_score, traces = None, None, []
+        best_x, best_score, traces, trial_info = None, None, [], []
         for trial in range(self.restarts):
-            x, trace, failed = self._run_trial(per_group, targets, y, (K, n, *size), lo, hi, trial)
+            if self.converge_window > 0:
+                x, trace, failed, info = self._run_trial_converging(per_group, targets, y, (K, n, *size), lo, hi,
+                                                                    trial, starts if trial == 0 else None)
+                trial_info.append(info)
+            else:
+                x, trace, failed = self._run_trial(per_group, targets, y, (K, n, *size), lo, hi, trial)
             with torch.no_grad():
                 score = self._objective(per_group, targets, y, x, lo, with_prior=False)[0].detach()
             score = torch.where(torch.isfinite(score) & ~failed, score, torch.full_like(score, float("inf")))
             if best_x is None:
                 best_x, best_score = x, score
+                best_trial = torch.zeros(K, dtype=torch.long)
             else:
                 better = score < best_score
                 best_x = torch.where(better[:, None, None, None, None], x, best_x)
                 best_score = torch.minimum(score, best_score)
+                best_trial = torch.where(better.cpu(), torch.full_like(best_trial, trial), best_trial)
             traces.append(trace)
         elapsed = time.perf_counter() - t0
         images = metas[0].denormalize(best_x.reshape(K * n, *size).double()).reshape(K, n, *size)
@@ -193,17 +216,157 @@ class GradientMatching(Attack):
                          iterations=self.iterations * self.restarts, time_s=elapsed / (K * n),
                          attack=self.name, matched_parameters=len(names), failed=not ok,
                          notes=notes[k])
+            if trial_info:  # converging trials: how each ended and the chosen one's loss curve
+                chosen = int(best_trial[k])
+                stats.update(trial_info[chosen][k], chosen_trial=chosen,
+                             iterations=sum(int(t[k]["iterations_run"]) for t in trial_info),
+                             trials=[{key: t[k][key] for key in ("start", "iterations_run", "converged")}
+                                     for t in trial_info])
             if not ok:
                 stats["reason"] = "non-finite objective"
             results.append(AttackResult(images[k], [dict(stats) for _ in range(n)], failed=not ok,
                                         reason=None if ok else "non-finite objective", labels=y[k].cpu()))
         return results
 
-    def _per_group_gradients(self, work: nn.Module, names: list[str]):
-        """f(x [K, n, C, H, W], y [K, n]) -> {name: [K, ...]}: each group's own model gradient."""
+    def _prepare_groups(self, model: nn.Module, updates: Sequence[Update], metas: Sequence[AttackMetadata],
+                        converted: list) -> tuple[Optional[torch.Tensor], Optional[list], list[list[str]]]:
+        """Per update, before matching: (E_unk masks [K, N] bool or None, starts (a list of
+        (name, [n, C, H, W] normalised candidate) or None per update) or None, notes per update).
+        May replace ``converted[k]``'s gradients (e.g. with a known extra loss term removed)."""
+        return None, None, [[] for _ in updates]
+
+    def _run_trial_converging(self, per_group, targets: dict, y: torch.Tensor, shape: tuple, lo: torch.Tensor,
+                              hi: torch.Tensor, trial: int, starts: Optional[list]
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[dict]]:
+        """One restart run to convergence (``converge_window`` > 0), each update on its own.
+
+        Every update has its own candidate, Adam and step size, and stops on its own (the others go
+        on), so an update's result does not depend on which updates share the batched call.
+        Returns (best candidate, objective trace [iterations, K] (NaN after a stop), failed [K],
+        per update {start, iterations_run, converged, objective_curve}).
+        """
+        K = shape[0]
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(self.seed + trial if self.seed is not None else torch.seed())
+        draw = torch.randn(shape[1:], generator=gen)
+        lo5, hi5 = lo.unsqueeze(0), hi.unsqueeze(0)
+        leaves, kinds = [], []
+        chosen = self._pick_starts(per_group, targets, y, draw, lo, hi, starts) if starts else [None] * K
+        for k in range(K):
+            start = chosen[k]
+            kinds.append("random" if start is None else start[0])
+            x0 = draw if start is None else start[1].to(draw.dtype)
+            x0 = torch.max(torch.min(x0.to(self.device), hi), lo)
+            leaves.append(x0.clone().requires_grad_(True))
+        opts = [torch.optim.Adam([leaf], lr=self.lr) for leaf in leaves]
+        its, window, patience = self.iterations, self.converge_window, max(1, self.converge_window // 2)
+        best = torch.stack([leaf.detach() for leaf in leaves]).clone()
+        best_val = torch.full((K,), float("inf"), device=self.device)
+        failed = torch.zeros(K, dtype=torch.bool, device=self.device)
+        done = torch.zeros(K, dtype=torch.bool)
+        converged = [False] * K
+        ran = [its] * K
+        since = [0] * K  # steps since the best objective last improved
+        history = torch.full((its + 1, K), float("inf"))  # running best after each step
+        trace = torch.full((its, K), float("nan"))
+        curves: list[list[list[float]]] = [[] for _ in range(K)]
+        for it in tqdm(range(its), disable=None if self.progress else True, desc=self.name, leave=False):
+            active = [k for k in range(K) if not done[k]]
+            for k in active:
+                opts[k].zero_grad(set_to_none=False)
+            x = torch.stack(leaves)
+            obj, _ = self._objective(per_group, targets, y, x, lo)
+            val = obj.detach()
+            finite = torch.isfinite(val)
+            failed |= ~finite
+            keep = finite & ~done.to(self.device)
+            torch.where(keep, obj, torch.zeros_like(obj)).sum().backward(inputs=[leaves[k] for k in active])
+            with torch.no_grad():
+                improved = keep & (val < best_val)
+                best = torch.where(improved[:, None, None, None, None], x.detach(), best)
+                best_val = torch.where(improved, val, best_val)
+            history[it + 1] = best_val.cpu()
+            for k in active:
+                trace[it, k] = float(val[k])
+                if not bool(finite[k]):
+                    done[k], ran[k] = True, it + 1
+                    continue
+                since[k] = 0 if bool(improved[k]) else since[k] + 1
+                if it % self.curve_every == 0:
+                    curves[k].append([it, float(best_val[k])])
+                old = float(history[it + 1 - window, k]) if it + 1 >= window else float("inf")
+                now = float(best_val[k])
+                if math.isfinite(old) and (old - now) <= self.converge_tol * max(abs(old), 1e-12):
+                    done[k], ran[k], converged[k] = True, it + 1, True
+                    continue
+                if leaves[k].grad is not None and self.signed == "hard":
+                    leaves[k].grad.sign_()
+                opts[k].step()
+                if since[k] >= patience:  # a plateau: halve the step size
+                    for group in opts[k].param_groups:
+                        group["lr"] = max(group["lr"] * 0.5, self.lr * 1e-3)
+                    since[k] = 0
+                with torch.no_grad():
+                    leaves[k].data = torch.max(torch.min(leaves[k], hi5[0]), lo5[0])
+            if bool(done.all()):
+                break
+        starts_used = [k for k in range(K) if chosen[k] is not None]
+        if starts_used:
+            # the start itself competes by the cosine term (restarts are scored by it too): the TV
+            # prior must not trade an exact closed-form start for a smoother, worse-matching image
+            x_start = torch.stack([leaf.detach() for leaf in leaves])
+            for k in starts_used:
+                x_start[k] = torch.max(torch.min(chosen[k][1].to(self.device, x_start.dtype), hi), lo)
+            with torch.no_grad():
+                cos_start = self._objective(per_group, targets, y, x_start, lo, with_prior=False)[1]
+                cos_best = self._objective(per_group, targets, y, best, lo, with_prior=False)[1]
+            for k in starts_used:
+                if bool(torch.isfinite(cos_start[k])) and not bool(cos_best[k] <= cos_start[k]):
+                    best[k] = x_start[k]
+                    kinds[k] += " (kept: no iterate matched better)"
+        info = []
+        for k in range(K):
+            if not curves[k] or curves[k][-1][0] != ran[k]:
+                curves[k].append([ran[k], float(best_val[k])])
+            info.append(dict(start=kinds[k], iterations_run=ran[k], converged=converged[k],
+                             objective_curve=curves[k]))
+        return best, trace, failed, info
+
+    def _pick_starts(self, per_group, targets: dict, y: torch.Tensor, draw: torch.Tensor, lo: torch.Tensor,
+                     hi: torch.Tensor, starts: list) -> list:
+        """Per update, the candidate start (name, x) whose gradient matches the update best (the
+        cosine term, what the attacker can evaluate), or None where it has none. ``starts[k]``: a
+        list of candidates (possibly empty)."""
+        K, most = len(starts), max((len(c) for c in starts), default=0)
+        best: list = [None] * K
+        best_cos = [float("inf")] * K
+        for c in range(most):
+            x = torch.stack([starts[k][c][1].to(draw.dtype) if c < len(starts[k]) else draw for k in range(K)])
+            x = torch.max(torch.min(x.to(self.device), hi.unsqueeze(0)), lo.unsqueeze(0))
+            with torch.no_grad():
+                cos = self._objective(per_group, targets, y, x, lo, with_prior=False)[1].detach().cpu()
+            for k in range(K):
+                if c < len(starts[k]) and math.isfinite(float(cos[k])) and float(cos[k]) < best_cos[k]:
+                    best[k], best_cos[k] = starts[k][c], float(cos[k])
+        return best
+
+    def _per_group_gradients(self, work: nn.Module, names: list[str], masks: Optional[torch.Tensor] = None):
+        """f(x [K, n, C, H, W], y [K, n]) -> {name: [K, ...]}: each group's own model gradient.
+
+        ``masks`` [K, N] bool: each group's own E_unk positions (an MJP-aware forward per update);
+        None: the shared ``unk_mask`` (or the plain forward)."""
         params = {nm: p.detach() for nm, p in work.named_parameters() if nm in names}
         frozen = {nm: p.detach() for nm, p in work.named_parameters() if nm not in params}
         buffers = dict(work.named_buffers())
+        if masks is not None:
+            group_masks = masks.to(self.device)
+
+            def masked_loss(p: dict, xg: torch.Tensor, yg: torch.Tensor, mg: torch.Tensor) -> torch.Tensor:
+                kwargs = {"unk_mask": mg.reshape(1, -1).expand(xg.shape[0], -1)}
+                return F.cross_entropy(functional_call(work, ({**p, **frozen}, buffers), (xg,), kwargs), yg)
+
+            masked_fn = vmap(grad(masked_loss), in_dims=(None, 0, 0, 0))
+            return lambda x, y: masked_fn(params, x, y, group_masks)
         mask = None if self.unk_mask is None else self.unk_mask.to(self.device)
 
         def loss(p: dict, xg: torch.Tensor, yg: torch.Tensor) -> torch.Tensor:
@@ -299,3 +462,96 @@ class AprilOptimization(GradientMatching):
         if pe_weight <= 0:
             raise ValueError("april_optimization needs pe_weight > 0")
         super().__init__(pe_weight=pe_weight, signed=signed, scheduler=scheduler, **options)
+
+
+@register_attack("ig_closed_start")
+class InvertingGradientsClosedStart(GradientMatching):
+    """Inverting Gradients run to convergence from a closed-form start, MJP-aware.
+
+    The cosine gradient-matching objective over every parameter the forward uses plus a total
+    variation prior (:class:`GradientMatching`), with:
+
+    - the first restart started from a closed-form estimate of the same update where one applies:
+      on an MJP model with shuffled positions ``mjp_adaptive`` (the client's x~, its shuffled patches
+      in the attack's own order) and ``pe_closed_form``, otherwise ``pe_closed_form`` and
+      ``april_analytic``; of those that succeed, the one whose gradient matches the update best
+      (cosine term: the attacker's own criterion, no ground truth); where none does (not
+      registered, a failed condition) the restart starts from the seeded random draw like the
+      others. ``start_attacks`` names other candidates (an empty list: random starts only);
+    - further restarts from seeded random draws; the restart with the best cosine term is returned;
+    - on MJP models (``mjp_mask``), each update's shuffled positions read off the zero rows of
+      dL/dP (:func:`attacks.mjp_adaptive.detect_shuffled`, through ``MJPAdaptive.read_update``,
+      which also removes the client's DAL term from the gradients) and E_unk put there in the
+      attacker's forward;
+    - up to ``iterations`` Adam steps per restart, each update stopping once its best objective
+      improved by less than ``converge_tol`` (relative) over ``converge_window`` steps, the step
+      size halved on a plateau; the stats keep the loss curve (``objective_curve``) and whether
+      it converged, per restart in ``trials``.
+
+    Why the defaults: an unsigned Adam at lr 0.01 (normalised units) keeps a good start instead of
+    moving every pixel by the signed step breaching's IG takes from noise (lr 0.1); a light TV
+    (0.01) because the closed form's start needs no smoothing where it is exact.
+    """
+
+    name = "ig_closed_start"
+
+    def __init__(self, iterations: int = 3000, lr: float = 0.01, tv: float = 0.01, signed: Optional[str] = None,
+                 scheduler: Optional[str] = None, restarts: int = 2, converge_window: int = 100,
+                 converge_tol: float = 1e-4, start_attacks: Optional[Sequence[str]] = None, mjp_mask: bool = True,
+                 **options) -> None:
+        if converge_window < 1:
+            raise ValueError("ig_closed_start needs converge_window >= 1 (it runs to convergence)")
+        if options.get("pe_weight", 0.0):
+            raise ValueError("ig_closed_start has no PE term; use april_optimization")
+        super().__init__(iterations=iterations, lr=lr, tv=tv, signed=signed, scheduler=scheduler,
+                         restarts=restarts, converge_window=converge_window, converge_tol=converge_tol, **options)
+        self.start_attacks = None if start_attacks is None else tuple(str(a) for a in start_attacks)
+        self.mjp_mask = bool(mjp_mask)
+
+    def _prepare_groups(self, model: nn.Module, updates: Sequence[Update], metas: Sequence[AttackMetadata],
+                        converted: list) -> tuple[Optional[torch.Tensor], Optional[list], list[list[str]]]:
+        from .april import _vit
+
+        vit = _vit(model)
+        mjp = self.mjp_mask and getattr(vit, "unk_embed", None) is not None and hasattr(vit, "pos_embed")
+        masks, starts, notes = [], [], []
+        for k, (update, meta) in enumerate(zip(updates, metas)):
+            note: list[str] = []
+            shuffled = False
+            if mjp:
+                from .mjp_adaptive import MJPAdaptive  # imported here: mjp_adaptive imports this module
+
+                S, cleaned, _ = MJPAdaptive().read_update(vit, converted[k][0])
+                converted[k] = (cleaned, converted[k][1])
+                masks.append(S)
+                shuffled = bool(S.any())
+                note.append(f"MJP-aware forward: E_unk at the {int(S.sum())} positions whose dL/dP rows are zero")
+            order = self.start_attacks
+            if order is None:
+                order = ("mjp_adaptive", "pe_closed_form") if shuffled else ("pe_closed_form", "april_analytic")
+            starts.append(self._closed_form_start(model, update, meta, order, note))
+            notes.append(note)
+        return (torch.stack(masks) if mjp else None), starts, notes
+
+    @staticmethod
+    def _closed_form_start(model: nn.Module, update: Update, meta: AttackMetadata, order: Sequence[str],
+                           note: list[str]) -> list[tuple[str, torch.Tensor]]:
+        """(name, normalised [n, C, H, W]) of every attack in ``order`` that succeeds; the first
+        restart starts from the one whose gradient matches the update best (:meth:`_pick_starts`)."""
+        from .base import attack_names, create_attack
+
+        known = set(attack_names())
+        out = []
+        for name in order:
+            if name not in known:
+                note.append(f"start: {name} is not a registered attack")
+                continue
+            attack = create_attack(name, unshuffle=False) if name == "mjp_adaptive" else create_attack(name)
+            result = attack.reconstruct(model, update, dict(meta.__dict__))
+            if result.failed or any(result.failed_images) or result.images.shape[0] != meta.num_images:
+                note.append(f"start: {name} failed ({result.reason})")
+                continue
+            out.append((name, meta.normalize(result.images.double()).float()))
+        if not out:
+            note.append("first restart started from a random draw (no closed form succeeded)")
+        return out
