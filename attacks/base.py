@@ -363,24 +363,36 @@ def attack_class(name: str) -> Callable[..., Attack]:
     return plugins.load("attack", plugin, Attack)
 
 
-def option_types(factory: Callable[..., Any]) -> dict[str, Any]:
-    """Annotated keyword arguments of an attack class's ``__init__`` (following ``**options`` up
-    the base classes), by name: what :func:`create_attack` converts number options to."""
-    types: dict[str, Any] = {}
+def _init_options(factory: Callable[..., Any]) -> tuple[dict[str, Any], bool]:
+    """(keyword arguments of an attack class's ``__init__`` by name, with their annotation or
+    ``inspect.Parameter.empty``; whether it also takes any other keyword), following ``**options``
+    up the base classes."""
+    found: dict[str, Any] = {}
     chain = [k for k in factory.__mro__ if "__init__" in vars(k)] if isinstance(factory, type) else [factory]
     for owner in chain:
         init = owner.__init__ if isinstance(factory, type) else owner
         try:
-            hints = typing.get_type_hints(init)
             params = inspect.signature(init).parameters.values()
-        except (NameError, TypeError, ValueError):  # unresolvable annotations or no signature: untyped
-            break
+        except (TypeError, ValueError):  # no signature to read: any keyword may be valid
+            return found, True
+        try:
+            hints = typing.get_type_hints(init)
+        except (NameError, TypeError):  # unresolvable annotations: the names without types
+            hints = {}
         for p in params:
-            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name in hints:
-                types.setdefault(p.name, hints[p.name])
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self":
+                found.setdefault(p.name, hints.get(p.name, inspect.Parameter.empty))
         if not any(p.kind is p.VAR_KEYWORD for p in params):
+            return found, False
+        if owner is object:
             break
-    return types
+    return found, True
+
+
+def option_types(factory: Callable[..., Any]) -> dict[str, Any]:
+    """Annotated keyword arguments of an attack class's ``__init__`` (following ``**options`` up
+    the base classes), by name: what :func:`create_attack` converts number options to."""
+    return {k: v for k, v in _init_options(factory)[0].items() if v is not inspect.Parameter.empty}
 
 
 def create_attack(name: str, **options: Any) -> Attack:
@@ -394,6 +406,11 @@ def create_attack(name: str, **options: Any) -> Attack:
             loaded, or bad options.
     """
     factory = attack_class(name)
+    known, open_ = _init_options(factory)
+    unknown = [] if open_ else sorted(set(options) - set(known), key=str)
+    if unknown:
+        valid = ", ".join(k for k in known if k != "name") or "none"
+        raise ValueError(f"bad options for attack {name!r}: unknown option(s) {unknown}; valid: {valid}")
     types = option_types(factory)
     for key, value in options.items():  # a number option: converted and type-checked, the option named
         if key in types and any(m in (int, float) for m in typing.get_args(types[key]) or (types[key],)):

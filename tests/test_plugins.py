@@ -150,6 +150,9 @@ def test_the_plugins_are_listed_with_their_origin(plugin_package: Path, capsys: 
 
 def test_a_plugin_is_typed_like_a_builtin(plugin_package: Path) -> None:
     assert create_attack("demo_mean", kernel="5e0").kernel == 5  # a number option converted by its annotation
+    with pytest.raises(ValueError, match=r"bad options for attack 'demo_mean': unknown option\(s\) \['kernal'\]; "
+                                         r"valid: kernel, raise_errors"):
+        create_attack("demo_mean", kernal=3)
     assert validate_defence({"name": "add_constant", "value": "1e-2"}) == {"name": "add_constant", "value": 0.01}
     with pytest.raises(ValueError, match=r"defence 'add_constant': unknown key\(s\) \['sigma'\]; valid: name, value"):
         validate_defence({"name": "add_constant", "sigma": 1.0})
