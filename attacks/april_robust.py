@@ -12,7 +12,8 @@ This attack writes every first-layer equation of a batch-1 update as one noisy o
 
 with X [N, C p^2] the patches (normalised input) and G [N, D] the patch rows of dL/dz, both
 unknown, and finds the maximum a posteriori (X, G) under a Gaussian smoothness prior on the image
-(squared horizontal and vertical pixel differences, weight lambda) by alternating two linear least
+(squared horizontal and vertical pixel differences, weight lambda; ``prior="tv"``: a Laplace prior on
+them, total variation, by reweighting the same squares) by alternating two linear least
 squares: X given G (preconditioned conjugate gradients over the image) and G given X (one N x N
 system per embedding dimension). Entries that are exactly zero are treated as missing (pruning;
 MJP's zero rows at E_unk positions), so G is estimated where it was pruned from the other
@@ -50,11 +51,14 @@ def _noise_floor(t: torch.Tensor) -> float:
     return 1e-13 * float(t.pow(2).mean().sqrt()) + 1e-150
 
 
-def _smooth_normal(img: torch.Tensor) -> torch.Tensor:
-    """L^T L img for L the horizontal and vertical pixel differences of [C, H, W] images."""
+def _smooth_normal(img: torch.Tensor, edge: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+    """L^T diag(edge) L img for L the horizontal and vertical pixel differences of [C, H, W] images
+    (``edge``: per-difference weights of the x and y differences, None for all ones)."""
     out = torch.zeros_like(img)
     dx = img[..., :, 1:] - img[..., :, :-1]
     dy = img[..., 1:, :] - img[..., :-1, :]
+    if edge is not None:
+        dx, dy = dx * edge[0], dy * edge[1]
     out[..., :, 1:] += dx
     out[..., :, :-1] -= dx
     out[..., 1:, :] += dy
@@ -77,6 +81,8 @@ class AprilRobust(Attack):
             sigma * clip); ``clip`` alone is not used (clipping scales every equation alike).
         quant_bits: the quantisation's bits, if known.
         prune_missing: treat exactly-zero entries as missing (True) or as observed zeros.
+        prior: ``smooth`` (Gaussian on pixel differences) or ``tv`` (Laplace on them, total
+            variation, by iteratively reweighted least squares).
         prior_scale: multiplier of the automatically chosen prior weight.
         prior_weight: a fixed prior weight lambda instead of the automatic choice.
         iterations: alternations of the X and G solves (stops early when X stops changing).
@@ -93,7 +99,7 @@ class AprilRobust(Attack):
     def __init__(self, sigma: Optional[float] = None, clip: Optional[float] = None,
                  quant_bits: Optional[int] = None, prune_missing: bool = True, prior_scale: float = 1.0,
                  prior_weight: Optional[float] = None, iterations: int = 10, use_qkv: str = "auto",
-                 errors: str = "joint", reestimate_noise: bool = True, cg_tol: float = 1e-12, cg_maxiter: int = 300,
+                 errors: str = "joint", prior: str = "smooth", reestimate_noise: bool = True, cg_tol: float = 1e-12, cg_maxiter: int = 300,
                  raise_errors: bool = False) -> None:
         super().__init__(raise_errors)
         if sigma is not None and (not math.isfinite(sigma) or sigma < 0):
@@ -104,6 +110,8 @@ class AprilRobust(Attack):
             raise ValueError("sigma needs the clip it multiplies (noise std = sigma * clip)")
         if quant_bits is not None and not 1 <= int(quant_bits) <= 32:
             raise ValueError(f"quant_bits must be in [1, 32], got {quant_bits!r}")
+        if prior not in ("smooth", "tv"):
+            raise ValueError(f"prior must be 'smooth' or 'tv', got {prior!r}")
         if errors not in ("joint", "weighted"):
             raise ValueError(f"errors must be 'joint' or 'weighted', got {errors!r}")
         if use_qkv not in ("auto", "never"):
@@ -116,7 +124,7 @@ class AprilRobust(Attack):
         self.quant_bits = None if quant_bits is None else int(quant_bits)
         self.prune_missing, self.prior_scale, self.prior_weight = bool(prune_missing), float(prior_scale), prior_weight
         self.iterations, self.use_qkv, self.errors = int(iterations), use_qkv, errors
-        self.reestimate_noise = bool(reestimate_noise)
+        self.reestimate_noise, self.prior = bool(reestimate_noise), prior
         self.cg_tol, self.cg_maxiter = float(cg_tol), int(cg_maxiter)
 
     # --------------------------------------------------------------------------------- noise model
@@ -214,19 +222,29 @@ class AprilRobust(Attack):
                          observed_fraction=dict(P=fracG, We=float(mW.double().mean())), failed=False, notes=notes)
             return AttackResult(meta.denormalize(patches_to_images(X[None], info)), [stats], labels=meta.labels)
         X = None
-        lam = self.prior_weight
+        lam, edge = self.prior_weight, None
         history, it, cg_its = [], 0, 0
         for it in range(1, self.iterations + 1):
             if X is not None and self.prior_weight is None:
-                energy, count = _smooth_energy(patches_to_images(X[None], info))
+                img = patches_to_images(X[None], info)
+                energy, count = _smooth_energy(img)
                 # clamped to pixel-difference std between 1e-3 and 10 (normalised input)
                 lam = self.prior_scale * min(max(count / max(energy, 1e-300), 1e-2), 1e6)
+                if self.prior == "tv":
+                    # Laplace prior sum |d| / b, b = mean |d|, by iteratively reweighted least squares:
+                    # weight 1 / (b max(|d|, b / 10)) per difference, relative to lam's mean
+                    dx, dy = img[..., :, 1:] - img[..., :, :-1], img[..., 1:, :] - img[..., :-1, :]
+                    b = float(torch.cat([dx.abs().flatten(), dy.abs().flatten()]).mean())
+                    b = max(b, 1e-6)
+                    wx, wy = (1.0 / (b * d.abs().clamp_min(b / 10)) for d in (dx, dy))
+                    lam = self.prior_scale * float(torch.cat([wx.flatten(), wy.flatten()]).mean())
+                    edge = (wx * self.prior_scale / lam, wy * self.prior_scale / lam)
             elif lam is None:
                 lam = self.prior_scale * 1.0  # first solve: unit-variance differences (normalised input)
             wWj = torch.full((J,), wW, dtype=_DT)
             if self.errors == "weighted" and X is not None:  # G's noise carried into dL/dW_e = G^T X
                 wWj = 1.0 / (s_We ** 2 + s_P ** 2 * X.pow(2).sum(0))
-            X_new, n_cg = self._x_step(G, dW, mW, wWj, qkv, lam, info, X)
+            X_new, n_cg = self._x_step(G, dW, mW, wWj, qkv, lam, info, X, edge)
             cg_its += n_cg
             change = float((X_new - X).norm() / X_new.norm().clamp_min(1e-300)) if X is not None else float("inf")
             X = X_new
@@ -332,7 +350,7 @@ class AprilRobust(Attack):
         den = (m * db[:, None] ** 2).sum(0).clamp_min(1e-300)
         return (num / den).expand(N, J).clone()
 
-    def _x_step(self, G, dW, mW, wW, qkv, lam, info, X0) -> tuple[torch.Tensor, int]:
+    def _x_step(self, G, dW, mW, wW, qkv, lam, info, X0, edge=None) -> tuple[torch.Tensor, int]:
         """argmin_X sum_j wW_j |mW (G^T X - dW)_j|^2 + sum_d omega_d |(G^T X W_e^T - R1)_d|^2 + lam |L X|^2 + eps |X|^2."""
         N, J = info.N, info.patch_dim
         eps = 1e-6 * lam
@@ -361,7 +379,7 @@ class AprilRobust(Attack):
             if qkv is not None:
                 out = out + G @ (om * (G.T @ X @ qkv["W_e"].T)) @ qkv["W_e"]
             img = patches_to_images(X[None], info)
-            out = out + lam * images_to_patches(_smooth_normal(img), info)[0] + eps * X
+            out = out + lam * images_to_patches(_smooth_normal(img, edge), info)[0] + eps * X
             return out
 
         def pre(x: torch.Tensor) -> torch.Tensor:

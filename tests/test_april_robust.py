@@ -79,10 +79,11 @@ def test_noise_read_off_the_redundancy_matches_the_truth(case):
     assert 0.7 * sigma < s["noise_std_from_redundancy"] < 1.4 * sigma
 
 
-def test_beats_the_exact_closed_forms_after_8bit_quantisation(case):
+@pytest.mark.parametrize("prior", ["smooth", "tv"])
+def test_beats_the_exact_closed_forms_after_8bit_quantisation(case, prior):
     model, x, update = case
     q = quantize_update(update, 8)
-    robust = psnr(attacks.create_attack("april_robust", quant_bits=8).reconstruct(model, q, MD).images, x)
+    robust = psnr(attacks.create_attack("april_robust", quant_bits=8, prior=prior, iterations=4).reconstruct(model, q, MD).images, x)
     april = psnr(attacks.create_attack("april_analytic").reconstruct(model, q, MD).images, x)
     assert robust > april + 3, (robust, april)
 
@@ -106,5 +107,7 @@ def test_refuses_batch_above_one_and_bad_options(case):
     assert res.failed and "batch size 1" in res.reason
     with pytest.raises(ValueError, match="sigma needs the clip"):
         attacks.create_attack("april_robust", sigma=0.1)
+    with pytest.raises(ValueError, match="prior must be"):
+        attacks.create_attack("april_robust", prior="l2")
     with pytest.raises(ValueError, match="use_qkv"):
         attacks.create_attack("april_robust", use_qkv="always")
