@@ -395,6 +395,30 @@ def option_types(factory: Callable[..., Any]) -> dict[str, Any]:
     return {k: v for k, v in _init_options(factory)[0].items() if v is not inspect.Parameter.empty}
 
 
+def attack_options(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The options of attack ``name`` checked against its ``__init__``: unknown ones refused (the
+    valid ones listed), number options converted and type-checked (:func:`create_attack`).
+
+    Raises:
+        ValueError: an unknown name or option, or a number option of the wrong type.
+    """
+    factory = attack_class(name)
+    known, open_ = _init_options(factory)
+    unknown = [] if open_ else sorted(set(options) - set(known), key=str)
+    if unknown:
+        valid = ", ".join(k for k in known if k != "name") or "none"
+        raise ValueError(f"bad options for attack {name!r}: unknown option(s) {unknown}; valid: {valid}")
+    types = option_types(factory)
+    out = dict(options)
+    for key, value in out.items():  # a number option: converted and type-checked, the option named
+        if key in types and any(m in (int, float) for m in typing.get_args(types[key]) or (types[key],)):
+            try:
+                out[key] = check_value(types[key], value, f"options.{key}")
+            except ValueError as err:
+                raise ValueError(f"bad options for attack {name!r}: {err}") from err
+    return out
+
+
 def create_attack(name: str, **options: Any) -> Attack:
     """Build an attack by name (built-in, entry point or ``package.module:Name``). An option annotated
     as a number is checked like a config key: written another way (``"1e-4"``, ``1e3`` for an
@@ -406,18 +430,7 @@ def create_attack(name: str, **options: Any) -> Attack:
             loaded, or bad options.
     """
     factory = attack_class(name)
-    known, open_ = _init_options(factory)
-    unknown = [] if open_ else sorted(set(options) - set(known), key=str)
-    if unknown:
-        valid = ", ".join(k for k in known if k != "name") or "none"
-        raise ValueError(f"bad options for attack {name!r}: unknown option(s) {unknown}; valid: {valid}")
-    types = option_types(factory)
-    for key, value in options.items():  # a number option: converted and type-checked, the option named
-        if key in types and any(m in (int, float) for m in typing.get_args(types[key]) or (types[key],)):
-            try:
-                options[key] = check_value(types[key], value, f"options.{key}")
-            except ValueError as err:
-                raise ValueError(f"bad options for attack {name!r}: {err}") from err
+    options = attack_options(name, options)
     try:
         attack = factory(name=name, **options) if getattr(factory, "takes_name", False) else factory(**options)
     except TypeError as err:  # unknown keyword -> a config error

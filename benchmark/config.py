@@ -291,7 +291,7 @@ def validate(cfg: dict) -> dict:
         raise ConfigError(f"attack_workers must be <= {cores} (this machine's CPUs) without a ray_address, "
                           f"got {cfg['attack_workers']}")
     _validate_models(cfg)
-    _validate_attack(cfg["attack"]["name"])
+    _validate_attack(cfg["attack"])
     _validate_attack_list(cfg)
     _validate_defences(cfg)
     return cfg
@@ -394,20 +394,22 @@ def _check_unique(names: list[str], what: str) -> None:
         raise ConfigError(f"{what}; repeated: {', '.join(duplicates)}")
 
 
-def _validate_attack(name: str) -> None:
-    """A built-in, an installed plug-in's entry point or a ``package.module:Name`` reference that
-    loads as an Attack subclass (a plug-in is imported here, so a bad one fails before any work)."""
-    from attacks.base import attack_class
+def _validate_attack(entry: dict) -> None:
+    """An attacker ``{name, options}``: a built-in, an installed plug-in's entry point or a
+    ``package.module:Name`` reference that loads as an Attack subclass (a plug-in is imported here,
+    so a bad one fails before any work), and options its class takes (number options converted in
+    place, attacks.base.attack_options)."""
+    from attacks.base import attack_options
 
     try:
-        attack_class(name)
+        entry["options"] = attack_options(entry["name"], entry["options"])
     except ValueError as err:
         raise ConfigError(str(err)) from err
 
 
 def _validate_attack_list(cfg: dict) -> None:
     for entry in cfg["attacks"]:
-        _validate_attack(entry["name"])
+        _validate_attack(entry)
     _check_unique([a["label"] for a in attack_entries(cfg)],
                   "attack labels must be unique (give each entry of attacks a label)")
 

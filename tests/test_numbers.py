@@ -312,6 +312,7 @@ def test_attack_option_in_scientific_notation(tmp_path: Path, recorded: dict, na
                                                       f"attack.options.{key}": sci(value)}))
     from_set = C.apply_overrides(C.load_config(), ["attacks=[]", f"attack.name={name}",
                                                    f"attack.options.{key}={sci(value, upper=True)}"])
+    _same(C.validate(from_set)["attack"]["options"][key], kind, value)  # converted when the config is checked
     for cfg in (from_file, from_set):
         recorded.clear()
         [entry] = C.attack_entries(cfg)
