@@ -1,10 +1,12 @@
-"""One configuration mechanism for the benchmark, central training and the Flower run config.
+"""One configuration mechanism for the benchmark, central training, the Flower run config, defence
+specs and attack options.
 
 A schema is a dataclass holding every key's type and default: sections are nested dataclasses, a
 choice is ``Literal[...]``, a nullable key ``Optional[...]``, a free-form mapping that its own code
-validates ``dict[str, Any]``, a range ``option(default, minimum=..., maximum=...)``. Each schema lives
-with its owner (fedmjp/trainconfig.py, clients/runconfig.py, benchmark/config.py); this module loads
-and checks, and knows none of them. :func:`conform` gives the defaults with the data on top, every
+validates ``dict[str, Any]``, a range ``option(default, minimum=..., maximum=..., above=...)``. Each
+schema lives with its owner (fedmjp/trainconfig.py, clients/runconfig.py, benchmark/config.py,
+defences/spec.py; an attack's options are its ``__init__`` arguments, attacks/base.py); this module
+loads and checks, and knows none of them. :func:`conform` gives the defaults with the data on top, every
 value checked: an unknown key is named with the valid keys, a wrong value with what the key takes.
 Types are YAML's: a bool is no number, an int is a valid float (and becomes one), null only where
 Optional.
