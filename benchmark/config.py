@@ -76,8 +76,9 @@ class Federation:
 
 
 @dataclass(kw_only=True)
-class ModelRow:
-    """One row of the table: the factory spec (:func:`fedmjp.factory.build_model`) and its weights."""
+class ModelRowConfig:
+    """A model row as the config writes it: the factory spec (:func:`fedmjp.factory.build_model`)
+    and its weights (the built row of a run is :class:`benchmark.pipeline.ModelRow`)."""
 
     name: str
     label: Optional[str] = None  # table label (default: name)
@@ -151,7 +152,7 @@ class BenchmarkConfig:
     utility: Utility = field(default_factory=Utility)
     data: Data = field(default_factory=Data)
     federation: Federation = field(default_factory=Federation)
-    models: list[ModelRow] = option([])
+    models: list[ModelRowConfig] = option([])
     attack: Attack = field(default_factory=Attack)
     # Several attackers per model row; empty: the one attack above
     attacks: list[AttackEntry] = option([])
@@ -442,7 +443,7 @@ def catalog() -> dict[str, list[tuple[str, str]]]:
 
 def model_spec(cfg: dict, index: int) -> dict:
     """The factory spec of model row ``index`` (label dropped; seed defaults to seed + index)."""
-    row = cfg["models"][index]  # a checked row holds every key of ModelRow
+    row = cfg["models"][index]  # a checked row holds every key of ModelRowConfig
     spec = {k: copy.deepcopy(v) for k, v in row.items() if k not in ("label", "recipe", "defence")}
     if spec["seed"] is None:
         spec["seed"] = int(cfg["seed"]) + index
