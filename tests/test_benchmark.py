@@ -308,7 +308,7 @@ def _is_str(tp: object) -> bool:
 
 
 FUZZ_CASES = ([(key, value) for key, tp in _leaf_keys() if key != "models" for value in _wrong_values(tp)]
-              + [(f"models.0.{key}", value) for key, tp in _leaf_keys(C.ModelRow)
+              + [(f"models.0.{key}", value) for key, tp in _leaf_keys(C.ModelRowConfig)
                  for value in (["[1, 2]"] if _is_str(tp) else ["abc", "[1]"])]
               + [("federation.partition", "foo"), ("federation.lr", "abc"), ("federation.lr", "-1"),
                  ("federation.lr", ".nan"), ("gamma", ".nan"), ("federation.options", "{no-such-key: 1}"),
