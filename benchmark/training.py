@@ -74,7 +74,10 @@ def train_jobs(cfg: dict) -> list[TrainJob]:
             raise ConfigError(f"model row {row['name']!r}: training recipe {recipe}: {err}") from err
         epochs = int(recipe_cfg.epochs)
         if Path(ckpt).suffix == ".safetensors":  # shipped weights: finished while the file exists
-            last = Path(recipe_cfg.output_dir) / "last.pth"
+            from .config import PROJECT_ROOT
+
+            out_dir = Path(recipe_cfg.output_dir)  # a relative one is the project's, as in the config's paths
+            last = (out_dir if out_dir.is_absolute() else PROJECT_ROOT / out_dir) / "last.pth"
             done = epochs if Path(ckpt).is_file() else checkpoint_epochs(last)
             jobs.append(TrainJob(str(row["name"]), recipe, last, done, epochs, export_to=Path(ckpt)))
             continue
