@@ -99,8 +99,8 @@ class AprilRobust(Attack):
     def __init__(self, sigma: Optional[float] = None, clip: Optional[float] = None,
                  quant_bits: Optional[int] = None, prune_missing: bool = True, prior_scale: float = 1.0,
                  prior_weight: Optional[float] = None, iterations: int = 10, use_qkv: str = "auto",
-                 errors: str = "joint", prior: str = "smooth", reestimate_noise: bool = True, cg_tol: float = 1e-12, cg_maxiter: int = 300,
-                 raise_errors: bool = False) -> None:
+                 errors: str = "joint", prior: str = "smooth", reestimate_noise: bool = True,
+                 cg_tol: float = 1e-12, cg_maxiter: int = 300, raise_errors: bool = False) -> None:
         super().__init__(raise_errors)
         if sigma is not None and (not math.isfinite(sigma) or sigma < 0):
             raise ValueError(f"sigma must be >= 0, got {sigma!r}")
