@@ -33,9 +33,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from scipy.sparse.linalg import LinearOperator, cg
 from torch.func import functional_call
 
 from .april import _gradient_of_Z, _is_design_a, _vit, check_conditions
@@ -46,7 +48,9 @@ from .matching import recover_labels
 
 _logger = logging.getLogger(__name__)
 
-REFINE_MODES = ("none", "prior", "match", "gauss_newton")
+REFINE_MODES = ("none", "prior", "span", "match")
+#: L-BFGS iterations of ``refine="span"`` by default (about a minute per 32 px image on one core).
+SPAN_ITERATIONS = 1500
 
 
 # ------------------------------------------------------------------------------------ detection
@@ -265,10 +269,10 @@ def smoothness_prior_solve(red: Reduction, grid: tuple[int, int], channels: int,
 def _prior_cg(Ns: torch.Tensor, where: torch.Tensor, N: int, d0: torch.Tensor, valid: torch.Tensor,
               grid: tuple[int, int], channels: int, p: int, ridge: float, tol: float, iterations: int
               ) -> torch.Tensor:
-    """The same least-squares problem as the dense path, matrix-free: conjugate gradients on the
-    normal equations (J J^T + ridge) c = -J d0, with J applied as "coefficients -> image -> pixel
-    differences" and its adjoint by autograd. Written by hand (no library CG takes an autograd
-    operator); at 224 px / patch 16 the dense J would need ~10^10 entries.
+    """The same least-squares problem as the dense path, matrix-free: conjugate gradients
+    (``scipy.sparse.linalg.cg``) on the normal equations (J J^T + ridge) c = -J d0, with J applied
+    as "coefficients -> image -> pixel differences" and its adjoint by autograd, wrapped in a
+    ``LinearOperator``; at 224 px / patch 16 the dense J would need ~10^10 entries.
 
     Returns:
         c [len(where), k].
@@ -288,22 +292,14 @@ def _prior_cg(Ns: torch.Tensor, where: torch.Tensor, N: int, d0: torch.Tensor, v
 
     c0 = torch.zeros(len(where), k, dtype=torch.float64, requires_grad=True)
     (rhs,) = torch.autograd.grad(forward(c0), c0, grad_outputs=-d0)
-    x = torch.zeros_like(rhs)
-    r = rhs.clone()
-    d = r.clone()
-    rr = float((r * r).sum())
-    stop = tol * tol * max(float((rhs * rhs).sum()), 1e-300)
-    for _ in range(iterations):
-        if rr <= stop:
-            break
-        q = normal(d)
-        alpha = rr / float((d * q).sum())
-        x = x + alpha * d
-        r = r - alpha * q
-        rr_new = float((r * r).sum())
-        d = r + (rr_new / rr) * d
-        rr = rr_new
-    return x
+    n = rhs.numel()
+
+    def matvec(v: np.ndarray) -> np.ndarray:
+        return normal(torch.from_numpy(np.ascontiguousarray(v)).reshape(rhs.shape)).reshape(-1).numpy()
+
+    sol, _ = cg(LinearOperator((n, n), matvec=matvec, dtype=np.float64), rhs.reshape(-1).numpy(),
+                rtol=tol, atol=0.0, maxiter=iterations)
+    return torch.from_numpy(sol).reshape(rhs.shape)
 
 
 def tv_prior_refine(red: Reduction, b0: torch.Tensor, grid: tuple[int, int], channels: int, p: int,
@@ -333,22 +329,139 @@ def tv_prior_refine(red: Reduction, b0: torch.Tensor, grid: tuple[int, int], cha
     return b.detach()
 
 
+# ------------------------------------------------------------------------------------ deeper layers
+@dataclass
+class InputSpan:
+    """The span of one linear layer's inputs, read off its weight gradient.
+
+    Attributes:
+        name: the layer's module name (``blocks.1.attn.qkv``, ``head``, ...).
+        basis: [fan_in, r] orthonormal basis of the row space of dL/dW.
+        rows: None: every token's input lies in the span; an int n: only the first n (prefix) rows.
+    """
+
+    name: str
+    basis: torch.Tensor
+    rows: Optional[int]
+
+
+def input_spans(vit: nn.Module, grads: dict, num_tokens: int, noise_factor: float = 10.0) -> list[InputSpan]:
+    """Known input spans of the linear layers of every block and of the classifier head.
+
+    For y = a W^T + c over the T tokens of one image, dL/dW = sum_t g_t a_t^T, so the row space of
+    dL/dW is span{a_t} wherever the output gradients g_t have rank T (T <= fan-in): an exact
+    constraint on the layer's inputs that needs neither the label nor the loss. The rank is read
+    against the gradient's own rounding noise: dL/dW has rank <= T, so its (T+1)-th singular value
+    is noise, and r counts the singular values above ``noise_factor`` times it (above 64 eps s_0
+    where the matrix has no (T+1)-th). Where r = T every token is constrained. Where r < T the span
+    holds only some combinations of the tokens; in the last block and the head of a class-token
+    model only the class token reaches the loss (its query, the attention's keys and values), and
+    its own input is in the span, so the prefix rows are constrained there; elsewhere the layer is
+    left out. Block 0's qkv is left out: its input span is what the reduction already satisfies.
+    """
+    prefix = int(getattr(vit, "num_prefix_tokens", 1))
+    last = f"blocks.{len(vit.blocks) - 1}."
+    token_pool = getattr(vit, "global_pool", "token") == "token" and prefix > 0
+    out = []
+    for name, module in vit.named_modules():
+        if not isinstance(module, nn.Linear) or name + ".weight" not in grads or name == "blocks.0.attn.qkv":
+            continue
+        if not (name.startswith("blocks.") or name == "head"):
+            continue
+        G = grads[name + ".weight"].to("cpu", torch.float64)
+        if G.shape[1] <= num_tokens or float(G.abs().max()) == 0:
+            continue  # fan-in <= T: the span is the whole input space (or nothing is known)
+        _, sv, Vh = torch.linalg.svd(G, full_matrices=False)
+        floor = float(sv[num_tokens]) if len(sv) > num_tokens else 64 * torch.finfo(G.dtype).eps * float(sv[0])
+        r = int((sv > noise_factor * max(floor, torch.finfo(G.dtype).tiny)).sum())
+        if r >= num_tokens:
+            rows = None
+        elif token_pool and (name.startswith(last) or name == "head") and r > 0:
+            rows = prefix
+        else:
+            continue
+        out.append(InputSpan(name, Vh[:r].T.contiguous(), rows))
+    return out
+
+
+class SpanResidual:
+    """Distance of candidate tokens' layer inputs from the spans the update gives (float64).
+
+    ``value(x)`` runs the attacker's copy of the model on candidate inputs x [B, C, H, W] with E_unk
+    at the detected positions and returns, per candidate, the mean over layers of
+    ||A_l - A_l V_l V_l^T||^2 / ||A_l||^2 (A_l the layer's inputs, V_l the basis of its span): zero at
+    the client's input, and a function of the orbit the first layer cannot resolve.
+    """
+
+    def __init__(self, vit: nn.Module, spans: list[InputSpan], shuffled: torch.Tensor) -> None:
+        self.work = copy.deepcopy(vit).to("cpu", torch.float64).eval().requires_grad_(False)
+        for blk in self.work.blocks:
+            if hasattr(blk.attn, "fused_attn"):
+                blk.attn.fused_attn = False
+        self.spans, self.shuffled = spans, shuffled.cpu()
+        self._inputs: dict[str, torch.Tensor] = {}
+        modules = dict(self.work.named_modules())
+        for span in spans:
+            modules[span.name].register_forward_hook(self._keep(span.name))
+
+    def _keep(self, name: str):
+        def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+            self._inputs[name] = args[0]
+        return hook
+
+    def per_layer(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, L] relative squared residual of each candidate at each layer."""
+        self._inputs.clear()
+        self.work(x, unk_mask=self.shuffled[None].expand(x.shape[0], -1))
+        out = []
+        for span in self.spans:
+            A = self._inputs[span.name]
+            A = A[:, None] if A.dim() == 2 else A  # the head sees the pooled token only
+            if span.rows is not None:
+                A = A[:, :span.rows]
+            R = A - (A @ span.basis) @ span.basis.T
+            out.append(R.pow(2).sum(dim=(1, 2)) / A.pow(2).sum(dim=(1, 2)).clamp_min(1e-300))
+        return torch.stack(out, dim=1)
+
+    def value(self, x: torch.Tensor) -> torch.Tensor:
+        """[B] mean over layers of :meth:`per_layer`."""
+        return self.per_layer(x).mean(dim=1)
+
+
+def _lbfgs(objective, b: torch.Tensor, a: torch.Tensor, iterations: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``iterations`` of L-BFGS (strong Wolfe) on objective(b, a) -> scalar; returns (b, a, iterations run)."""
+    vb, va = b.clone().requires_grad_(True), a.clone().requires_grad_(True)
+    opt = torch.optim.LBFGS([vb, va], lr=1.0, max_iter=iterations, history_size=50, line_search_fn="strong_wolfe",
+                            tolerance_grad=1e-20, tolerance_change=1e-30)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        obj = objective(vb, va)
+        obj.backward()
+        return obj
+
+    opt.step(closure)
+    return vb.detach(), va.detach(), int(opt.state[opt._params[0]].get("n_iter", 0))
+
+
 # ------------------------------------------------------------------------------------ attack
 @register_attack("mjp_adaptive")
 class MJPAdaptive(Attack):
     """MJP-aware attack (module docstring).
 
     Args:
-        refine: ``none`` (minimum norm), ``prior`` (smoothness prior, closed form), ``match``
-            (prior, then L-BFGS gradient matching over the reduced parameters) or ``gauss_newton``
-            (prior, then Levenberg-Marquardt on the gradient residual, matrix-free CG steps).
-        iterations: L-BFGS iterations per matching round, or Levenberg-Marquardt steps.
+        refine: ``none`` (minimum norm), ``prior`` (smoothness prior, closed form), ``span`` (prior,
+            then L-BFGS on the deeper layers' input spans, :class:`SpanResidual`; the default) or
+            ``match`` (prior, then L-BFGS gradient matching over the reduced parameters).
+        iterations: L-BFGS iterations per matching round (``match``).
+        span_iterations: L-BFGS iterations on the span residual from the best start (``span``).
+        starts: starting points of the shuffled patches tried (``span``): the prior's draw and
+            ``starts - 1`` more, each run ``probe_iterations`` (batched), the lowest residual kept.
+        probe_iterations: L-BFGS iterations of every start before one is kept.
         tv_prior: refine the quadratic prior's unshuffled coefficients under a total-variation prior.
         joint_prior: the prior also inpaints the shuffled patches inside their affine hull (else
             they start as random points of the hull).
-        cg_iterations: conjugate-gradient iterations per Levenberg-Marquardt step; 0 builds the
-            Jacobian explicitly (exact Gauss-Newton steps, ~P times the cost of one step's products).
-        rounds: alternating rounds (shuffled block, then all parameters).
+        rounds: alternating rounds (shuffled block, then all parameters) of ``match``.
         prior_weight: weight of the smoothness prior inside gradient matching (relative units).
         unshuffle: solve the jigsaw and return ``result.unshuffled``.
         rcond: None: the reduction's null space has the dimension the theory gives; a float: a
@@ -360,20 +473,26 @@ class MJPAdaptive(Attack):
 
     name = "mjp_adaptive"
 
-    def __init__(self, refine: str = "prior", iterations: int = 30, rounds: int = 1, prior_weight: float = 1e-3,
+    def __init__(self, refine: str = "span", iterations: int = 30, rounds: int = 1, prior_weight: float = 1e-3,
+                 span_iterations: int = SPAN_ITERATIONS, starts: int = 4, probe_iterations: int = 40,
                  unshuffle: bool = True, rcond: Optional[float] = None, dal_weight: Optional[float] = None,
-                 cg_iterations: int = 40, joint_prior: bool = False, tv_prior: bool = True,
+                 joint_prior: bool = False, tv_prior: bool = True,
                  fallback_iterations: int = 200, seed: int = 0, raise_errors: bool = False) -> None:
         super().__init__(raise_errors)
         if refine not in REFINE_MODES:
             raise ValueError(f"refine must be one of {REFINE_MODES}, got {refine!r}")
-        if iterations < 0 or rounds < 0:
-            raise ValueError("iterations and rounds must be >= 0")
+        for key, value in (("iterations", iterations), ("rounds", rounds), ("span_iterations", span_iterations),
+                           ("probe_iterations", probe_iterations)):
+            if value < 0:
+                raise ValueError(f"{key} must be >= 0, got {value!r}")
+        if starts < 1:
+            raise ValueError(f"starts must be >= 1, got {starts!r}")
+        self.span_iterations, self.starts, self.probe_iterations = int(span_iterations), int(starts), int(probe_iterations)
         self.refine, self.iterations, self.rounds = refine, int(iterations), int(rounds)
         self.prior_weight, self.unshuffle = float(prior_weight), bool(unshuffle)
         self.rcond = None if rcond is None else float(rcond)
         self.dal_weight, self.fallback_iterations, self.seed = dal_weight, int(fallback_iterations), int(seed)
-        self.cg_iterations, self.joint_prior, self.tv_prior = int(cg_iterations), bool(joint_prior), bool(tv_prior)
+        self.joint_prior, self.tv_prior = bool(joint_prior), bool(tv_prior)
 
     # ------------------------------------------------------------------------------- pieces
     def read_update(self, vit: nn.Module, grads: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict, dict]:
@@ -475,33 +594,85 @@ class MJPAdaptive(Attack):
         a = 0.1 * torch.randn(nS, red.null_basis.shape[0], generator=gen, dtype=torch.float64) @ red.null_basis
         if k == 0:
             stats.setdefault("note", "no null directions: the reduction leaves nothing to refine")
-        elif self.refine in ("prior", "match"):
+        elif self.refine in ("prior", "span", "match"):
             b, a = smoothness_prior_solve(red, grid, C, p, std, joint=self.joint_prior)
             if self.tv_prior:
                 b = tv_prior_refine(red, b, grid, C, p, std)
             if not self.joint_prior:
-                # Gaussian with the mean and full covariance of the unshuffled patches' null-space
-                # coordinates (spread like them; equivariant under a rotation of the basis).
-                coords = (red.x_unshuffled + b @ red.null_basis.T - red.x_bar) @ red.null_basis
-                centred = coords - coords.mean(dim=0, keepdim=True)
-                z = torch.randn(nS, nU, generator=gen, dtype=torch.float64) / max(nU - 1, 1) ** 0.5
-                a = coords.mean(dim=0, keepdim=True) + z @ centred
-        if self.refine in ("match", "gauss_newton") and self.iterations > 0 and nS > 0 and k > 0:
+                a = self._draw_shuffled(red, b, nS, gen)
+        if self.refine == "span" and nS > 0 and k > 0:
+            b, a, sstats = self._span(vit, grads, red, b, a, grid, C, p, gen)
+            stats.update(sstats)
+        if self.refine == "match" and self.iterations > 0 and nS > 0 and k > 0:
             labels = self._labels(vit, grads, meta)
-            solver = self._match if self.refine == "match" else self._gauss_newton
-            b, a, mstats = solver(vit, grads, red, b, a, labels, grid, C, p, std)
+            b, a, mstats = self._match(vit, grads, red, b, a, labels, grid, C, p, std)
             stats.update(mstats)
             stats["_labels"] = labels
         return self._assemble(red, b, a, grid, C, p), stats
 
     @staticmethod
     def _assemble(red: Reduction, b: torch.Tensor, a: torch.Tensor, grid, C: int, p: int) -> torch.Tensor:
-        """Model-input image [1, C, H, W] from the reduced parameters (shuffled at S in our order)."""
+        """Model-input images from the reduced parameters (shuffled at S in our order): b [nU, k],
+        a [nS, k] -> [1, C, H, W]; b [B, nU, k], a [B, nS, k] -> [B, C, H, W]."""
+        batched = b.dim() == 3
+        b, a = (b, a) if batched else (b[None], a[None])
         N = red.shuffled.numel()
-        x = torch.zeros(N, C * p * p, dtype=torch.float64)
-        x = x.index_put((torch.nonzero(~red.shuffled).flatten(),), red.x_unshuffled + b @ red.null_basis.T)
-        x = x.index_put((torch.nonzero(red.shuffled).flatten(),), red.x_bar + a @ red.null_basis.T)
-        return patches_to_image(x, grid, C, p)[None]
+        x = torch.zeros(b.shape[0], N, C * p * p, dtype=torch.float64)
+        x[:, ~red.shuffled] = red.x_unshuffled + b @ red.null_basis.T
+        x[:, red.shuffled] = red.x_bar + a @ red.null_basis.T
+        return patches_to_image(x, grid, C, p)
+
+    def _span(self, vit: nn.Module, grads: dict, red: Reduction, b0: torch.Tensor, a0: torch.Tensor, grid,
+              C: int, p: int, gen: torch.Generator):
+        """Fit the reduced parameters (b, a) to the deeper layers' input spans (:class:`SpanResidual`):
+        ``starts`` starting points of the shuffled patches (the given one and fresh draws of the same
+        law) run ``probe_iterations`` of L-BFGS side by side, the one with the lowest residual runs
+        ``span_iterations`` more. No label and no loss: the spans hold for any loss."""
+        T = red.shuffled.numel() + int(getattr(vit, "num_prefix_tokens", 1))
+        spans = input_spans(vit, grads, T)
+        if not spans:
+            return b0, a0, dict(span_note="no layer gives a usable input span")
+        residual = SpanResidual(vit, spans, red.shuffled)
+        nS = a0.shape[0]
+        starts = [a0] + [self._draw_shuffled(red, b0, nS, gen) for _ in range(self.starts - 1)]
+        b = b0.expand(len(starts), -1, -1).clone()
+        a = torch.stack(starts)
+
+        def objective(vb: torch.Tensor, va: torch.Tensor) -> torch.Tensor:
+            return residual.value(self._assemble(red, vb, va, grid, C, p))
+
+        with torch.no_grad():
+            first = objective(b, a)
+        iters = 0
+        if self.probe_iterations and len(starts) > 1:
+            b, a, n = _lbfgs(lambda vb, va: objective(vb, va).sum(), b, a, self.probe_iterations)
+            iters += n
+        with torch.no_grad():
+            probe = objective(b, a)
+        best = int(torch.argmin(probe))
+        b, a = b[best:best + 1], a[best:best + 1]
+        if self.span_iterations:
+            b, a, n = _lbfgs(lambda vb, va: objective(vb, va).sum(), b, a, self.span_iterations)
+            iters += n
+        with torch.no_grad():
+            per_layer = residual.per_layer(self._assemble(red, b, a, grid, C, p))[0]
+        last = float(per_layer.mean())
+        _logger.debug("mjp_adaptive span residual: %.3e -> %.3e in %d iterations", float(first.min()), last, iters)
+        return b[0], a[0], dict(objective=last, objective_first=float(first[0]), iterations=iters,
+                                span_layers=[sp.name for sp in spans], span_start=best,
+                                span_start_objectives=[float(v) for v in probe],
+                                span_worst_layer=spans[int(torch.argmax(per_layer))].name)
+
+    @staticmethod
+    def _draw_shuffled(red: Reduction, b: torch.Tensor, nS: int, gen: torch.Generator) -> torch.Tensor:
+        """Shuffled patches' coefficients [nS, k] drawn from a Gaussian with the mean and full
+        covariance of the unshuffled patches' null-space coordinates (spread like them; equivariant
+        under a rotation of the basis, so the draw does not depend on how SVD picked it)."""
+        nU = red.x_unshuffled.shape[0]
+        coords = (red.x_unshuffled + b @ red.null_basis.T - red.x_bar) @ red.null_basis
+        centred = coords - coords.mean(dim=0, keepdim=True)
+        z = torch.randn(nS, nU, generator=gen, dtype=torch.float64) / max(nU - 1, 1) ** 0.5
+        return coords.mean(dim=0, keepdim=True) + z @ centred
 
     def _match(self, vit: nn.Module, grads: dict, red: Reduction, b0: torch.Tensor, a0: torch.Tensor,
                labels: torch.Tensor, grid, C: int, p: int, std: torch.Tensor):
@@ -559,99 +730,6 @@ class MJPAdaptive(Attack):
         last = float(objective(b, a).detach())
         _logger.debug("mjp_adaptive matching: %.3e -> %.3e in %d iterations", first, last, iters)
         return b, a, dict(objective=last, objective_first=first, iterations=iters, matched_parameters=len(names))
-
-    def _gauss_newton(self, vit: nn.Module, grads: dict, red: Reduction, b0: torch.Tensor, a0: torch.Tensor,
-                      labels: torch.Tensor, grid, C: int, p: int, std: torch.Tensor):
-        """Levenberg-Marquardt on r(theta) = (g(theta) - g*) / |g*| per parameter, theta = (b, a).
-
-        Large gradients (> 20k entries, e.g. W_qkv) are sketched by a fixed random projection of
-        their last axis (16 columns) so that r stays ~1e5 long. Each step solves
-        (J^T J + lam diag) d = -J^T r by conjugate gradients with J v (forward over reverse) and
-        J^T u (reverse) products, accepted if |r| drops, else lam grows ten-fold.
-        """
-        work = copy.deepcopy(vit).to("cpu", torch.float64).eval()
-        for blk in work.blocks:
-            if hasattr(blk.attn, "fused_attn"):
-                blk.attn.fused_attn = False
-        params = {n: q.detach() for n, q in work.named_parameters()}
-        buffers = dict(work.named_buffers())
-        names = [n for n in params if n in grads and not n.startswith("dal_head.") and float(grads[n].abs().max()) > 0]
-        gen = torch.Generator().manual_seed(self.seed + 1)
-        sketch, target = {}, {}
-        for n in names:
-            t = grads[n].to(torch.float64)
-            if t.numel() > 20000:
-                sketch[n] = torch.randn(t.shape[-1], 16, generator=gen, dtype=torch.float64) / 4
-                t = t.reshape(-1, t.shape[-1]) @ sketch[n]
-            target[n] = (t.reshape(-1), t.norm().clamp_min(1e-300))
-        nU, k = b0.shape
-        nS = a0.shape[0]
-        mask, y = red.shuffled[None], labels.reshape(1)
-        sub = {n: params[n] for n in names}
-
-        def loss_fn(ps: dict, theta: torch.Tensor) -> torch.Tensor:
-            x = self._assemble(red, theta[:nU * k].reshape(nU, k), theta[nU * k:].reshape(nS, k), grid, C, p)
-            out = functional_call(work, ({**params, **ps}, buffers), (x,), {"unk_mask": mask})
-            return F.cross_entropy(out, y)
-
-        def resid(theta: torch.Tensor) -> torch.Tensor:
-            g = torch.func.grad(loss_fn)(sub, theta)
-            out = []
-            for n in names:
-                gi = g[n].reshape(-1, g[n].shape[-1]) @ sketch[n] if n in sketch else g[n]
-                out.append((gi.reshape(-1) - target[n][0]) / target[n][1])
-            return torch.cat(out) / len(names) ** 0.5
-
-        theta = torch.cat([b0.flatten(), a0.flatten()])
-        r = resid(theta)
-        first, lam, steps = float(r.pow(2).sum()), 1e-3, 0
-        for _ in range(self.iterations):
-            _, jvp_fn = torch.func.linearize(resid, theta)
-            _, vjp_fn = torch.func.vjp(resid, theta)
-            rhs = -vjp_fn(r)[0]
-            JtJ = None
-            if self.cg_iterations == 0:  # explicit Jacobian, P forward-over-reverse products
-                eye = torch.eye(theta.numel(), dtype=theta.dtype)
-                col = lambda v: torch.func.jvp(resid, (theta,), (v,))[1]  # noqa: E731
-                J = torch.cat([torch.func.vmap(col)(eye[c:c + 128]) for c in range(0, len(eye), 128)])  # [P, R]
-                JtJ = J @ J.T
-                del J
-            while lam < 1e10:
-                if JtJ is not None:
-                    d = torch.linalg.solve(JtJ + lam * torch.diag(torch.diag(JtJ)).clamp_min(1e-30)
-                                           + 1e-30 * torch.eye(len(JtJ), dtype=JtJ.dtype), rhs)
-                    r_new = resid(theta + d)
-                    if float(r_new.pow(2).sum()) < float(r.pow(2).sum()):
-                        theta, r, lam = theta + d, r_new, max(lam / 3, 1e-12)
-                        steps += 1
-                        break
-                    lam *= 10
-                    continue
-                # CG on (J^T J + lam I) d = rhs (Jacobi-free: the reduced coordinates are orthonormal)
-                d = torch.zeros_like(theta)
-                res_cg, direction = rhs.clone(), rhs.clone()
-                rr = float(res_cg @ res_cg)
-                for _ in range(self.cg_iterations):
-                    Ap = vjp_fn(jvp_fn(direction))[0] + lam * direction
-                    alpha = rr / float(direction @ Ap)
-                    d = d + alpha * direction
-                    res_cg = res_cg - alpha * Ap
-                    rr_new = float(res_cg @ res_cg)
-                    if rr_new < 1e-20 * float(rhs @ rhs):
-                        break
-                    direction = res_cg + (rr_new / rr) * direction
-                    rr = rr_new
-                r_new = resid(theta + d)
-                if float(r_new.pow(2).sum()) < float(r.pow(2).sum()):
-                    theta, r, lam = theta + d, r_new, max(lam / 3, 1e-12)
-                    steps += 1
-                    break
-                lam *= 10
-            _logger.debug("mjp_adaptive LM step %d: residual %.3e, lam %.1e", steps, float(r.pow(2).sum()), lam)
-        last = float(r.pow(2).sum())
-        b, a = theta[:nU * k].reshape(nU, k), theta[nU * k:].reshape(nS, k)
-        return b.detach(), a.detach(), dict(objective=last, objective_first=first, iterations=steps,
-                                            matched_parameters=len(names))
 
     def _not_mjp(self, model: nn.Module, update: Update, meta: AttackMetadata) -> AttackResult:
         """A model without E_unk: knowing MJP adds nothing, so the strongest attacker that knows the

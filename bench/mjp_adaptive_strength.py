@@ -1,0 +1,124 @@
+"""How strong is the MJP-aware attacker? Per-image PSNR of ``mjp_adaptive`` against APRIL.
+
+For each image (32 px, float64 clients, gamma 0.27) a design-A MJP ViT (``mjp_vit_cifar_patch4_32``,
+depth 4, variant mjp, April surgery as in configs/default.yaml) with fresh weights, and the same
+weights with the query/key rows of every block's qkv scaled (``--qk-scale``, 4 by default: attention
+about as sharp as a trained model's), produces a client update; each attacker reconstructs it:
+
+- ``april``: ``april_analytic`` (plain APRIL, the attacker MJP was designed against);
+- ``prior``: ``mjp_adaptive`` with ``refine="prior"`` (first layer only + an image prior);
+- ``span``: ``mjp_adaptive`` with ``refine="span"`` (the default: the deeper layers' input spans).
+
+Printed per image: PSNR of the unshuffled region, of the shuffled patches as a set (after the
+best matching; their order is invisible), of setting (c) (the jigsaw's unshuffled image against
+the original), and the attack's CPU seconds (process time: with OMP_NUM_THREADS=1, one core's work
+even on a shared machine).
+
+    OMP_NUM_THREADS=1 python bench/mjp_adaptive_strength.py                   # scikit-image's images
+    OMP_NUM_THREADS=1 python bench/mjp_adaptive_strength.py --images DIR      # the first 4 JPEGs of DIR
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import timm
+import torch
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import attacks  # noqa: E402
+import fedmjp  # noqa: E402,F401  (registers the models)
+from fedmjp.factory import normalize  # noqa: E402
+from metrics.regions import region_scores  # noqa: E402
+
+MEAN, STD = torch.tensor([0.485, 0.456, 0.406]).double(), torch.tensor([0.229, 0.224, 0.225]).double()
+SKIMAGE = ("astronaut", "coffee", "chelsea", "rocket")
+
+
+def square(img: Image.Image, size: int) -> torch.Tensor:
+    """[3, size, size] float64 in [0, 1]: center crop and bilinear resize."""
+    img = img.convert("RGB")
+    s = min(img.size)
+    left, top = (img.width - s) // 2, (img.height - s) // 2
+    img = img.crop((left, top, left + s, top + s)).resize((size, size), Image.BILINEAR)
+    return torch.from_numpy(np.array(img)).permute(2, 0, 1).double() / 255
+
+
+def load_images(folder: Path | None, n: int, size: int) -> list[tuple[str, torch.Tensor]]:
+    if folder is None:
+        import skimage.data
+
+        return [(name, square(Image.fromarray(getattr(skimage.data, name)()), size)) for name in SKIMAGE[:n]]
+    files = sorted(p for p in folder.iterdir() if p.suffix.lower() in (".jpeg", ".jpg", ".png"))[:n]
+    if len(files) < n:
+        raise SystemExit(f"--images {folder}: need {n} images, found {len(files)}")
+    return [(f.name, square(Image.open(f), size)) for f in files]
+
+
+def make_model(qk_scale: float, depth: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = timm.create_model("mjp_vit_cifar_patch4_32", variant="mjp", first_block="april", depth=depth)
+    model = model.eval().double()
+    if qk_scale != 1.0:
+        with torch.no_grad():
+            for blk in model.blocks:
+                D = blk.attn.qkv.weight.shape[1]
+                blk.attn.qkv.weight[:2 * D] *= qk_scale
+                if blk.attn.qkv.bias is not None:
+                    blk.attn.qkv.bias[:2 * D] *= qk_scale
+    return model
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--images", type=Path, default=None, help="folder of images (default: scikit-image's)")
+    p.add_argument("--num-images", type=int, default=4)
+    p.add_argument("--depth", type=int, default=4)
+    p.add_argument("--qk-scale", type=float, default=4.0)
+    p.add_argument("--attacks", default="april,prior,span", help="comma-separated: april, prior, span, match")
+    p.add_argument("--span-iterations", type=int, default=None, help="mjp_adaptive's span_iterations")
+    p.add_argument("--starts", type=int, default=None, help="mjp_adaptive's starts")
+    args = p.parse_args()
+    images = load_images(args.images, args.num_images, 32)
+    extra = {k: v for k, v in (("span_iterations", args.span_iterations), ("starts", args.starts)) if v is not None}
+    makers = {"april": lambda: attacks.create_attack("april_analytic"),
+              "prior": lambda: attacks.create_attack("mjp_adaptive", refine="prior"),
+              "span": lambda: attacks.create_attack("mjp_adaptive", refine="span", **extra),
+              "match": lambda: attacks.create_attack("mjp_adaptive", refine="match")}
+    names = args.attacks.split(",")
+    print(f"mjp_vit_cifar_patch4_32 depth {args.depth}, design A, float64, gamma 0.27, "
+          f"threads {torch.get_num_threads()}; PSNR dB: unshuffled region / shuffled set / setting (c)")
+    for label, qk in (("fresh", 1.0), (f"qk x{args.qk_scale:g}", args.qk_scale)):
+        model = make_model(qk, args.depth)
+        table: dict[str, list[tuple[float, float, float, float]]] = {n: [] for n in names}
+        for i, (name, x) in enumerate(images):
+            x = x[None]
+            plan = model.draw_plan(1, gamma=0.27, seed=100 + i)
+            x_t = model.shuffle_images(x, plan)
+            update = attacks.compute_update(model, normalize(x_t, MEAN, STD), torch.tensor([i % 10]),
+                                            unk_mask=plan.mask)
+            line = [f"[{label}] {name:12s} |S|={int(plan.mask.sum()):2d}"]
+            for n in names:
+                t0 = time.process_time()  # CPU seconds: the machine may be shared
+                res = makers[n]().reconstruct(model, update, dict(mean=MEAN, std=STD))
+                dt = time.process_time() - t0
+                sc = region_scores(res.images.double(), x_t, plan.mask, 4)
+                est = res.unshuffled if res.unshuffled is not None else res.images
+                pc = float(-10 * torch.log10((est.double().clamp(0, 1) - x).pow(2).mean()))
+                row = (float(sc["psnr_unshuffled"][0]), float(sc["psnr_shuffled"][0]), pc, dt)
+                table[n].append(row)
+                line.append(f"{n} {row[0]:5.1f} / {row[1]:5.1f} / {row[2]:5.1f} ({dt:5.1f} s)")
+            print("  ".join(line), flush=True)
+        for n in names:
+            cols = list(zip(*table[n]))
+            print(f"[{label}] median {n:6s} {statistics.median(cols[0]):5.1f} / {statistics.median(cols[1]):5.1f} / "
+                  f"{statistics.median(cols[2]):5.1f} dB, {statistics.mean(cols[3]):5.1f} CPU s/image", flush=True)
+
+
+if __name__ == "__main__":
+    main()
