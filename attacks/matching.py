@@ -488,16 +488,21 @@ class InvertingGradientsClosedStart(GradientMatching):
       size halved on a plateau; the stats keep the loss curve (``objective_curve``) and whether
       it converged, per restart in ``trials``.
 
-    Why the defaults: an unsigned Adam at lr 0.01 (normalised units) keeps a good start instead of
+    Why the defaults: an unsigned Adam at lr 0.03 (normalised units) refines a start instead of
     moving every pixel by the signed step breaching's IG takes from noise (lr 0.1); a light TV
-    (0.01) because the closed form's start needs no smoothing where it is exact.
+    (0.01) because the closed form's start needs no smoothing where it is exact. Measured on two
+    bundled photographs, 32 px design-A ViT (depth 4, fresh weights, float64 clients) after 8-bit
+    quantisation of the update: from pe_closed_form's 7.1 / 6.5 dB (APRIL 6.0 / 5.9) to 12.0 / 18.5 dB
+    in 1500 steps, the objective's relative change per 50 steps down from 9 % to 1.5 % on the first
+    image; hence up to 2000 steps and a stop at < 0.1 % per 50 steps. Cost: ~60 ms of one CPU core
+    per image and step at that size (``time_s`` in the stats).
     """
 
     name = "ig_closed_start"
 
-    def __init__(self, iterations: int = 3000, lr: float = 0.01, tv: float = 0.01, signed: Optional[str] = None,
-                 scheduler: Optional[str] = None, restarts: int = 2, converge_window: int = 100,
-                 converge_tol: float = 1e-4, start_attacks: Optional[Sequence[str]] = None, mjp_mask: bool = True,
+    def __init__(self, iterations: int = 2000, lr: float = 0.03, tv: float = 0.01, signed: Optional[str] = None,
+                 scheduler: Optional[str] = None, restarts: int = 2, converge_window: int = 50,
+                 converge_tol: float = 1e-3, start_attacks: Optional[Sequence[str]] = None, mjp_mask: bool = True,
                  **options) -> None:
         if converge_window < 1:
             raise ValueError("ig_closed_start needs converge_window >= 1 (it runs to convergence)")

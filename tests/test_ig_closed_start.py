@@ -59,7 +59,7 @@ def test_converges_records_the_curve_and_batching_changes_nothing() -> None:
         ups.append(quantize_update(u, 8))
         mds.append(meta(i))
         xs.append(x)
-    opts = dict(iterations=400, converge_window=10, converge_tol=1e-2, restarts=1, curve_every=5)
+    opts = dict(iterations=400, lr=0.01, converge_window=10, converge_tol=1e-2, restarts=1, curve_every=5)
     together = attacks.create_attack("ig_closed_start", **opts).reconstruct_many(model, ups, mds)
     for k, res in enumerate(together):
         st = res.stats[0]
