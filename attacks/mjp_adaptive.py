@@ -14,9 +14,19 @@ docs/design.md, "Attacking MJP with knowledge of MJP". For one batch-1 update of
    space of (I - Pi) W_e, which is the span of differences of the shuffled patches (|S| - 1 dims), and
    the shuffled patches lie on their affine hull x_bar + span(N). Parameters: b_u (unshuffled) and
    a_s (shuffled), each in R^k, k = dim N.
+   Every first-layer observable is invariant under Z -> (I + C) Z with C nonzero only in the
+   columns of S and zero row sums over S: (b, a) is exactly that orbit, N(|S| - 1) directions.
 3. Refinement (``refine``): a quadratic smoothness prior over the unshuffled image solved in closed
-   form, refined under a total-variation prior (``prior``), then gradient matching over (b, a) in float64 with the attacker's forward using
-   ``unk_mask = S``, L-BFGS, alternating blocks (shuffled with unshuffled fixed, then both).
+   form, refined under a total-variation prior (``prior``); then (``span``, the default) the deeper
+   layers fix (b, a): the weight gradient of every linear layer (block 0's proj, fc1, fc2, every
+   later block's qkv, proj, fc1, fc2, the head) spans that layer's inputs (dL/dW = sum_t g_t a_t^T),
+   so the candidate's inputs must lie in those spans, a residual that is zero at the client's
+   input and needs neither the label nor the loss (:func:`input_spans`, :class:`SpanResidual`);
+   L-BFGS in float64 from several starts of the shuffled patches. ``match`` instead matches the
+   whole gradient over (b, a) with the attacker's forward using ``unk_mask = S`` (L-BFGS,
+   alternating blocks: shuffled with unshuffled fixed, then both). How far the spans resolve the
+   orbit depends on how sharp attention is: on fresh weights the tokens after block 0 differ by
+   ~1e-7 relative and little is gained; bench/mjp_adaptive_strength.py measures it.
 4. ``unshuffle=True``: solve the jigsaw (:mod:`attacks.jigsaw_solver`) and return ``result.unshuffled``.
 
 The permutation of the shuffled patches among S is invisible in every gradient (all of S carries the
@@ -49,8 +59,14 @@ from .matching import recover_labels
 _logger = logging.getLogger(__name__)
 
 REFINE_MODES = ("none", "prior", "span", "match")
-#: L-BFGS iterations of ``refine="span"`` by default (about a minute per 32 px image on one core).
+#: L-BFGS iterations of ``refine="span"`` by default (about a minute per 32 px image, depth 4, on one core).
 SPAN_ITERATIONS = 1500
+#: Forward multiply-adds times iterations the default spends: SPAN_ITERATIONS on the 32 px depth-4
+#: CIFAR model (~1.2e8 multiply-adds per forward); a larger model gets proportionally fewer.
+SPAN_BUDGET = 1.9e11
+#: Below this many affordable iterations the default skips the span fit (with a note) instead of
+#: running one too short to help (DeiT-S at 224 px: ~40).
+SPAN_MIN_ITERATIONS = 100
 
 
 # ------------------------------------------------------------------------------------ detection
@@ -428,6 +444,16 @@ class SpanResidual:
         return self.per_layer(x).mean(dim=1)
 
 
+def forward_cost(vit: nn.Module, num_tokens: int) -> float:
+    """Multiply-adds of one forward of ``vit`` over ``num_tokens`` tokens: its blocks' linear layers
+    and attention products (the patch embedding and head are negligible)."""
+    total = 0.0
+    for blk in vit.blocks:
+        total += sum(m.in_features * m.out_features for m in blk.modules() if isinstance(m, nn.Linear)) * num_tokens
+        total += 2.0 * num_tokens ** 2 * int(vit.embed_dim)
+    return total
+
+
 def _lbfgs(objective, b: torch.Tensor, a: torch.Tensor, iterations: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """``iterations`` of L-BFGS (strong Wolfe) on objective(b, a) -> scalar; returns (b, a, iterations run)."""
     vb, va = b.clone().requires_grad_(True), a.clone().requires_grad_(True)
@@ -454,7 +480,9 @@ class MJPAdaptive(Attack):
             then L-BFGS on the deeper layers' input spans, :class:`SpanResidual`; the default) or
             ``match`` (prior, then L-BFGS gradient matching over the reduced parameters).
         iterations: L-BFGS iterations per matching round (``match``).
-        span_iterations: L-BFGS iterations on the span residual from the best start (``span``).
+        span_iterations: L-BFGS iterations on the span residual from the best start (``span``);
+            None: :data:`SPAN_ITERATIONS` on the 32 px CIFAR model, proportionally fewer on larger
+            models (:data:`SPAN_BUDGET`), none where fewer than :data:`SPAN_MIN_ITERATIONS` fit.
         starts: starting points of the shuffled patches tried (``span``): the prior's draw and
             ``starts - 1`` more, each run ``probe_iterations`` (batched), the lowest residual kept.
         probe_iterations: L-BFGS iterations of every start before one is kept.
@@ -474,20 +502,21 @@ class MJPAdaptive(Attack):
     name = "mjp_adaptive"
 
     def __init__(self, refine: str = "span", iterations: int = 30, rounds: int = 1, prior_weight: float = 1e-3,
-                 span_iterations: int = SPAN_ITERATIONS, starts: int = 4, probe_iterations: int = 40,
+                 span_iterations: Optional[int] = None, starts: int = 4, probe_iterations: int = 40,
                  unshuffle: bool = True, rcond: Optional[float] = None, dal_weight: Optional[float] = None,
                  joint_prior: bool = False, tv_prior: bool = True,
                  fallback_iterations: int = 200, seed: int = 0, raise_errors: bool = False) -> None:
         super().__init__(raise_errors)
         if refine not in REFINE_MODES:
             raise ValueError(f"refine must be one of {REFINE_MODES}, got {refine!r}")
-        for key, value in (("iterations", iterations), ("rounds", rounds), ("span_iterations", span_iterations),
+        for key, value in (("iterations", iterations), ("rounds", rounds), ("span_iterations", span_iterations or 0),
                            ("probe_iterations", probe_iterations)):
             if value < 0:
                 raise ValueError(f"{key} must be >= 0, got {value!r}")
         if starts < 1:
             raise ValueError(f"starts must be >= 1, got {starts!r}")
-        self.span_iterations, self.starts, self.probe_iterations = int(span_iterations), int(starts), int(probe_iterations)
+        self.span_iterations = None if span_iterations is None else int(span_iterations)
+        self.starts, self.probe_iterations = int(starts), int(probe_iterations)
         self.refine, self.iterations, self.rounds = refine, int(iterations), int(rounds)
         self.prior_weight, self.unshuffle = float(prior_weight), bool(unshuffle)
         self.rcond = None if rcond is None else float(rcond)
@@ -629,6 +658,12 @@ class MJPAdaptive(Attack):
         law) run ``probe_iterations`` of L-BFGS side by side, the one with the lowest residual runs
         ``span_iterations`` more. No label and no loss: the spans hold for any loss."""
         T = red.shuffled.numel() + int(getattr(vit, "num_prefix_tokens", 1))
+        iterations = self.span_iterations
+        if iterations is None:
+            iterations = min(SPAN_ITERATIONS, int(SPAN_BUDGET / forward_cost(vit, T)))
+            if iterations < SPAN_MIN_ITERATIONS:
+                return b0, a0, dict(span_note=f"span fit skipped: only {iterations} iterations fit the default "
+                                              "budget for this model; set span_iterations to run it")
         spans = input_spans(vit, grads, T)
         if not spans:
             return b0, a0, dict(span_note="no layer gives a usable input span")
@@ -651,8 +686,8 @@ class MJPAdaptive(Attack):
             probe = objective(b, a)
         best = int(torch.argmin(probe))
         b, a = b[best:best + 1], a[best:best + 1]
-        if self.span_iterations:
-            b, a, n = _lbfgs(lambda vb, va: objective(vb, va).sum(), b, a, self.span_iterations)
+        if iterations:
+            b, a, n = _lbfgs(lambda vb, va: objective(vb, va).sum(), b, a, iterations)
             iters += n
         with torch.no_grad():
             per_layer = residual.per_layer(self._assemble(red, b, a, grid, C, p))[0]
