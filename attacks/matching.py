@@ -111,6 +111,8 @@ class GradientMatching(Attack):
         # improved by less than converge_tol (relative) over the last converge_window iterations
         self.converge_window, self.converge_tol = int(converge_window), float(converge_tol)
         self.curve_every = int(curve_every)
+        # converging runs: a start with 1 - cos below this takes no steps (0: always optimise)
+        self.exact_cos = 0.0
         if signed not in (None, "hard"):
             raise ValueError(f"signed must be 'hard' or None, got {signed!r}")
         if scheduler not in (None, "step-lr"):
@@ -187,8 +189,9 @@ class GradientMatching(Attack):
         best_x, best_score, traces, trial_info = None, None, [], []
         for trial in range(self.restarts):
             if self.converge_window > 0:
+                solved = (torch.tensor([bool(i["solved"]) for i in trial_info[0]]) if trial_info else None)
                 x, trace, failed, info = self._run_trial_converging(per_group, targets, y, (K, n, *size), lo, hi,
-                                                                    trial, starts if trial == 0 else None)
+                                                                    trial, starts if trial == 0 else None, solved)
                 trial_info.append(info)
             else:
                 x, trace, failed = self._run_trial(per_group, targets, y, (K, n, *size), lo, hi, trial)
@@ -236,7 +239,8 @@ class GradientMatching(Attack):
         return None, None, [[] for _ in updates]
 
     def _run_trial_converging(self, per_group, targets: dict, y: torch.Tensor, shape: tuple, lo: torch.Tensor,
-                              hi: torch.Tensor, trial: int, starts: Optional[list]
+                              hi: torch.Tensor, trial: int, starts: Optional[list],
+                              solved: Optional[torch.Tensor] = None
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[dict]]:
         """One restart run to convergence (``converge_window`` > 0), each update on its own.
 
@@ -270,8 +274,25 @@ class GradientMatching(Attack):
         history = torch.full((its + 1, K), float("inf"))  # running best after each step
         trace = torch.full((its, K), float("nan"))
         curves: list[list[list[float]]] = [[] for _ in range(K)]
+        skip = torch.zeros(K, dtype=torch.bool) if solved is None else solved.clone()
+        if any(c is not None for c in chosen) and self.exact_cos > 0:
+            # a start whose gradient already matches the update (an exact closed form on a clean
+            # update) has nothing left to gain: no steps, and no random restart for it either
+            with torch.no_grad():
+                cos0 = self._objective(per_group, targets, y, torch.stack(leaves).detach(), lo, with_prior=False)[1]
+            for k in range(K):
+                if chosen[k] is not None and float(cos0[k]) < self.exact_cos:
+                    skip[k] = True
+                    kinds[k] += f" (1 - cos {float(cos0[k]):.1e} < {self.exact_cos:g}: no steps)"
+        for k in range(K):
+            if bool(skip[k]):
+                done[k], ran[k], converged[k] = True, 0, True
+                if chosen[k] is None:
+                    kinds[k] += " (no steps: an earlier start matched the update)"
         for it in tqdm(range(its), disable=None if self.progress else True, desc=self.name, leave=False):
             active = [k for k in range(K) if not done[k]]
+            if not active:
+                break
             for k in active:
                 opts[k].zero_grad(set_to_none=False)
             x = torch.stack(leaves)
@@ -326,10 +347,10 @@ class GradientMatching(Attack):
                     kinds[k] += " (kept: no iterate matched better)"
         info = []
         for k in range(K):
-            if not curves[k] or curves[k][-1][0] != ran[k]:
+            if not bool(skip[k]) and (not curves[k] or curves[k][-1][0] != ran[k]):
                 curves[k].append([ran[k], float(best_val[k])])
             info.append(dict(start=kinds[k], iterations_run=ran[k], converged=converged[k],
-                             objective_curve=curves[k]))
+                             objective_curve=curves[k], solved=bool(skip[k])))
         return best, trace, failed, info
 
     def _pick_starts(self, per_group, targets: dict, y: torch.Tensor, draw: torch.Tensor, lo: torch.Tensor,
@@ -486,7 +507,9 @@ class InvertingGradientsClosedStart(GradientMatching):
     - up to ``iterations`` Adam steps per restart, each update stopping once its best objective
       improved by less than ``converge_tol`` (relative) over ``converge_window`` steps, the step
       size halved on a plateau; the stats keep the loss curve (``objective_curve``) and whether
-      it converged, per restart in ``trials``.
+      it converged, per restart in ``trials``;
+    - a start whose gradient already matches the update (1 - cos < ``exact_cos``: an exact closed
+      form on a clean update) takes no steps and no random restarts: there is nothing to improve.
 
     Why the defaults: an unsigned Adam at lr 0.03 (normalised units) refines a start instead of
     moving every pixel by the signed step breaching's IG takes from noise (lr 0.1); a light TV
@@ -503,7 +526,7 @@ class InvertingGradientsClosedStart(GradientMatching):
     def __init__(self, iterations: int = 2000, lr: float = 0.03, tv: float = 0.01, signed: Optional[str] = None,
                  scheduler: Optional[str] = None, restarts: int = 2, converge_window: int = 50,
                  converge_tol: float = 1e-3, start_attacks: Optional[Sequence[str]] = None, mjp_mask: bool = True,
-                 **options) -> None:
+                 exact_cos: float = 1e-6, **options) -> None:
         if converge_window < 1:
             raise ValueError("ig_closed_start needs converge_window >= 1 (it runs to convergence)")
         if options.get("pe_weight", 0.0):
@@ -512,6 +535,9 @@ class InvertingGradientsClosedStart(GradientMatching):
                          restarts=restarts, converge_window=converge_window, converge_tol=converge_tol, **options)
         self.start_attacks = None if start_attacks is None else tuple(str(a) for a in start_attacks)
         self.mjp_mask = bool(mjp_mask)
+        if not 0.0 <= exact_cos < 1.0:
+            raise ValueError(f"exact_cos must be in [0, 1), got {exact_cos}")
+        self.exact_cos = float(exact_cos)
 
     def _prepare_groups(self, model: nn.Module, updates: Sequence[Update], metas: Sequence[AttackMetadata],
                         converted: list) -> tuple[Optional[torch.Tensor], Optional[list], list[list[str]]]:
