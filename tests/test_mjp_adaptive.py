@@ -359,3 +359,17 @@ def test_span_refinement_improves_the_unshuffled_region_with_sharp_attention():
     ref = patches(x_t)[~S]
     gain = psnr(patches(span.images)[~S], ref) - psnr(patches(prior.images)[~S], ref)
     assert gain > 2.0, gain
+
+
+def test_default_span_fit_is_skipped_where_it_does_not_fit_the_budget(monkeypatch):
+    """The default's iterations scale with the model's forward cost; where fewer than
+    SPAN_MIN_ITERATIONS fit (DeiT-S at 224 px: ~40) the prior's estimate is returned with a note."""
+    import attacks.mjp_adaptive as mjp
+
+    model = mjp_model()
+    _, _, _, update = client_update(model)
+    monkeypatch.setattr(mjp, "SPAN_BUDGET", 50 * mjp.forward_cost(model, 65))
+    res = attacks.create_attack("mjp_adaptive", unshuffle=False).reconstruct(model, update, MD)
+    prior = attacks.create_attack("mjp_adaptive", refine="prior", unshuffle=False).reconstruct(model, update, MD)
+    assert not res.failed and "skipped" in res.stats[0]["span_note"]
+    assert torch.equal(res.images, prior.images)
