@@ -78,13 +78,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--images", type=Path, default=None, help="folder of images (default: scikit-image's)")
     p.add_argument("--num-images", type=int, default=4)
+    p.add_argument("--first", type=int, default=0, help="skip this many images")
+    p.add_argument("--weights", default="fresh,qk", help="comma-separated: fresh, qk (the --qk-scale model)")
     p.add_argument("--depth", type=int, default=4)
     p.add_argument("--qk-scale", type=float, default=4.0)
     p.add_argument("--attacks", default="april,prior,span", help="comma-separated: april, prior, span, match")
     p.add_argument("--span-iterations", type=int, default=None, help="mjp_adaptive's span_iterations")
     p.add_argument("--starts", type=int, default=None, help="mjp_adaptive's starts")
     args = p.parse_args()
-    images = load_images(args.images, args.num_images, 32)
+    images = load_images(args.images, args.first + args.num_images, 32)[args.first:]
     extra = {k: v for k, v in (("span_iterations", args.span_iterations), ("starts", args.starts)) if v is not None}
     makers = {"april": lambda: attacks.create_attack("april_analytic"),
               "prior": lambda: attacks.create_attack("mjp_adaptive", refine="prior"),
@@ -93,14 +95,15 @@ def main() -> None:
     names = args.attacks.split(",")
     print(f"mjp_vit_cifar_patch4_32 depth {args.depth}, design A, float64, gamma 0.27, "
           f"threads {torch.get_num_threads()}; PSNR dB: unshuffled region / shuffled set / setting (c)")
-    for label, qk in (("fresh", 1.0), (f"qk x{args.qk_scale:g}", args.qk_scale)):
+    weights = {"fresh": ("fresh", 1.0), "qk": (f"qk x{args.qk_scale:g}", args.qk_scale)}
+    for label, qk in (weights[w] for w in args.weights.split(",")):
         model = make_model(qk, args.depth)
         table: dict[str, list[tuple[float, float, float, float]]] = {n: [] for n in names}
         for i, (name, x) in enumerate(images):
             x = x[None]
-            plan = model.draw_plan(1, gamma=0.27, seed=100 + i)
+            plan = model.draw_plan(1, gamma=0.27, seed=100 + args.first + i)
             x_t = model.shuffle_images(x, plan)
-            update = attacks.compute_update(model, normalize(x_t, MEAN, STD), torch.tensor([i % 10]),
+            update = attacks.compute_update(model, normalize(x_t, MEAN, STD), torch.tensor([(args.first + i) % 10]),
                                             unk_mask=plan.mask)
             line = [f"[{label}] {name:12s} |S|={int(plan.mask.sum()):2d}"]
             for n in names:
