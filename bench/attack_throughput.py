@@ -16,7 +16,7 @@ is timed apart and printed, not counted in its per-image loop.
 3. ``mjp_adaptive`` (the MJP-aware attack) on ``--mjp-images`` shuffled real images of a design-A
    MJP ViT (gamma 0.27, float64), next to ``april_analytic`` on the same updates: seconds per image
    and PSNR of the unshuffled region; ``--mjp-refine`` picks the refinement (``prior`` by default,
-   fast; ``match``/``gauss_newton`` take seconds to minutes per image on a CPU).
+   fast; ``span``/``match`` take seconds to a minute per image on a CPU).
 4. The first-layer attacks (``april_analytic``, ``pe_closed_form``, ``april_robust``) at 32 and
    224 px: seconds per image on float64 clean and 8-bit quantised updates (``--only closed``).
 
