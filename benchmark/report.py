@@ -63,8 +63,8 @@ STRONGEST = "strongest"
 IMAGE_KEY = ("model", "setting", "round", "partition_id", "batch_index", "image_id")
 STRONGEST_NOTE = (
     "`strongest` rows: per image, the attacker whose reconstruction has the highest PSNR against the ground "
-    "truth (the evaluator picks with the true image, as worst-case privacy reporting does; ties go to the "
-    "attacker listed first); every other column of the row is that reconstruction's own value, so SSIM, "
+    "truth (the evaluator picks with the true image, as worst-case privacy reporting does; PSNRs above the "
+    "100 dB cap are exact copies and count as ties, and ties go to the attacker listed first); every other column of the row is that reconstruction's own value, so SSIM, "
     "LPIPS, MSE and FFT2D belong to the chosen image. A failed attack never wins; an image every attacker "
     "failed is failed in the `strongest` row too. `winners`: how many of the row's images each attacker won.")
 
@@ -94,9 +94,9 @@ def rows_frame(rows: Sequence[dict]) -> pd.DataFrame:
 def strongest_rows(df: pd.DataFrame, extra_keys: Sequence[str] = ()) -> pd.DataFrame:
     """Per image, the best reconstruction over every attacker run on it (:data:`STRONGEST_NOTE`).
 
-    Rule: among the image's non-failed attacker rows, the highest PSNR (uncapped: an exact copy,
-    +inf, beats 120 dB; a NaN PSNR ranks below any number), ties to the attacker that appears first
-    in the rows. The chosen row is copied whole (every metric, the region scores, ``correct``), its
+    Rule: among the image's non-failed attacker rows, the highest PSNR, capped at
+    ``metrics.PSNR_CAP_DB`` as in the means (above it every reconstruction is an exact copy; a NaN
+    PSNR ranks below any number), ties to the attacker that appears first in the rows. The chosen row is copied whole (every metric, the region scores, ``correct``), its
     ``attack`` set to ``strongest`` and its attacker kept in ``winner``. Where every attacker
     failed on the image, the row is failed with the reasons of all of them (``winner`` None;
     ``error`` True when one of them was an unexpected error).
@@ -114,7 +114,9 @@ def strongest_rows(df: pd.DataFrame, extra_keys: Sequence[str] = ()) -> pd.DataF
     keys = [k for k in (*extra_keys, *IMAGE_KEY) if k in df.columns]
     src = df[df["attack"].isin(attackers)].copy()
     src["_failed"] = src["failed"].fillna(False).astype(bool)
-    src["_score"] = pd.to_numeric(src["psnr"], errors="coerce").fillna(-math.inf)
+    # above the tables' cap every reconstruction is an exact copy and the digits are rounding noise:
+    # such ties go to the attacker listed first, not to whichever rounded luckier
+    src["_score"] = pd.to_numeric(src["psnr"], errors="coerce").clip(upper=metrics.PSNR_CAP_DB).fillna(-math.inf)
     src["_order"] = src["attack"].map({a: i for i, a in enumerate(attackers)})
     ranked = src.sort_values(["_failed", "_score", "_order"], ascending=[True, False, True], kind="stable")
     best = ranked.drop_duplicates(keys, keep="first").copy()
