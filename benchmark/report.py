@@ -58,13 +58,17 @@ UNTRAINED = " (untrained)"
 _TEX_ARROWS = {"↑": r"$\uparrow$", "↓": r"$\downarrow$"}
 #: The ``attack`` column of the derived per-image best-of-all-attackers rows.
 STRONGEST = "strongest"
+#: PSNRs (dB) the strongest row ranks as equal: two attackers' reconstructions that close are the same
+#: image up to rounding (e.g. two exact closed forms scored against x in setting c).
+STRONGEST_TIE_DB = 1e-3
 #: Columns that identify one attacked image of one model and setting (results.jsonl's row key
 #: without the attack); a sweep adds ``sweep_index``.
 IMAGE_KEY = ("model", "setting", "round", "partition_id", "batch_index", "image_id")
 STRONGEST_NOTE = (
     "`strongest` rows: per image, the attacker whose reconstruction has the highest PSNR against the ground "
     "truth (the evaluator picks with the true image, as worst-case privacy reporting does; PSNRs above the "
-    "100 dB cap are exact copies and count as ties, and ties go to the attacker listed first); every other column of the row is that reconstruction's own value, so SSIM, "
+    "100 dB cap are exact copies and count as ties, as do PSNRs within 0.001 dB; ties go to the attacker listed "
+    "first); every other column of the row is that reconstruction's own value, so SSIM, "
     "LPIPS, MSE and FFT2D belong to the chosen image. A failed attack never wins; an image every attacker "
     "failed is failed in the `strongest` row too. `winners`: how many of the row's images each attacker won.")
 
@@ -116,7 +120,9 @@ def strongest_rows(df: pd.DataFrame, extra_keys: Sequence[str] = ()) -> pd.DataF
     src["_failed"] = src["failed"].fillna(False).astype(bool)
     # above the tables' cap every reconstruction is an exact copy and the digits are rounding noise:
     # such ties go to the attacker listed first, not to whichever rounded luckier
-    src["_score"] = pd.to_numeric(src["psnr"], errors="coerce").clip(upper=metrics.PSNR_CAP_DB).fillna(-math.inf)
+    # and below it PSNRs within STRONGEST_TIE_DB are the same reconstruction up to rounding
+    src["_score"] = (pd.to_numeric(src["psnr"], errors="coerce").clip(upper=metrics.PSNR_CAP_DB)
+                     .div(STRONGEST_TIE_DB).round().fillna(-math.inf))
     src["_order"] = src["attack"].map({a: i for i, a in enumerate(attackers)})
     ranked = src.sort_values(["_failed", "_score", "_order"], ascending=[True, False, True], kind="stable")
     best = ranked.drop_duplicates(keys, keep="first").copy()

@@ -68,8 +68,9 @@ def _per_image_best(rows: pd.DataFrame) -> pd.DataFrame:
     ok["_o"] = ok["attack"].map({a: i for i, a in enumerate(ATTACKERS)})
     out = []
     for _, g in ok.groupby(["model", "setting", "image_id"]):
-        capped = g["psnr"].clip(upper=CAP)  # exact copies (above the cap) tie
-        out.append(g[capped == capped.max()].sort_values("_o").iloc[0])
+        # exact copies (above the cap) tie, as do PSNRs on the same 1e-3 dB step (rounding noise)
+        score = (g["psnr"].clip(upper=CAP) / 1e-3).round()
+        out.append(g[score == score.max()].sort_values("_o").iloc[0])
     return pd.DataFrame(out).drop(columns="_o")
 
 
