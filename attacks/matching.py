@@ -494,7 +494,9 @@ class InvertingGradientsClosedStart(GradientMatching):
 
     - the first restart started from a closed-form estimate of the same update where one applies:
       on an MJP model with shuffled positions ``mjp_adaptive`` (the client's x~, its shuffled patches
-      in the attack's own order) and ``pe_closed_form``, otherwise ``pe_closed_form`` and
+      in the attack's own order), ``april_robust`` and ``pe_closed_form``, otherwise ``april_robust``
+      (the regularised least squares, the best start under a perturbing defence: 12.6 / 18.9 dB
+      after 8-bit quantisation where the exact closed forms give 6-7 dB), ``pe_closed_form`` and
       ``april_analytic``; of those that succeed, the one whose gradient matches the update best
       (cosine term: the attacker's own criterion, no ground truth); where none does (not
       registered, a failed condition) the restart starts from the seeded random draw like the
@@ -559,7 +561,8 @@ class InvertingGradientsClosedStart(GradientMatching):
                 note.append(f"MJP-aware forward: E_unk at the {int(S.sum())} positions whose dL/dP rows are zero")
             order = self.start_attacks
             if order is None:
-                order = ("mjp_adaptive", "pe_closed_form") if shuffled else ("pe_closed_form", "april_analytic")
+                order = (("mjp_adaptive", "april_robust", "pe_closed_form") if shuffled
+                         else ("april_robust", "pe_closed_form", "april_analytic"))
             starts.append(self._closed_form_start(model, update, meta, order, note))
             notes.append(note)
         return (torch.stack(masks) if mjp else None), starts, notes
