@@ -772,11 +772,21 @@ class MJPAdaptive(Attack):
         plain rows of a table comparable instead of failing them."""
         from .april import AprilAnalytic
         from .matching import AprilOptimization
+        from .pe_closed_form import PEClosedForm
 
         vit = _vit(model)
+        attack: Attack
         if _is_design_a(vit.blocks[0]):
-            attack: Attack = AprilAnalytic()
+            attack = AprilAnalytic()
         else:
+            # Any block 0: the patch-embedding closed form is exact where it applies (learned PE, batch
+            # 1); the optimisation only where it refuses.
+            attack = PEClosedForm()
+            result = attack.reconstruct(model, update, dict(meta.__dict__))
+            if not result.failed:
+                for st in result.stats:
+                    st.setdefault("notes", []).append(f"no E_unk in this model: plain {attack.name}")
+                return result
             attack = AprilOptimization(iterations=self.fallback_iterations, seed=self.seed)
         result = attack.reconstruct(model, update, dict(meta.__dict__))
         for st in result.stats:
