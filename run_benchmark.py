@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Privacy benchmark: federated rounds -> gradient-inversion attacks -> metrics -> tables and grids.
 
-    python run_benchmark.py --setting c                      # quick preset, embedded images, < 5 min on CPU
+    python run_benchmark.py --setting c                      # quick preset, embedded images, < 1 min on CPU
     python run_benchmark.py --config configs/paper.yaml --setting all   # the paper's protocol (GPU)
 
-Flags and outputs: ``python run_benchmark.py --help`` and README.md. The work lives in
+Flags and outputs: ``python run_benchmark.py --help`` and docs/benchmark.md. The work lives in
 :mod:`benchmark`; this script parses, runs, and prints the table and where the outputs are.
 """
 from __future__ import annotations
