@@ -17,6 +17,7 @@ it faces on each image. Its ``winners`` column says which attacker won how often
 """
 from __future__ import annotations
 
+import io
 import logging
 import math
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from .config import SETTING_GROUPS, SETTINGS
 from metrics.regions import REGION_COLUMNS
 
 from .scoring import ROW_METRICS
-from .store import RunFolder, load_png, slug
+from .store import RunFolder, load_png, save_figure, slug, write_bytes, write_text
 
 _logger = logging.getLogger(__name__)
 
@@ -333,8 +334,8 @@ def write_tables(run: RunFolder) -> Tables:
     """Write ``table.csv``, ``table.md``, ``table.tex`` and ``table_full.csv``; return the tables."""
     tables = build_tables(run)
     folder = run.folder
-    tables.table.to_csv(folder / "table.csv", index=False)
-    tables.full.to_csv(folder / "table_full.csv", index=False)
+    write_text(folder / "table.csv", tables.table.to_csv(index=False))
+    write_text(folder / "table_full.csv", tables.full.to_csv(index=False))
     md = to_markdown(tables.table) if not tables.table.empty else "(no results)"
     rows = run.rows()
     if any(r.get("april") == "surgery" for r in rows):
@@ -347,8 +348,8 @@ def write_tables(run: RunFolder) -> Tables:
     notes = failure_notes(rows)
     if notes:
         md += "\n\nFailed rows (left out of the means):\n" + "\n".join(f"- {n}" for n in notes)
-    (folder / "table.md").write_text(md + "\n")
-    (folder / "table.tex").write_text(to_latex(tables.table) if not tables.table.empty else "")
+    write_text(folder / "table.md", md + "\n")
+    write_text(folder / "table.tex", to_latex(tables.table) if not tables.table.empty else "")
     return tables
 
 
@@ -385,7 +386,7 @@ def write_distributions(run: RunFolder, settings: Sequence[str]) -> list[Path]:
         fig.suptitle(f"setting ({setting}): per-image distributions (triangle = mean)", fontsize=10)
         fig.tight_layout()
         path = run.folder / f"dist_{setting}.png"
-        fig.savefig(path, dpi=100)
+        save_figure(fig, path, dpi=100)
         plt.close(fig)
         out.append(path)
     return out
@@ -511,7 +512,9 @@ def build_grid(run: RunFolder, setting: str, k: int, tile: int) -> Optional[Path
                         text = f"{text.removeprefix('PSNR ')} {shown[:8]}"
                     draw.text((x0 + 2, y0 + tile + 1), text, fill=(0, 0, 0), font=small)
     out = run.folder / f"grid_{setting}.png"
-    canvas.save(out)
+    buf = io.BytesIO()
+    canvas.save(buf, format="PNG")
+    write_bytes(out, buf.getvalue())
     return out
 
 

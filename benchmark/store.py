@@ -140,6 +140,19 @@ def write_text(path: str | Path, text: str, sync: bool = False) -> None:
     write_bytes(path, text.encode(), sync)
 
 
+def save_figure(fig: Any, path: str | Path, **savefig_kwargs: Any) -> None:
+    """A matplotlib figure as PNG through :func:`write_bytes` (atomic, never through a link)."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", **savefig_kwargs)
+    write_bytes(path, buf.getvalue())
+
+
+def append_line(path: str | Path, line: str) -> None:
+    """Append one line to ``path`` (created if missing), never through a symbolic link."""
+    with _open_append(Path(path)) as fh:
+        fh.write(line.rstrip("\n") + "\n")
+
+
 def _open_append(path: Path) -> Any:
     """``path`` opened for appending, created if missing, never through a symbolic link."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)

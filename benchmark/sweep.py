@@ -36,6 +36,7 @@ import pandas as pd
 # benchmark/config.py holds it, so the config never imports this module.
 from .config import grid_points, point_config, point_label, validate_sweep  # noqa: F401
 from .errors import ConfigError
+from .store import append_line, save_figure, write_text
 
 _logger = logging.getLogger(__name__)
 
@@ -87,11 +88,11 @@ def run_sweep(cfg: dict, output: str, federate: Optional[Callable[..., Any]] = N
             point_utility(pcfg, folder, federate)
         folders.append(folder)
     rows = gather_rows(points, folders)
-    top.results_path.write_text("")  # derived from the points' stores: rebuilt on every run
+    write_text(top.results_path, "")  # derived from the points' stores: rebuilt on every run
     top.append(rows)
     frame = sweep_table(rows)
     csv = top.folder / "sweep.csv"
-    frame.to_csv(csv, index=False)
+    write_text(csv, frame.to_csv(index=False))
     keys = list(dict.fromkeys(k for p in points for k in p))
     plots = write_sweep_plots(frame, top.folder, keys if isinstance(cfg["sweep"], dict) else keys + ["(points)"])
     return {"folder": str(top.folder), "points": [str(f) for f in folders], "csv": str(csv),
@@ -114,8 +115,7 @@ def point_utility(cfg: dict, folder: Path, federate: Optional[Callable[..., Any]
     for row in build_rows(cfg, torch.device("cpu")):
         if row.name not in stored:
             record = {"model": row.name, **defence_utility(cfg, row, federate)}
-            with path.open("a") as fh:
-                fh.write(json.dumps(record) + "\n")
+            append_line(path, json.dumps(record))
             stored[row.name] = record
         out.append(stored[row.name])
     return out
@@ -195,7 +195,7 @@ def write_sweep_plots(frame: pd.DataFrame, folder: Path, keys: list[str]) -> lis
         ax.legend(fontsize=7)
         fig.tight_layout()
         path = folder / f"sweep_{metric}.png"
-        fig.savefig(path, dpi=120)
+        save_figure(fig, path, dpi=120)
         plt.close(fig)
         out.append(path)
     out.append(privacy_utility_plot(frame, folder / "privacy_utility.png"))
@@ -242,6 +242,6 @@ def privacy_utility_plot(frame: pd.DataFrame, path: Path) -> Path:
             ax.set_ylabel(f"{metric.upper()} of the strongest attack", fontsize=8)
     axes[0][-1].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.02, 1.0), ncol=1 + len(curves) // 16)
     fig.tight_layout()
-    fig.savefig(path, dpi=130)
+    save_figure(fig, path, dpi=130)
     plt.close(fig)
     return path

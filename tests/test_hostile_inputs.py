@@ -616,3 +616,30 @@ def test_fuzz_image_files_load_or_are_skipped(tmp_path_factory, data, mode: str,
     assert images.images.shape[1:] == (3, 32, 32)
     assert float(images.images.min()) >= 0 and float(images.images.max()) <= 1
     assert "y.png" in images.names and len(images.names) + len(images.skipped) == 2
+
+
+def test_report_and_sweep_outputs_never_written_through_links(tmp_path):
+    """Tables, grids and plots go through the store's atomic writer: a link planted where a table or
+    plot will be written is replaced by the file, its target left as it was."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from benchmark.store import append_line, save_figure, write_text
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    folder = tmp_path / "run"
+    folder.mkdir()
+    for name in ("table.md", "plot.png", "utility.jsonl"):
+        (folder / name).symlink_to(victim)
+    write_text(folder / "table.md", "| a |\n")
+    fig = plt.figure()
+    save_figure(fig, folder / "plot.png", dpi=20)
+    plt.close(fig)
+    assert victim.read_text() == "precious"
+    assert not (folder / "table.md").is_symlink() and (folder / "table.md").read_text() == "| a |\n"
+    assert not (folder / "plot.png").is_symlink() and (folder / "plot.png").read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(OSError):
+        append_line(folder / "utility.jsonl", "{}")
+    assert victim.read_text() == "precious"
