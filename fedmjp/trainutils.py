@@ -217,6 +217,3 @@ def unwrap(model: nn.Module) -> nn.Module:
         model = model.module
     return model
 
-
-def is_mjp(model: nn.Module) -> bool:
-    return isinstance(unwrap(model), MJPVisionTransformer)
