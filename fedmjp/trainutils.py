@@ -32,7 +32,6 @@ import torch.nn as nn
 from .checkpoint import WEIGHTS_FORMAT, read_safetensors
 from .devices import resolve_device
 from .factory import create_model
-from .models import MJPVisionTransformer
 from .trainconfig import TrainConfig
 
 _logger = logging.getLogger(__name__)
