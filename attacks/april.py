@@ -26,14 +26,14 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn as nn
 from patchgrid import unpatchify
 
-from .base import (Attack, AttackFailure, AttackMetadata, AttackResult, Metadata, Update,
-                   _check_finite, _expand_metadatas, register_attack, update_to_gradients)
+from .base import (AttackFailure, BatchedSolveAttack, AttackMetadata, AttackResult, Update,
+                   register_attack, update_to_gradients)
 
 _logger = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ def _pinv_and_rank(W: torch.Tensor, rcond: Optional[float]) -> tuple[torch.Tenso
 
 
 @register_attack("april_analytic")
-class AprilAnalytic(Attack):
+class AprilAnalytic(BatchedSolveAttack):
     """Closed-form APRIL on design-A ViTs, vectorised over independent batch-1 updates.
 
     Args:
@@ -172,33 +172,6 @@ class AprilAnalytic(Attack):
         self.dtype, self.driver, self.pe_mode, self.rcond = _PRECISIONS[precision], driver, pe_mode, rcond
 
     check_conditions = staticmethod(check_conditions)
-
-    def _reconstruct(self, model: nn.Module, update: Update, meta: AttackMetadata) -> AttackResult:
-        return self._solve(model, [update], [meta])[0]
-
-    def reconstruct_many(self, model: nn.Module, updates: Sequence[Update],
-                         metadatas: Union[Metadata, Sequence[Metadata], None] = None) -> list[AttackResult]:
-        """Solve K independent batch-1 updates together (one batched lstsq in float64).
-
-        Returns K results; a condition failure fails all of them, a bad update only its own.
-        """
-        mds = _expand_metadatas(metadatas, len(updates))
-        results: list[Optional[AttackResult]] = [None] * len(updates)
-        metas: list[AttackMetadata] = []
-        good: list[int] = []
-        for i, md in enumerate(mds):
-            meta, reason = self._run_guarded(lambda md=md: AttackMetadata.parse(md, model))
-            if reason is None:
-                metas.append(meta)
-                good.append(i)
-            else:
-                results[i] = self._failed(model, md, reason)
-        if good:
-            solved, reason = self._run_guarded(lambda: self._solve(model, [updates[i] for i in good], metas))
-            for j, i in enumerate(good):
-                results[i] = (self._failed(model, mds[i], reason) if reason is not None
-                              else _check_finite(solved[j], self.name, 0.0))
-        return results  # type: ignore[return-value]
 
     # ------------------------------------------------------------------------------- the solve
     def _solve(self, model: nn.Module, updates: Sequence[Update],

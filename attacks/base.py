@@ -293,6 +293,38 @@ class Attack:
         return failed_result(meta, reason)
 
 
+class BatchedSolveAttack(Attack):
+    """An attack that solves K independent batch-1 updates in one vectorised ``_solve`` (the closed
+    forms). ``reconstruct_many`` parses every update's metadata on its own (a bad one fails only its
+    own result) and hands the rest to one ``_solve``, whose condition failure fails all of them."""
+
+    def _solve(self, model: nn.Module, updates: Sequence[Update], metas: Sequence[AttackMetadata]) -> list[AttackResult]:
+        raise NotImplementedError
+
+    def _reconstruct(self, model: nn.Module, update: Update, meta: AttackMetadata) -> AttackResult:
+        return self._solve(model, [update], [meta])[0]
+
+    def reconstruct_many(self, model: nn.Module, updates: Sequence[Update],
+                         metadatas: Union[Metadata, Sequence[Metadata], None] = None) -> list[AttackResult]:
+        mds = _expand_metadatas(metadatas, len(updates))
+        results: list[Optional[AttackResult]] = [None] * len(updates)
+        metas: list[AttackMetadata] = []
+        good: list[int] = []
+        for i, md in enumerate(mds):
+            meta, reason = self._run_guarded(lambda md=md: AttackMetadata.parse(md, model))
+            if reason is None:
+                metas.append(meta)
+                good.append(i)
+            else:
+                results[i] = self._failed(model, md, reason)
+        if good:
+            solved, reason = self._run_guarded(lambda: self._solve(model, [updates[i] for i in good], metas))
+            for j, i in enumerate(good):
+                results[i] = (self._failed(model, mds[i], reason) if reason is not None
+                              else _check_finite(solved[j], self.name, 0.0))
+        return results  # type: ignore[return-value]
+
+
 def _check_finite(result: AttackResult, name: str, elapsed: float) -> AttackResult:
     """Non-finite reconstructions become failures (images zeroed), per image."""
     bad = ~torch.isfinite(result.images.reshape(result.images.shape[0], -1)).all(dim=1)

@@ -30,14 +30,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence, Union
+from typing import Mapping, Optional, Sequence
 
 import torch
 import torch.nn as nn
 
 from .april import _PRECISIONS, _vit
-from .base import (Attack, AttackFailure, AttackMetadata, AttackResult, Metadata, Update, _check_finite,
-                   _expand_metadatas, register_attack, update_to_gradients)
+from .base import (AttackFailure, AttackMetadata, AttackResult, BatchedSolveAttack, Update, register_attack,
+                   update_to_gradients)
 
 
 @dataclass
@@ -185,7 +185,7 @@ def images_to_patches(x: torch.Tensor, info: PEInfo) -> torch.Tensor:
 
 
 @register_attack("pe_closed_form")
-class PEClosedForm(Attack):
+class PEClosedForm(BatchedSolveAttack):
     """X = (G^T)^+ dL/dW_e for any ViT with a learned additive PE, batch 1, vectorised over updates.
 
     Args:
@@ -200,30 +200,6 @@ class PEClosedForm(Attack):
         if precision not in _PRECISIONS:
             raise ValueError(f"precision must be one of {sorted(_PRECISIONS)}, got {precision!r}")
         self.dtype, self.rcond = _PRECISIONS[precision], rcond
-
-    def _reconstruct(self, model: nn.Module, update: Update, meta: AttackMetadata) -> AttackResult:
-        return self._solve(model, [update], [meta])[0]
-
-    def reconstruct_many(self, model: nn.Module, updates: Sequence[Update],
-                         metadatas: Union[Metadata, Sequence[Metadata], None] = None) -> list[AttackResult]:
-        """Solve K independent batch-1 updates with one batched least squares; a condition failure
-        fails all of them, a bad update (metadata) only its own."""
-        mds = _expand_metadatas(metadatas, len(updates))
-        results: list[Optional[AttackResult]] = [None] * len(updates)
-        metas, good = [], []
-        for i, md in enumerate(mds):
-            meta, reason = self._run_guarded(lambda md=md: AttackMetadata.parse(md, model))
-            if reason is None:
-                metas.append(meta)
-                good.append(i)
-            else:
-                results[i] = self._failed(model, md, reason)
-        if good:
-            solved, reason = self._run_guarded(lambda: self._solve(model, [updates[i] for i in good], metas))
-            for j, i in enumerate(good):
-                results[i] = (self._failed(model, mds[i], reason) if reason is not None
-                              else _check_finite(solved[j], self.name, 0.0))
-        return results  # type: ignore[return-value]
 
     def _solve(self, model: nn.Module, updates: Sequence[Update], metas: Sequence[AttackMetadata]) -> list[AttackResult]:
         t0 = time.perf_counter()
