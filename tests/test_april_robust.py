@@ -9,6 +9,7 @@ import timm
 import torch
 
 import attacks
+from helpers import normalize, psnr
 import fedmjp  # noqa: F401  (registers the mjp_* models)
 from defences.transforms import local_dp, prune_update, quantize_update
 
@@ -20,14 +21,6 @@ MD = dict(mean=MEAN, std=STD)
 def image(name: str, size: int = 32) -> torch.Tensor:
     a = skimage.transform.resize(getattr(skimage.data, name)(), (size, size), anti_aliasing=True)
     return torch.from_numpy(a).permute(2, 0, 1)[None].double()
-
-
-def normalize(x: torch.Tensor) -> torch.Tensor:
-    return (x - MEAN[None, :, None, None]) / STD[None, :, None, None]
-
-
-def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float(10 * torch.log10(1 / ((a.double() - b.double()) ** 2).mean()))
 
 
 @pytest.fixture(scope="module")

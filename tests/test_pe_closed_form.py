@@ -11,6 +11,7 @@ import torch
 from timm.models.vision_transformer import VisionTransformer
 
 import attacks
+from helpers import normalize, psnr
 import fedmjp  # noqa: F401  (registers the mjp_* models)
 from attacks.pe_closed_form import images_to_patches, patches_to_images, pe_closed_form_system, pe_conditions
 
@@ -23,14 +24,6 @@ def image(name: str, size: int) -> torch.Tensor:
     """[1, 3, size, size] float64 in [0, 1]: one of scikit-image's bundled photographs."""
     a = skimage.transform.resize(getattr(skimage.data, name)(), (size, size), anti_aliasing=True)
     return torch.from_numpy(a).permute(2, 0, 1)[None].double()
-
-
-def normalize(x: torch.Tensor) -> torch.Tensor:
-    return (x - MEAN[None, :, None, None]) / STD[None, :, None, None]
-
-
-def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float(10 * torch.log10(1 / ((a.double() - b.double()) ** 2).mean()))
 
 
 def small_vit(**kw) -> torch.nn.Module:
