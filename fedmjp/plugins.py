@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib
 import re
+import sys
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any, Optional
@@ -86,6 +87,10 @@ def load(kind: str, plugin: Plugin, base: Optional[type] = None) -> Any:
     if not is_reference(plugin.value):
         raise PluginError(f"{what}: an entry point must look like package.module:Name, got {plugin.value!r}")
     module_name, _, attribute = plugin.value.partition(":")
+    if module_name.partition(".")[0] in sys.stdlib_module_names:
+        # A plug-in is code a user installed; the standard library holds no fedmjp plug-in, and a
+        # config naming os:system or subprocess:run must not reach a call.
+        raise PluginError(f"{what}: {module_name!r} is a standard-library module, not a plug-in package")
     try:
         obj: Any = importlib.import_module(module_name)
     except ModuleNotFoundError as err:

@@ -230,3 +230,12 @@ def test_the_templates_of_docs_plugins_md_work(tmp_path: Path, monkeypatch: pyte
     finally:
         for name in [m for m in sys.modules if m.startswith("mypkg_docs")]:
             del sys.modules[name]
+
+
+@pytest.mark.parametrize("reference", ["os:system", "subprocess:run", "builtins:exec", "os.path:join"])
+def test_standard_library_references_are_refused(reference):
+    """A config cannot name standard-library callables as plug-ins (nothing is imported or called)."""
+    from fedmjp import plugins
+
+    with pytest.raises(plugins.PluginError, match="standard-library"):
+        plugins.load("model", plugins.Plugin(reference, reference, "module reference"))
