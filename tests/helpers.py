@@ -131,7 +131,8 @@ def metric_rows(path: Path) -> list[dict]:
     """Rows without timings (which differ between runs), sorted by key."""
     from benchmark.store import read_jsonl
 
-    rows = [{k: v for k, v in r.items() if not k.startswith("time_") and k != "attack_stats"}
+    rows = [{**{k: v for k, v in r.items() if not k.startswith("time_") and k != "attack_stats"},
+             "_condition": float((r.get("attack_stats") or {}).get("condition_number") or 0.0)}
             for r in read_jsonl(path)]
     return sorted(rows, key=lambda r: (r["model"], r["setting"], r["round"], r["partition_id"], r["image_id"]))
 
@@ -153,15 +154,21 @@ def assert_same_scores(got: list[dict], want: list[dict]) -> None:
     assert len(got) == len(want)
     for a, b in zip(got, want):
         assert a.keys() == b.keys()
+        # A minimum-norm answer of a rank-deficient system (APRIL on MJP's shuffled updates: condition
+        # number ~1e16) keeps only ~1e-4 relative of its digits across thread counts and batchings.
+        cond = max(a.get("_condition", 0.0), b.get("_condition", 0.0))
+        rel, dpsnr = (1e-4, 1e-3) if cond > 1e8 else (1e-6, 1e-6)
         a, b = {k: number(v) for k, v in a.items()}, {k: number(v) for k, v in b.items()}
         for k in a:
+            if k == "_condition":  # the attack's own diagnostic, as noisy as the digits it qualifies
+                continue
             if isinstance(a[k], float) and isinstance(b[k], float):
                 if k.startswith("psnr"):
-                    assert min(a[k], PSNR_CAP) == pytest.approx(min(b[k], PSNR_CAP), abs=1e-6), k
+                    assert min(a[k], PSNR_CAP) == pytest.approx(min(b[k], PSNR_CAP), abs=dpsnr), k
                 elif k.startswith("lpips"):
                     assert a[k] == pytest.approx(b[k], abs=1e-5), k
                 else:
-                    assert a[k] == pytest.approx(b[k], rel=1e-6, abs=1e-9), k
+                    assert a[k] == pytest.approx(b[k], rel=rel, abs=1e-9), k
             else:
                 assert a[k] == b[k], k
 
