@@ -48,9 +48,11 @@ from fedmjp.factory import normalize  # noqa: E402
 MEAN, STD = torch.tensor([0.485, 0.456, 0.406]), torch.tensor([0.229, 0.224, 0.225])
 
 
-def load_images(folder: Path, n: int, size: int) -> torch.Tensor:
-    """[n, 3, size, size] in [0, 1]: center crop + bilinear resize of the first n JPEGs."""
-    files = sorted(folder.glob("*.JPEG"))[:n]
+def load_images(folder: Path, n: int, size: int, start: int = 0, step: int = 1,
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[n, 3, size, size] in [0, 1]: center crop + bilinear resize of every ``step``-th JPEG from
+    ``start`` (sorted by name)."""
+    files = sorted(folder.glob("*.JPEG"))[start::step][:n]
     if len(files) < n:
         raise SystemExit(f"need {n} images in {folder}, found {len(files)}")
     out = []
@@ -59,7 +61,7 @@ def load_images(folder: Path, n: int, size: int) -> torch.Tensor:
         s = min(img.size)
         box = ((img.width - s) // 2, (img.height - s) // 2)
         img = img.crop((*box, box[0] + s, box[1] + s)).resize((size, size), Image.BILINEAR)
-        out.append(torch.from_numpy(np.array(img)).permute(2, 0, 1).float() / 255)
+        out.append(torch.from_numpy(np.array(img)).permute(2, 0, 1).to(dtype) / 255)
     return torch.stack(out)
 
 

@@ -25,29 +25,16 @@ from pathlib import Path
 import numpy as np
 import timm
 import torch
-from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import attacks  # noqa: E402
 from defences import apply_update_defence, validate_defence  # noqa: E402
 from fedmjp.factory import build_model, normalize  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from attack_throughput import load_images  # noqa: E402  (the bench scripts' one image loader)
+
 MEAN, STD = torch.tensor([0.485, 0.456, 0.406]), torch.tensor([0.229, 0.224, 0.225])
-
-
-def load_images(folder: Path, n: int, size: int, start: int) -> torch.Tensor:
-    """[n, 3, size, size] float64 in [0, 1]: every 97th JPEG from ``start`` (center crop, bilinear)."""
-    files = sorted(folder.glob("*.JPEG"))[start::97][:n]
-    if len(files) < n:
-        raise SystemExit(f"need {n} images in {folder}, found {len(files)}")
-    out = []
-    for f in files:
-        img = Image.open(f).convert("RGB")
-        s = min(img.size)
-        box = ((img.width - s) // 2, (img.height - s) // 2)
-        img = img.crop((*box, box[0] + s, box[1] + s)).resize((size, size), Image.BILINEAR)
-        out.append(torch.from_numpy(np.array(img)).permute(2, 0, 1).double() / 255)
-    return torch.stack(out)
 
 
 def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -119,7 +106,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     defences = {k: DEFENCES[k] for k in args.defences.split(",")}
-    x = load_images(args.data, args.images, args.size, args.start)
+    x = load_images(args.data, args.images, args.size, start=args.start, step=97, dtype=torch.float64)
     if args.size == 32:
         spec = dict(name="DeiT", arch="mjp_vit_cifar_patch4_32", kwargs=dict(depth=4), variant="plain", seed=0)
         names = ["april_analytic", "pe_closed_form", "april_robust", "april_robust+known"]
