@@ -86,6 +86,9 @@ class AttackMetadata:
         labels: [num_images] long, if the threat model grants them; else None.
         update_type: ``gradient`` (FedSGD) or ``delta`` (FedAvg weight difference, local - global).
         lr, local_steps: local SGD hyper-parameters of a ``delta`` update.
+        defence: the spec of the defence the client applied (``{"name": "local_dp", "clip": 1.0,
+            "sigma": 0.1, ...}``, see defences/spec.py) when the server knows it, else None.
+            Attacks that model a defence read its parameters here (Kerckhoffs's principle).
     """
 
     num_images: int
@@ -96,6 +99,7 @@ class AttackMetadata:
     update_type: str = "gradient"
     lr: Optional[float] = None
     local_steps: int = 1
+    defence: Optional[dict] = None
 
     @classmethod
     def parse(cls, metadata: Optional[Metadata], model: nn.Module) -> "AttackMetadata":
@@ -126,7 +130,11 @@ class AttackMetadata:
         steps = int(md.get("local_steps", 1))
         if update_type == "delta" and (lr is None or float(lr) == 0.0):
             raise AttackFailure("a 'delta' update needs its local learning rate in metadata['lr']")
-        return cls(n, size, mean, std, labels, update_type, None if lr is None else float(lr), steps)
+        defence = md.get("defence")
+        if defence is not None and not (isinstance(defence, Mapping) and isinstance(defence.get("name"), str)):
+            raise AttackFailure(f"metadata['defence'] must be a defence spec with a 'name', got {defence!r}")
+        return cls(n, size, mean, std, labels, update_type, None if lr is None else float(lr), steps,
+                   None if defence is None else dict(defence))
 
     def normalize(self, images: torch.Tensor) -> torch.Tensor:
         """[B, C, H, W] in [0, 1] -> model input (x - mean) / std."""

@@ -345,7 +345,8 @@ def _run_locked(cfg: dict, run: RunFolder, prepared: Prepared, federate: Optiona
 
 def attack_metadata(cfg: dict, resolved: dict, model: nn.Module, batch: Any) -> dict:
     """What the server knows besides an update: batch size, input normalisation, image size, the
-    update type and, when the threat model grants them, the labels.
+    update type, the defence the clients run (its spec with parameters: Kerckhoffs, the server
+    configures the protocol) and, when the threat model grants them, the labels.
 
     Args:
         cfg: the benchmark config; resolved: the federation's resolved client config
@@ -358,7 +359,8 @@ def attack_metadata(cfg: dict, resolved: dict, model: nn.Module, batch: Any) -> 
     md = {"num_images": len(batch.image_ids), "mean": mean, "std": std,
           "image_size": (3, cfg["data"]["image_size"], cfg["data"]["image_size"]),
           "update_type": "gradient" if fed["algorithm"] == "fedsgd" else "delta",
-          "lr": float(fed["lr"]), "local_steps": fed["local_steps"]}
+          "lr": float(fed["lr"]), "local_steps": fed["local_steps"],
+          "defence": json.loads(resolved["defence"])}
     if resolved["mode"] != fed["algorithm"]:  # the fedavg defence turns FedSGD into FedAvg
         md.update(update_type="delta", local_steps=int(resolved["local-steps"]))
     if cfg["attack"]["labels"] == "known":
