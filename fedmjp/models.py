@@ -22,6 +22,7 @@ it as a token permutation, and returns the DAL loss beside the logits.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import random
 from dataclasses import dataclass
@@ -29,8 +30,9 @@ from typing import Callable, Literal, Optional, get_args
 
 import torch
 import torch.nn as nn
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import trunc_normal_
-from timm.models import get_pretrained_cfg, load_pretrained, register_model
+from timm.models import build_model_with_cfg, generate_default_cfgs, get_pretrained_cfg, register_model
 from timm.models.vision_transformer import Block, VisionTransformer, checkpoint_filter_fn
 
 from . import plugins
@@ -321,52 +323,66 @@ _SIZES = {
 }
 
 
-def _create(pretrained_tag: Optional[str], pretrained: bool, defaults: dict, kwargs: dict) -> MJPVisionTransformer:
-    """Build the model; ``pretrained=True`` loads timm's DeiT weights (needs a network);
-    MJP-only parameters (E_unk, DAL head, index embedding) are missing from them and stay initialised."""
-    model_args = {**defaults, **kwargs}
-    cfg = get_pretrained_cfg(pretrained_tag) if pretrained_tag else None
-    model = MJPVisionTransformer(**model_args)
-    if cfg is not None:
-        model.pretrained_cfg = model.default_cfg = cfg.to_dict()
-    if pretrained:
-        if cfg is None:
-            raise ValueError("no pretrained weights exist for this model; use pretrained=False")
-        load_pretrained(model, pretrained_cfg=model.pretrained_cfg, num_classes=model.num_classes,
-                        filter_fn=checkpoint_filter_fn, strict=False)
-    return model
+# timm's builder: default cfgs registered under the MJP names (the DeiT weights' cfgs for the 224 px
+# models, so ``pretrained=True`` downloads DeiT's and ``pretrained_cfg_overlay`` / ``features_only``
+# work as for any timm model); the MJP-only parameters (E_unk, DAL head, index embedding) are
+# missing from DeiT's weights and stay initialised (non-strict load).
+def _deit_cfg(tag: str) -> dict:
+    cfg = get_pretrained_cfg(tag)
+    return cfg.to_dict() if cfg is not None else {}
 
 
-def _entry(kwargs: dict) -> tuple[bool, dict]:
-    pretrained = kwargs.pop("pretrained", False)
-    for key in ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir"):
-        kwargs.pop(key, None)
-    return pretrained, kwargs
+default_cfgs = generate_default_cfgs({
+    "mjp_deit_tiny_patch16_224.fb_in1k": _deit_cfg("deit_tiny_patch16_224.fb_in1k"),
+    "mjp_deit_small_patch16_224.fb_in1k": _deit_cfg("deit_small_patch16_224.fb_in1k"),
+    "mjp_deit_base_patch16_224.fb_in1k": _deit_cfg("deit_base_patch16_224.fb_in1k"),
+    # No published weights: the cfg only records the input the model expects (ImageNet statistics,
+    # as the CIFAR recipes normalise).
+    "mjp_vit_cifar_patch4_32": {"url": "", "num_classes": 10, "input_size": (3, 32, 32), "pool_size": None,
+                                "crop_pct": 1.0, "interpolation": "bicubic", "fixed_input_size": True,
+                                "mean": IMAGENET_DEFAULT_MEAN, "std": IMAGENET_DEFAULT_STD,
+                                "first_conv": "patch_embed.proj", "classifier": "head"},
+})
+
+
+def _create(variant: str, pretrained: bool, defaults: dict, kwargs: dict) -> MJPVisionTransformer:
+    """Build the model with timm's ``build_model_with_cfg``: ``pretrained=True`` loads timm's DeiT
+    weights (needs a network), ``features_only=True`` gives timm's feature getter (blocks' outputs,
+    ``out_indices``), ``pretrained_cfg_overlay`` changes the recorded cfg."""
+    out_indices = kwargs.pop("out_indices", 3)
+    if pretrained and not (default_cfgs[variant].default.url or default_cfgs[variant].default.hf_hub_id):
+        raise ValueError(f"no pretrained weights exist for {variant}; use pretrained=False")
+    # The MJP ``variant`` keyword would collide with the builder's ``variant`` (the model name).
+    cls = functools.partial(MJPVisionTransformer, variant=kwargs.pop("variant")) if "variant" in kwargs else MJPVisionTransformer
+    return build_model_with_cfg(cls, variant, pretrained, pretrained_filter_fn=checkpoint_filter_fn,
+                                pretrained_strict=False,
+                                feature_cfg=dict(out_indices=out_indices, feature_cls="getter"),
+                                **{**defaults, **kwargs})
 
 
 @register_model
 def mjp_deit_tiny_patch16_224(pretrained: bool = False, **kwargs) -> MJPVisionTransformer:
     """DeiT-Ti/16 at 224 px with MJP (variant via ``variant=``)."""
-    return _create("deit_tiny_patch16_224.fb_in1k", pretrained, dict(patch_size=16, **_SIZES["tiny"]), _entry(kwargs)[1])
+    return _create("mjp_deit_tiny_patch16_224", pretrained, dict(patch_size=16, **_SIZES["tiny"]), kwargs)
 
 
 @register_model
 def mjp_deit_small_patch16_224(pretrained: bool = False, **kwargs) -> MJPVisionTransformer:
     """DeiT-S/16 at 224 px with MJP (the paper's main model)."""
-    return _create("deit_small_patch16_224.fb_in1k", pretrained, dict(patch_size=16, **_SIZES["small"]), _entry(kwargs)[1])
+    return _create("mjp_deit_small_patch16_224", pretrained, dict(patch_size=16, **_SIZES["small"]), kwargs)
 
 
 @register_model
 def mjp_deit_base_patch16_224(pretrained: bool = False, **kwargs) -> MJPVisionTransformer:
     """DeiT-B/16 at 224 px with MJP."""
-    return _create("deit_base_patch16_224.fb_in1k", pretrained, dict(patch_size=16, **_SIZES["base"]), _entry(kwargs)[1])
+    return _create("mjp_deit_base_patch16_224", pretrained, dict(patch_size=16, **_SIZES["base"]), kwargs)
 
 
 @register_model
 def mjp_vit_cifar_patch4_32(pretrained: bool = False, **kwargs) -> MJPVisionTransformer:
     """CIFAR-scale ViT for CPU work: 32 px, patch 4 (8x8 grid), width 192, depth 6, 10 classes."""
     defaults = dict(img_size=32, patch_size=4, embed_dim=192, depth=6, num_heads=3, num_classes=10)
-    return _create(None, pretrained, defaults, _entry(kwargs)[1])
+    return _create("mjp_vit_cifar_patch4_32", pretrained, defaults, kwargs)
 
 
 # --------------------------------------------------------------------------------- registry

@@ -278,3 +278,22 @@ def test_every_variant_forward_and_backward():
         loss = out.logits.sum() + (out.dal_loss if out.dal_loss is not None else 0)
         loss.backward()
         assert torch.isfinite(loss)
+
+
+def test_timm_builder_features_overlay_and_pretrained_refusal():
+    """The MJP models are built by timm's build_model_with_cfg: features_only gives the blocks'
+    outputs as [B, D, H, W] maps, pretrained_cfg_overlay changes the recorded input statistics, the
+    224 px models carry DeiT's weights cfg and the CIFAR model (no published weights) refuses
+    pretrained=True."""
+    from fedmjp.factory import model_input_stats
+
+    feats = timm.create_model("mjp_vit_cifar_patch4_32", features_only=True, depth=4, out_indices=(1, 3))
+    with torch.no_grad():
+        out = feats(torch.randn(2, 3, 32, 32))
+    assert [tuple(f.shape) for f in out] == [(2, 192, 8, 8), (2, 192, 8, 8)]
+    model = timm.create_model("mjp_vit_cifar_patch4_32", pretrained_cfg_overlay=dict(mean=(0.5, 0.5, 0.5)))
+    assert model_input_stats(model)[0] == (0.5, 0.5, 0.5)
+    deit = timm.create_model("mjp_deit_tiny_patch16_224", variant="mjp", depth=1)
+    assert deit.variant == "mjp" and deit.pretrained_cfg["hf_hub_id"] == "timm/deit_tiny_patch16_224.fb_in1k"
+    with pytest.raises(ValueError, match="no pretrained weights"):
+        timm.create_model("mjp_vit_cifar_patch4_32", pretrained=True)
