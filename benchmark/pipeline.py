@@ -18,34 +18,41 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
-import torch.nn as nn
+from torch import nn
 from tqdm.auto import tqdm
 
 from fedmjp.data import DataError, ImageSet, load_images
 from fedmjp.devices import resolve_device
 
 from . import scoring
-from .config import SETTING_GROUPS, attack_entries, client_values, model_label, model_spec, row_defence
-from .errors import AttackErrors, ConfigError, FederationFailed, InputDataError, ModelCheckpointError
+from .config import (
+    SETTING_GROUPS,
+    attack_entries,
+    client_values,
+    model_label,
+    model_spec,
+    row_defence,
+)
+from .errors import (
+    AttackErrors,
+    ConfigError,
+    FederationFailed,
+    InputDataError,
+    ModelCheckpointError,
+)
 from .report import Tables, write_distributions, write_grids, write_tables
-from .store import RunFolder, row_key
+from .rows import RowContext, RowKey, client_failure_rows
+from .store import RunFolder, slug
 
 _logger = logging.getLogger(__name__)
 
 GROUP_SETTING = {"clean": "a", "shuffled": "c"}  # the setting the clients are told (b == c on the client)
 _END, _ABORT = object(), object()  # what the federation's end tells the attack thread
-
-
-def rec_kind(attack: str, setting: str) -> str:
-    """Stored-image kind of a reconstruction: per attacker and setting (an MJP-aware attack scores
-    setting c on its own estimate of x, and batches are paired per setting)."""
-    from .store import slug
-
-    return f"rec-{slug(attack)}-{setting}"
 
 
 @dataclass
@@ -63,7 +70,7 @@ class ModelRow:
     spec: dict
     model: nn.Module
     trained: bool
-    acc_model: Optional[nn.Module] = None
+    acc_model: nn.Module | None = None
 
 
 @dataclass
@@ -252,8 +259,7 @@ def expected_keys(cfg: dict, row: ModelRow, group: str, settings: list[str]) -> 
         for b, image_id in enumerate(batch.image_ids):
             for s in settings:
                 for entry in attack_entries(cfg):
-                    keys.add(row_key({"model": row.name, "attack": entry["label"], "setting": s, "round": rnd,
-                                      "partition_id": part, "batch_index": b, "image_id": image_id}))
+                    keys.add(RowKey(row.name, entry["label"], s, rnd, part, b, image_id))
     return keys
 
 
@@ -272,7 +278,7 @@ def grid_image_ids(cfg: dict, run_config: dict) -> set[str]:
     return set(ids[:k])
 
 
-def run_benchmark(cfg: dict, output: str, federate: Optional[Callable[..., Any]] = None,
+def run_benchmark(cfg: dict, output: str, federate: Callable[..., Any] | None = None,
                   progress: bool = True, batched: bool = True, force: bool = False) -> RunSummary:
     """Run (or resume) a benchmark into ``output``; write tables and grids at the end.
 
@@ -300,7 +306,7 @@ def run_benchmark(cfg: dict, output: str, federate: Optional[Callable[..., Any]]
         run.unlock()
 
 
-def _run_locked(cfg: dict, run: RunFolder, prepared: Prepared, federate: Optional[Callable[..., Any]],
+def _run_locked(cfg: dict, run: RunFolder, prepared: Prepared, federate: Callable[..., Any] | None,
                 progress: bool, t0: float, batched: bool = True) -> RunSummary:
     """The body of :func:`run_benchmark`, with the folder locked."""
     from .workers import make_runner
@@ -396,17 +402,59 @@ def quiet_flower(verbose: bool = False) -> None:
     log.propagate = False
 
 
-def defence_columns(run_config: dict, metrics: dict) -> dict:
-    """Result-row columns of the client's defence: its name and label, and what the client
-    reported (cosine similarity of the sent update to its clean one, DP-SGD's epsilon)."""
+def row_context(cfg: dict, row: ModelRow, group: str, run_config: dict, image_names: list[str]) -> RowContext:
+    """What every result row of one federation (model row, setting group) shares."""
     from defences import defence_label
 
     spec = json.loads(run_config["defence"])
-    out = {"defence": spec["name"], "defence_label": defence_label(spec),
-           "defence_cos": float(metrics.get("defence-cos", 1.0))}
-    if "dp-epsilon" in metrics:
-        out["dp_epsilon"], out["dp_delta"] = float(metrics["dp-epsilon"]), float(spec["delta"])
-    return out
+    return RowContext(model=row.name, label=row.label, trained=row.trained, arch=row.spec["arch"],
+                      variant=row.spec["variant"], april=row.spec["april"], group=group, seed=cfg["seed"],
+                      defence=spec, defence_label=defence_label(spec),
+                      image_index={name: i for i, name in enumerate(image_names)})
+
+
+def round_keys(model: str, attackers: list[Attacker], settings: list[str], rnd: int, part: int,
+               image_ids: list[str]) -> dict[tuple[str, str, int], RowKey]:
+    """(attacker label, setting, batch index) -> the row key, for every row one update gives."""
+    return {(a.label, s, b): RowKey(model, a.label, s, rnd, part, b, image_id)
+            for a in attackers for s in settings for b, image_id in enumerate(image_ids)}
+
+
+class RoundCollector:
+    """Groups a federation's tapped updates into rounds, in the order the server saw them.
+
+    A round is complete once every expected client of it has replied; a round with a missing
+    client is complete when the next round starts or the federation ends (:meth:`close`). Updates
+    of (round, partition) pairs not expected (beyond a dry run's first) are dropped.
+    """
+
+    def __init__(self, wanted: set[tuple[int, int]]) -> None:
+        self.wanted = wanted
+        self.seen: set[tuple[int, int]] = set()  # (round, partition) pairs tapped
+        self.buffer: list[Any] = []  # the current round's updates
+
+    def add(self, update: Any) -> list[list[Any]]:
+        """Take one update; returns the rounds it completed (zero, one or two)."""
+        rnd, part = int(update.server_round), int(update.partition_id)
+        if (rnd, part) not in self.wanted:
+            return []
+        done = []
+        if self.buffer and int(self.buffer[0].server_round) != rnd:
+            done.append(self.close())  # a round with a missing client: its updates are attacked now
+        self.seen.add((rnd, part))
+        self.buffer.append(update)
+        if {(r, p) for r, p in self.wanted if r == rnd} <= self.seen:
+            done.append(self.close())
+        return [r for r in done if r]
+
+    def close(self) -> list[Any]:
+        """The updates collected (the round so far) and an empty buffer."""
+        updates, self.buffer = self.buffer, []
+        return updates
+
+    def missing(self) -> list[tuple[int, int]]:
+        """Expected (round, partition) pairs never tapped, in order."""
+        return sorted(self.wanted - self.seen)
 
 
 @dataclass
@@ -419,30 +467,30 @@ class _Round:
     rnd: int
     updates: list
     batches: list
-    keys: list[dict]
-    correct: list[torch.Tensor]
-    pred: list[torch.Tensor]
-    correct_attacked: list[torch.Tensor]
+    keys: list[dict[tuple[str, str, int], RowKey]]
+    top1: scoring.RoundTop1
     jobs: list[tuple[Attacker, Any, list[int]]] = field(default_factory=list)
 
 
 class GroupAttacker:
     """Runs one federation and attacks its tapped updates, one round at a time, in an attack thread.
 
-    The server's tap only queues each update (:meth:`tap`); the attack thread (:meth:`work`) takes
-    them in the server's order, so the clients compute round r + 1 while round r is attacked and
-    scored (on 2 CPU cores the two overlap; the rows do not depend on it: the attack thread alone
-    touches the server's model copy, the scorer and the results file). A round's updates are
-    collected as they arrive; once every expected client of the round has replied (or the next
-    round starts, or the federation ends), each attacker gets all of
-    them in one ``reconstruct_many`` call on the runner (batched attacks solve them together; on Ray
-    workers, the federation goes on meanwhile), and the results are scored per round and setting
-    in one metrics call and appended. ``batched=False`` attacks one update per ``reconstruct`` call
-    (the reference path; the rows are the same).
+    The concurrency shell around :class:`RoundCollector`, :func:`benchmark.scoring.round_top1`,
+    :func:`benchmark.scoring.score_round` and :func:`benchmark.rows.client_failure_rows`: the
+    server's tap only queues each update (:meth:`tap`); the attack thread (:meth:`work`) takes them
+    in the server's order, so the clients compute round r + 1 while round r is attacked and scored
+    (on 2 CPU cores the two overlap; the rows do not depend on it: the attack thread alone touches
+    the server's model copy, the scorer and the results file). Once a round is complete, each
+    attacker gets all of its updates in one ``reconstruct_many`` call on the runner (batched attacks
+    solve them together; on Ray workers, the federation goes on meanwhile), and the results are
+    scored per round and setting and appended. ``batched=False`` attacks one update per
+    ``reconstruct`` call (the reference path; the rows are the same).
     """
 
     def __init__(self, prepared: Prepared, run: RunFolder, row: ModelRow, group: str, settings: list[str],
                  done: set[tuple], progress: bool, runner: Any = None, batched: bool = True) -> None:
+        from clients.runconfig import resolve_config
+
         from .workers import LocalRunner
 
         self.p, self.run_folder, self.row, self.group, self.settings = prepared, run, row, group, settings
@@ -451,15 +499,14 @@ class GroupAttacker:
         self.runner = runner if runner is not None else LocalRunner([a.attack for a in prepared.attackers])
         self.batched = batched
         self.run_config = client_run_config(self.cfg, row, group)
-        from clients.runconfig import resolve_config
-
         self.resolved = resolve_config(self.run_config)
+        self.ctx = row_context(self.cfg, row, group, self.run_config, prepared.image_names)
         # The classifier-bias gradient carries the attacked model's prediction when the update is a
-        # plain FedSGD gradient (no defence transforms it); see attacked_model_top1.
+        # plain FedSGD gradient (no defence transforms it); see scoring.round_top1.
         plain = self.resolved["mode"] == "fedsgd" and json.loads(self.resolved["defence"])["name"] == "none"
         self.gradient_readout = scoring.classifier_bias_name(row.model) if plain else None
         self.forward_top1 = 0  # updates whose attacked-model top-1 needed a forward pass
-        self.wanted = set(expected_updates(self.cfg))
+        self.rounds = RoundCollector(set(expected_updates(self.cfg)))
         # The server's copy is the row's own model: every use loads the federation's weights first
         # (strict, so nothing of an earlier federation survives; block-0 norm1, which the surgery
         # removed, is never in them), and run() restores the row's weights at the end. A deepcopy
@@ -468,22 +515,19 @@ class GroupAttacker:
         self.acc_model = row.acc_model
         self.pristine = {k: v.detach().clone() for k, v in row.model.state_dict().items()}
         self.grid_ids = grid_image_ids(self.cfg, self.run_config)
-        self.index_of = {name: i for i, name in enumerate(prepared.image_names)}
         self.new_rows = self.failed_rows = self.error_rows = 0
-        self.seen: set[tuple[int, int]] = set()  # (round, partition) pairs tapped
-        self.buffer: list[Any] = []  # the current round's updates not attacked yet
         self.pending: list[_Round] = []  # rounds submitted to the runner, not scored yet
         # Rounds allowed in flight before the tap waits: keeps the updates held in memory bounded.
-        self.max_pending = 2 * len(getattr(self.runner, "actors", [None]))
-        self.error: Optional[BaseException] = None
+        self.max_pending = 2 * max(int(self.runner.slots), 1)
+        self.error: BaseException | None = None
         self.aborted = False
         # Updates on their way from the server's tap to the attack thread; a round and a half of
         # them at most, so the server runs one round ahead and no further.
-        self.inbox: "queue.Queue[Any]" = queue.Queue(maxsize=max(1, (3 * self.cfg["federation"]["clients"]) // 2))
-        self.bar = tqdm(total=len(self.wanted), desc=f"attack {row.name} [{group}]", unit="upd",
+        self.inbox: queue.Queue[Any] = queue.Queue(maxsize=max(1, (3 * self.cfg["federation"]["clients"]) // 2))
+        self.bar = tqdm(total=len(self.rounds.wanted), desc=f"attack {row.name} [{group}]", unit="upd",
                         leave=False, disable=None if progress else True)  # None: off a terminal
 
-    def run(self, federate: Optional[Callable[..., Any]]) -> None:
+    def run(self, federate: Callable[..., Any] | None) -> None:
         from server.federation import run_federation
 
         t0 = time.perf_counter()
@@ -539,53 +583,31 @@ class GroupAttacker:
                 if update is _ABORT:
                     return
                 if update is _END:
-                    self.flush()
+                    last = self.rounds.close()
+                    if last:
+                        self.submit_round(last)
                     self.drain(block=True)
                     return
                 if not self.aborted:
-                    self.on_update(update)
-        except BaseException as err:  # re-raised by tap() and run(); never swallowed
+                    for updates in self.rounds.add(update):
+                        self.submit_round(updates)
+                    self.drain(block=False)
+        except BaseException as err:  # noqa: BLE001  (re-raised by tap() and run(); never swallowed)
             self.error = err
             while self.inbox.get() not in (_END, _ABORT):  # let tap() return; run() sends the marker
                 pass
 
-    # ---------------------------------------------------------------------------------- the tap
-    def on_update(self, update: Any) -> None:
-        """Collect one client's update; attack the round once it is complete."""
-        rnd, part = int(update.server_round), int(update.partition_id)
-        if (rnd, part) not in self.wanted:
-            return
-        if self.buffer and int(self.buffer[0].server_round) != rnd:
-            self.flush()  # a round with a missing client: its updates are attacked now
-        self.seen.add((rnd, part))
-        self.buffer.append(update)
-        if {(r, p) for r, p in self.wanted if r == rnd} <= self.seen:
-            self.flush()
-        self.drain(block=False)
-
-    def flush(self) -> None:
-        """Submit the collected round (if any) to the runner."""
-        updates, self.buffer = self.buffer, []
-        if updates:
-            self.submit_round(updates)
-
+    # ---------------------------------------------------------------------------------- a round
     def submit_round(self, updates: list) -> None:
-        """Top-1 of the round's images (one forward per model), then one runner job per attacker
-        over the updates that still miss rows of that attacker."""
+        """Top-1 of the round's images, then one runner job per attacker over the updates that
+        still miss rows of that attacker."""
         from clients.partition import private_batch
 
         rnd = int(updates[0].server_round)
         clients = self.cfg["federation"]["clients"]
-        batches, keys = [], []
-        for u in updates:
-            part = int(u.partition_id)
-            batch = private_batch(self.run_config, part, rnd, clients)
-            batches.append(batch)
-            keys.append({(a.label, s, b): row_key({"model": self.row.name, "attack": a.label, "setting": s,
-                                                   "round": rnd, "partition_id": part, "batch_index": b,
-                                                   "image_id": image_id})
-                         for a in self.p.attackers for s in self.settings
-                         for b, image_id in enumerate(batch.image_ids)})
+        batches = [private_batch(self.run_config, int(u.partition_id), rnd, clients) for u in updates]
+        keys = [round_keys(self.row.name, self.p.attackers, self.settings, rnd, int(u.partition_id), b.image_ids)
+                for u, b in zip(updates, batches)]
         todo = [i for i, k in enumerate(keys) if not all(v in self.done for v in k.values())]
         self.bar.update(len(updates) - len(todo))
         if not todo:
@@ -595,16 +617,12 @@ class GroupAttacker:
         state = {k: v.to(self.p.device) for k, v in updates[0].global_state.items()}
         self.model.load_state_dict(state, strict=True)
         self.model.eval()
-        correct_attacked, pred_attacked = self.attacked_model_top1(updates, batches)
-        if self.acc_model is None:
-            correct, pred = correct_attacked, pred_attacked
-        else:
-            correct, pred = scoring.top1_many(self.acc_model_at(state), batches, self.p.device)
-        round_ = _Round(rnd, updates, batches, keys, correct, pred, correct_attacked)
-        from .workers import RayRunner
-
-        # Ray: the model with this round's weights is shipped once per round, for every attacker.
-        model = self.runner.ray.put(self.model) if isinstance(self.runner, RayRunner) else self.model
+        acc_model = None if self.acc_model is None else self.acc_model_at(state)
+        top1, forwards = scoring.round_top1(self.model, acc_model, updates, batches, self.p.device,
+                                            self.gradient_readout)
+        self.forward_top1 += forwards
+        round_ = _Round(rnd, updates, batches, keys, top1)
+        model = self.runner.share(self.model)  # e.g. shipped to Ray's object store once per round
         for index, attacker in enumerate(self.p.attackers):
             mine = [i for i, (batch, k) in enumerate(zip(batches, keys))
                     if not all(k[(attacker.label, s, b)] in self.done for s in self.settings
@@ -617,28 +635,6 @@ class GroupAttacker:
         self.pending.append(round_)
         if len(self.pending) > self.max_pending:
             self.drain(block=True, keep=self.max_pending)
-
-    def attacked_model_top1(self, updates: list, batches: list) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Top-1 of the attacked model (with this round's weights loaded) on each update's input.
-
-        A plain FedSGD gradient of one image already holds the prediction the client's model made
-        (:func:`scoring.prediction_from_gradient`): read it there and run a forward only for the
-        updates where that is not exact (batches of several images, FedAvg deltas, defences, near ties).
-        """
-        preds: list[Optional[torch.Tensor]] = [None] * len(updates)
-        if self.gradient_readout is not None:
-            for i, (u, batch) in enumerate(zip(updates, batches)):
-                grad = u.arrays.get(self.gradient_readout)
-                if u.kind == "gradients" and len(batch.labels) == 1 and grad is not None:
-                    got = scoring.prediction_from_gradient(grad, int(batch.labels[0]))
-                    preds[i] = None if got is None else torch.tensor([got])
-        todo = [i for i, p in enumerate(preds) if p is None]
-        if todo:
-            _, forward = scoring.top1_many(self.model, [batches[i] for i in todo], self.p.device)
-            for i, p in zip(todo, forward):
-                preds[i] = p
-        self.forward_top1 += len(todo)
-        return [(p == b.labels.cpu()).float() for p, b in zip(preds, batches)], preds
 
     def drain(self, block: bool, keep: int = 0) -> None:
         """Score and append the rounds whose attacks are done (``block``: wait until at most
@@ -654,8 +650,9 @@ class GroupAttacker:
             self.finish_round(oldest)
 
     def finish_round(self, r: _Round) -> None:
-        """Score every attacker's results of the round under each setting; append the rows."""
-        rows = []
+        """Score every attacker's results of the round under each setting; append the rows and
+        store the grid images."""
+        scored: list[scoring.ScoredImage] = []
         for attacker, job, mine in r.jobs:
             results, seconds = self.runner.result(job)
             n_images = sum(len(r.batches[i].image_ids) for i in mine)
@@ -663,21 +660,31 @@ class GroupAttacker:
                 if result.error is not None:
                     self.record_error(attacker.label, r.rnd, int(r.updates[i].partition_id), result.error)
             for s in self.settings:
-                rows += self.score_rows(attacker, r, mine, results, s, seconds / max(n_images, 1))
+                scored += scoring.score_round(
+                    self.ctx, (attacker.label, attacker.name), s, [r.updates[i] for i in mine],
+                    [r.batches[i] for i in mine], results, r.top1.take(mine), self.p.scorer,
+                    int(self.model.patch_embed.patch_size[0]), seconds / max(n_images, 1), skip=self.done,
+                    grid_ids=self.grid_ids)
+        batch_of = {int(u.partition_id): b for u, b in zip(r.updates, r.batches)}  # one update per partition
+        for item in scored:
+            if item.row.image_stored:
+                batch, b = batch_of[item.row.partition_id], item.row.batch_index
+                self.run_folder.save_row_images(item.row, batch.images[b],
+                                                None if batch.shuffled is None else batch.shuffled[b],
+                                                item.reconstruction)
+        rows = [item.row for item in scored]
         self.run_folder.append(rows)
         for k in r.keys:
             self.done.update(k.values())
         self.new_rows += len(rows)
-        self.failed_rows += sum(bool(x["failed"]) for x in rows)
-        self.error_rows += sum(bool(x.get("error")) for x in rows)
+        self.failed_rows += sum(bool(x.failed) for x in rows)
+        self.error_rows += sum(bool(x.error) for x in rows)
         self.bar.update(len(r.updates))
 
     def acc_model_at(self, state: dict) -> nn.Module:
         """The model as trained at the global weights ``state``: the row's unmodified model with the
         federation's weights (block 0's norm1, which the surgery removed, keeps its checkpoint or
-        seeded values), or the attacked model when it has no surgery."""
-        if self.acc_model is None:
-            return self.model
+        seeded values)."""
         result = self.acc_model.load_state_dict(state, strict=False)
         removed = [k for k in result.missing_keys if not k.startswith("blocks.0.norm1.")]
         if removed or result.unexpected_keys:
@@ -685,120 +692,19 @@ class GroupAttacker:
                                f"weights (missing {removed}, unexpected {result.unexpected_keys})")
         return self.acc_model.eval()
 
-    def score_rows(self, attacker: Attacker, r: _Round, mine: list[int], results: list, s: str,
-                   t_attack: float) -> list[dict]:
-        """Rows of one attacker's results on a round under setting ``s``: pair each update's
-        reconstructions with its true images, score all of them in one metrics call (and the MJP
-        regions of the updates with shuffled patches), one row per image not stored yet.
-
-        Args:
-            mine: positions (in ``r.updates``) of the updates attacked, in the order of ``results``.
-            t_attack: attack seconds per image.
-        """
-        from metrics.regions import region_scores
-
-        recons, refs, estimates, orders = [], [], [], []
-        for i, result in zip(mine, results):
-            batch = r.batches[i]
-            estimate = "unshuffled" if (s == "c" and result.unshuffled is not None) else "images"
-            recon = result.unshuffled if estimate == "unshuffled" else result.images
-            reference = batch.shuffled if s == "b" else batch.images
-            n = len(batch.image_ids)
-            order = scoring.pair_reconstructions(recon, reference, result.failed_images) if n > 1 else [0]
-            recons.append(recon[order])
-            refs.append(reference)
-            estimates.append(estimate)
-            orders.append(order)
-        t_score = time.perf_counter()
-        x = torch.cat([r.batches[i].images for i in mine])
-        xs = None if r.batches[mine[0]].shuffled is None else torch.cat([r.batches[i].shuffled for i in mine])
-        scores = self.p.scorer.score(s, torch.cat(recons), x, xs)
-        regions: dict[int, dict] = {}
-        with_mask = [j for j, i in enumerate(mine) if s in ("b", "c") and r.batches[i].unk_mask is not None
-                     and bool(r.batches[i].unk_mask.any())]
-        if with_mask:
-            patch = int(self.model.patch_embed.patch_size[0])
-            got = region_scores(torch.cat([recons[j] for j in with_mask]).float().cpu(),
-                                torch.cat([refs[j] for j in with_mask]).float().cpu(),
-                                torch.cat([r.batches[mine[j]].unk_mask for j in with_mask]).cpu(), patch)
-            start = 0
-            for j in with_mask:
-                n = len(r.batches[mine[j]].image_ids)
-                regions[j] = {k: v[start:start + n] for k, v in got.items()}
-                start += n
-        n_scored = sum(len(r.batches[i].image_ids) for i in mine)
-        t_score = (time.perf_counter() - t_score) / max(n_scored, 1)
-        rows = []
-        start = 0
-        for j, (i, result) in enumerate(zip(mine, results)):
-            batch, update, keys = r.batches[i], r.updates[i], r.keys[i]
-            rnd, part = int(update.server_round), int(update.partition_id)
-            for b, image_id in enumerate(batch.image_ids):
-                metric_row = scores[start + b]
-                if keys[(attacker.label, s, b)] in self.done:
-                    continue
-                jj = orders[j][b]  # the reconstruction paired with image b
-                stats = dict(result.stats[jj]) if jj < len(result.stats) else {}
-                attack_failed = bool(result.failed or stats.get("failed", False))
-                failed = bool(attack_failed or metric_row["failed"])
-                reason = (result.reason or stats.get("reason")) if attack_failed else metric_row["failure"]
-                row = {
-                    "model": self.row.name, "label": self.row.label, "trained": self.row.trained,
-                    "arch": self.row.spec["arch"], "variant": self.row.spec["variant"],
-                    "april": self.row.spec["april"], "setting": s, "group": self.group, "round": rnd,
-                    "partition_id": part, "node_id": int(update.node_id), "batch_index": b, "image_id": image_id,
-                    "image_index": self.index_of.get(image_id, int(batch.indices[b])),
-                    "class": int(batch.labels[b]), "pred": int(r.pred[i][b]), "correct": float(r.correct[i][b]),
-                    "correct_attacked_model": float(r.correct_attacked[i][b]),
-                    "gamma": float(batch.gamma), "attack": attacker.label, "attack_name": attacker.name,
-                    "seed": self.cfg["seed"], "recon_index": int(jj), "scored_estimate": estimates[j],
-                    **{k: v for k, v in metric_row.items() if k not in ("failed", "failure")},
-                    **({k: float(v[b]) for k, v in regions[j].items()} if j in regions else {}),
-                    "failed": failed, "reason": reason, "error": attack_failed and result.error is not None,
-                    "attack_stats": {k: v for k, v in stats.items() if k not in ("failed", "reason")},
-                    "time_attack_s": t_attack,
-                    "time_score_s": t_score,
-                    "image_stored": image_id in self.grid_ids,
-                    **defence_columns(self.run_config, update.metrics),
-                }
-                if row["image_stored"]:
-                    self.store_images(row, batch, b, recons[j][b])
-                rows.append(row)
-            start += len(batch.image_ids)
-        return rows
-
     def record_error(self, attack: str, rnd: int, part: int, text: str) -> None:
         """Write an unexpected attack error's traceback to ``errors/`` of the run folder."""
-        from .store import slug
-
-        from .errors import OutputWriteError
-        from .store import short_name, write_text
-
-        folder = self.run_folder.folder / "errors"
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise OutputWriteError(f"cannot create {folder}: {err.strerror}") from err
-        path = folder / short_name(f"{slug(self.row.name)}__{self.group}__{slug(attack)}__r{rnd}-p{part}.txt")
-        write_text(path, text)
+        path = self.run_folder.write_error(f"{slug(self.row.name)}__{self.group}__{slug(attack)}__r{rnd}-p{part}.txt",
+                                           text)
         _logger.error("%s/%s: attack %s raised an unexpected error (round %d, partition %d); traceback in %s",
                       self.row.name, self.group, attack, rnd, part, path)
 
-    def store_images(self, row: dict, batch: Any, b: int, reconstruction: torch.Tensor) -> None:
-        """PNGs for the grids: x, x~ (shuffled group) and the reconstruction."""
-        rf, name, rnd, part = self.run_folder, self.row.name, row["round"], row["partition_id"]
-        rf.save_image(rf.image_path(name, self.group, row["image_id"], "x", rnd, part), batch.images[b])
-        if batch.shuffled is not None:
-            rf.save_image(rf.image_path(name, self.group, row["image_id"], "xs", rnd, part), batch.shuffled[b])
-        rf.save_image(rf.image_path(name, self.group, row["image_id"], rec_kind(row["attack"], row["setting"]),
-                                    rnd, part), reconstruction)
-
     def record_client_failures(self, result: Any) -> None:
         """Updates that never reached the attacker (a client raised, timed out or sent a malformed
-        reply): one failed row per image of that client's private batch, with the server's reason,
-        so the table counts them and a resumed run does not wait for them. The server does not know
-        a failed client's partition; the missing (round, partition) pairs are what was expected and
-        not tapped. A federation where no update reached the attacker at all is an error."""
+        reply): their rows (:func:`benchmark.rows.client_failure_rows`), so the table counts them
+        and a resumed run does not wait for them. The server does not know a failed client's
+        partition; the missing (round, partition) pairs are what was expected and not tapped. A
+        federation where no update reached the attacker at all is an error."""
         from clients.partition import private_batch
 
         failures = list(getattr(result, "failures", None) or [])
@@ -806,29 +712,17 @@ class GroupAttacker:
             _logger.warning("%s/%s: round %d, node %d: %s", self.row.name, self.group, f.server_round, f.node_id,
                             f.reason)
         rows = []
-        for rnd, part in sorted(self.wanted - self.seen):
-            reasons = sorted({f.reason for f in failures if f.server_round == rnd
-                              and f.partition_id in (None, part)}) or ["no update from this client"]
+        attackers = [(a.label, a.name) for a in self.p.attackers]
+        for rnd, part in self.rounds.missing():
+            reasons = sorted({f.reason for f in failures if f.server_round == rnd and f.partition_id in (None, part)})
             batch = private_batch(self.run_config, part, rnd, self.cfg["federation"]["clients"])
-            for s, attacker in ((s, a) for s in self.settings for a in self.p.attackers):
-                for b, image_id in enumerate(batch.image_ids):
-                    row = {"model": self.row.name, "label": self.row.label, "trained": self.row.trained,
-                           "arch": self.row.spec["arch"], "variant": self.row.spec["variant"], "setting": s,
-                           "group": self.group, "round": rnd, "partition_id": part, "node_id": None,
-                           "batch_index": b, "image_id": image_id,
-                           "image_index": self.index_of.get(image_id, int(batch.indices[b])),
-                           "class": int(batch.labels[b]), "gamma": float(batch.gamma),
-                           "attack": attacker.label, "attack_name": attacker.name, "seed": self.cfg["seed"],
-                           "failed": True,
-                           "reason": " ".join(("client failed: " + " | ".join(reasons)).split())[:300],
-                           "image_stored": False}
-                    if row_key(row) not in self.done:
-                        rows.append(row)
+            rows += [r for r in client_failure_rows(self.ctx, rnd, part, batch, reasons, attackers, self.settings)
+                     if r.key not in self.done]
         if rows:
             self.run_folder.append(rows)
-            self.done.update(row_key(r) for r in rows)
+            self.done.update(r.key for r in rows)
             self.new_rows += len(rows)
             self.failed_rows += len(rows)
-        if not self.seen and self.wanted:
+        if not self.rounds.seen and self.rounds.wanted:
             raise FederationFailed(f"model row {self.row.name!r} ({self.group}): no client update reached the "
                                    f"attacker; failures: {[f.reason for f in failures[:3]]}")

@@ -15,9 +15,10 @@ import json
 import logging
 import platform
 import subprocess
+from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any
 
 import torch
 
@@ -99,7 +100,7 @@ def differences(stored: Mapping[str, Any], current: Mapping[str, Any]) -> list[s
     return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
 
-def read_record(folder: Path) -> Optional[dict[str, Any]]:
+def read_record(folder: Path) -> dict[str, Any] | None:
     """The stored ``provenance.json`` of a run folder (None when there is none).
 
     Raises:
@@ -130,9 +131,9 @@ def check_or_write(folder: Path, record: Mapping[str, Any], replace: bool = Fals
     Raises:
         OutputConflictError: anything but the dirty flag differs (the message lists every difference),
             or the stored file is damaged.
-        OutputWriteError: the file cannot be written (:func:`benchmark.store.write_text`).
+        OutputWriteError: the file cannot be written (:func:`benchmark.files.write_text`).
     """
-    from .store import write_text
+    from .files import write_text
 
     folder = Path(folder)
     path = folder / PROVENANCE

@@ -20,9 +20,9 @@ from __future__ import annotations
 import io
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
 
 import numpy as np
 import pandas as pd
@@ -30,12 +30,13 @@ from PIL import Image, ImageDraw, ImageFont
 from tabulate import tabulate
 
 import metrics
-
-from .config import SETTING_GROUPS, SETTINGS
 from metrics.regions import REGION_COLUMNS
 
+from .config import SETTING_GROUPS, SETTINGS
+from .files import save_figure, write_bytes, write_text
+from .rows import ROW_KEY
 from .scoring import ROW_METRICS
-from .store import RunFolder, load_png, save_figure, slug, write_bytes, write_text
+from .store import RunFolder, load_png, rec_kind
 
 _logger = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ STRONGEST = "strongest"
 STRONGEST_TIE_DB = 1e-3
 #: Columns that identify one attacked image of one model and setting (results.jsonl's row key
 #: without the attack); a sweep adds ``sweep_index``.
-IMAGE_KEY = ("model", "setting", "round", "partition_id", "batch_index", "image_id")
+IMAGE_KEY = tuple(k for k in ROW_KEY if k != "attack")
 STRONGEST_NOTE = (
     "`strongest` rows: per image, the attacker whose reconstruction has the highest PSNR against the ground "
     "truth (the evaluator picks with the true image, as worst-case privacy reporting does; PSNRs above the "
@@ -230,7 +231,7 @@ def shape_stats(df: pd.DataFrame, by: Sequence[str]) -> pd.DataFrame:
                                           *[f"{c}_mean" for c in REGION_COLUMNS]])
 
 
-def aggregate(rows: Sequence[dict], model_order: Optional[Sequence[str]] = None) -> pd.DataFrame:
+def aggregate(rows: Sequence[dict], model_order: Sequence[str] | None = None) -> pd.DataFrame:
     """Per (model, attack, setting): ``n`` rows, ``n_failed``, ``n_error`` (failures from an
     unexpected attack error), mean/std/count of each metric (:func:`metrics.aggregate`: failed rows
     left out, PSNR capped at ``metrics.PSNR_CAP_DB``), ``acc_mean``/``acc_count``: top-1 of the model
@@ -431,7 +432,7 @@ def grid_columns(setting: str) -> tuple[str, ...]:
 _KIND_TITLE = {"x": "x", "xs": "x~", "rec": "recon."}
 
 
-def _tile(path: Optional[Path], tile: int) -> Image.Image:
+def _tile(path: Path | None, tile: int) -> Image.Image:
     if path is None or not path.is_file():
         img = Image.new("RGB", (tile, tile), (235, 235, 235))
         ImageDraw.Draw(img).text((4, tile // 2 - 6), "missing", fill=(120, 120, 120), font=_font(11))
@@ -456,7 +457,7 @@ def _psnr_caption(value: float) -> str:
     return "PSNR inf (exact)" if math.isinf(value) else f"PSNR {value:.1f} dB"
 
 
-def build_grid(run: RunFolder, setting: str, k: int, tile: int) -> Optional[Path]:
+def build_grid(run: RunFolder, setting: str, k: int, tile: int) -> Path | None:
     """``grid_<setting>.png`` from stored images: rows = models, columns = (x, [x~,] recon.) per image.
 
     Captions under the reconstructions give the row's PSNR in dB (against the setting's reference).
@@ -501,7 +502,7 @@ def build_grid(run: RunFolder, setting: str, k: int, tile: int) -> Optional[Path
                 winner = match.iloc[0].get("winner")
                 shown = winner if isinstance(winner, str) else attack
             for c, kind in enumerate(kinds):
-                stored = f"rec-{slug(shown)}-{setting}" if kind == "rec" else kind
+                stored = rec_kind(shown, setting) if kind == "rec" else kind
                 path = run.image_path(model, group, image_id, stored, rnd, part)
                 x0, y0 = layout.origin(i, j * len(kinds) + c)
                 canvas.paste(_tile(path, tile), (x0, y0))

@@ -1,17 +1,25 @@
 """The scorer side of the benchmark: metrics of a reconstruction against the setting's reference,
 and the model's top-1 on the setting's input (the Acc. column). Reads the ground truth that the
-attacker never sees (:class:`clients.partition.PrivateBatch`)."""
+attacker never sees (:class:`clients.partition.PrivateBatch`).
+
+:func:`round_top1` and :func:`score_round` are the pipeline's work on one round, as plain functions
+of tensors (no threads, no Flower, no Ray): the top-1 columns of the round's updates, and the
+:class:`~benchmark.rows.ResultRow` of every image one attacker reconstructed, under one setting."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping, Optional
+import time
+from collections.abc import Container, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 import metrics
 
 from .errors import ConfigError
+from .rows import ResultRow, RowContext, RowKey
 
 _logger = logging.getLogger(__name__)
 
@@ -43,9 +51,9 @@ class Scorer:
             raise ConfigError(str(err)) from err
         self.names = [m for m in ROW_METRICS if m != "lpips" or options.get("lpips", True)]
         self.lpips_model = None
-        self.lpips_cache: Optional[metrics.LpipsFeatureCache] = None
-        self.lpips_source: Optional[str] = None
-        self.lpips_note: Optional[str] = None
+        self.lpips_cache: metrics.LpipsFeatureCache | None = None
+        self.lpips_source: str | None = None
+        self.lpips_note: str | None = None
         if "lpips" in self.names:
             backbone = options.get("lpips_backbone")
             try:
@@ -61,7 +69,7 @@ class Scorer:
                 _logger.warning("%s; the run goes on without the LPIPS column", self.lpips_note)
 
     def score(self, setting: str, reconstruction: torch.Tensor, x: torch.Tensor,
-              x_tilde: Optional[torch.Tensor]) -> list[dict[str, Any]]:
+              x_tilde: torch.Tensor | None) -> list[dict[str, Any]]:
         """One dict per image: every metric (NaN where failed), ``failed`` and ``failure``.
 
         Args:
@@ -79,7 +87,7 @@ class Scorer:
 
 
 def pair_reconstructions(reconstruction: torch.Tensor, reference: torch.Tensor,
-                         failed: Optional[list[bool]] = None) -> list[int]:
+                         failed: list[bool] | None = None) -> list[int]:
     """Which reconstruction belongs to which true image of a batch.
 
     An attack need not return its batch in the client's order (breaching's adapter sorts by label,
@@ -128,7 +136,7 @@ def top1(model: nn.Module, batch: Any, device: torch.device) -> tuple[torch.Tens
 GRADIENT_MARGIN = 1e-6
 
 
-def classifier_bias_name(model: nn.Module) -> Optional[str]:
+def classifier_bias_name(model: nn.Module) -> str | None:
     """Parameter name of the classifier's bias (``head.bias`` for timm ViTs), or None if it has none."""
     get = getattr(model, "get_classifier", None)
     head = get() if callable(get) else None
@@ -137,7 +145,7 @@ def classifier_bias_name(model: nn.Module) -> Optional[str]:
     return next((f"{name}.bias" for name, module in model.named_modules() if module is head), None)
 
 
-def prediction_from_gradient(bias_grad: torch.Tensor, label: int) -> Optional[int]:
+def prediction_from_gradient(bias_grad: torch.Tensor, label: int) -> int | None:
     """The class a model predicted for one image, read off its cross-entropy gradient.
 
     For one image, dL/db of the classifier bias is softmax(logits) - onehot(label), so p = g + e_y
@@ -178,3 +186,151 @@ def top1_many(model: nn.Module, batches: list, device: torch.device) -> tuple[li
     correct, pred = top1(model, joined, device)
     sizes = [len(b.labels) for b in batches]
     return list(correct.split(sizes)), list(pred.split(sizes))
+
+
+# ------------------------------------------------------------------------------------ one round
+@dataclass
+class RoundTop1:
+    """The top-1 columns of a round's updates, one [B] tensor per update: ``correct`` and ``pred``
+    of the model as trained (the Acc. column), ``correct_attacked`` of the model the attacks saw."""
+
+    correct: list[torch.Tensor]
+    pred: list[torch.Tensor]
+    correct_attacked: list[torch.Tensor]
+
+    def take(self, positions: Sequence[int]) -> RoundTop1:
+        """The columns of the updates at ``positions``."""
+        return RoundTop1([self.correct[i] for i in positions], [self.pred[i] for i in positions],
+                         [self.correct_attacked[i] for i in positions])
+
+
+def round_top1(model: nn.Module, acc_model: nn.Module | None, updates: Sequence[Any], batches: Sequence[Any],
+               device: torch.device, readout: str | None = None) -> tuple[RoundTop1, int]:
+    """Top-1 of the attacked model (its weights of the round loaded) on each update's input, and of
+    the model as trained (``acc_model``, when the attacked one is a modified copy; else the same).
+
+    A plain FedSGD gradient of one image already holds the prediction the client's model made
+    (:func:`prediction_from_gradient`): with ``readout`` (the classifier bias's parameter name,
+    given only for plain FedSGD updates without a defence) it is read there, and a forward runs
+    only for the updates where that is not exact (batches of several images, FedAvg deltas, near ties).
+
+    Args:
+        updates: the round's tapped updates (``kind`` and ``arrays`` are read).
+        batches: each update's private batch.
+    Returns:
+        The columns and how many updates needed a forward of the attacked model.
+    """
+    preds: list[torch.Tensor | None] = [None] * len(updates)
+    if readout is not None:
+        for i, (u, batch) in enumerate(zip(updates, batches)):
+            grad = u.arrays.get(readout)
+            if u.kind == "gradients" and len(batch.labels) == 1 and grad is not None:
+                got = prediction_from_gradient(grad, int(batch.labels[0]))
+                preds[i] = None if got is None else torch.tensor([got])
+    todo = [i for i, p in enumerate(preds) if p is None]
+    if todo:
+        _, forward = top1_many(model, [batches[i] for i in todo], device)
+        for i, p in zip(todo, forward):
+            preds[i] = p
+    pred_attacked = [p for p in preds if p is not None]
+    correct_attacked = [(p == b.labels.cpu()).float() for p, b in zip(pred_attacked, batches)]
+    if acc_model is None:
+        correct, pred = correct_attacked, pred_attacked
+    else:
+        correct, pred = top1_many(acc_model, list(batches), device)
+    return RoundTop1(correct, pred, correct_attacked), len(todo)
+
+
+@dataclass(frozen=True)
+class ScoredImage:
+    """A scored row and the reconstruction it was scored on ([3, H, W], paired with the row's image:
+    what the grids show)."""
+
+    row: ResultRow
+    reconstruction: torch.Tensor
+
+
+def score_round(ctx: RowContext, attacker: tuple[str, str], setting: str, updates: Sequence[Any],
+                batches: Sequence[Any], results: Sequence[Any], top1: RoundTop1, scorer: Scorer, patch: int,
+                t_attack: float, skip: Container[RowKey] = (), grid_ids: Container[str] = ()) -> list[ScoredImage]:
+    """The rows of one attacker's results on a round's updates under setting ``setting``.
+
+    Each update's reconstructions are paired with its true images (:func:`pair_reconstructions`),
+    all of them are scored in one :meth:`Scorer.score` call, and the updates with shuffled patches
+    get the per-region scores (settings b and c; :func:`metrics.regions.region_scores`). Setting (c)
+    is scored on an MJP-aware attack's estimate of x (``unshuffled``) where it has one.
+
+    Args:
+        ctx: what the federation's rows share.
+        attacker: (label, registry name).
+        updates, batches, results: aligned: the tapped updates attacked, their private batches,
+            the attack's result for each (:class:`attacks.base.AttackResult`).
+        top1: the top-1 columns of these updates (:func:`round_top1`).
+        patch: the model's patch side in pixels (for the region scores).
+        t_attack: attack seconds per image (the ``time_attack_s`` column).
+        skip: keys of rows already stored (not returned).
+        grid_ids: images whose PNGs the grids show (``image_stored``).
+    Returns:
+        One :class:`ScoredImage` per image not in ``skip``, in (update, batch index) order.
+    """
+    from metrics.regions import region_scores
+
+    label, name = attacker
+    recons, refs, estimates, orders = [], [], [], []
+    for batch, result in zip(batches, results):
+        estimate = "unshuffled" if (setting == "c" and result.unshuffled is not None) else "images"
+        recon = result.unshuffled if estimate == "unshuffled" else result.images
+        reference = batch.shuffled if setting == "b" else batch.images
+        order = pair_reconstructions(recon, reference, result.failed_images) if len(batch.image_ids) > 1 else [0]
+        recons.append(recon[order])
+        refs.append(reference)
+        estimates.append(estimate)
+        orders.append(order)
+    t_score = time.perf_counter()
+    x = torch.cat([b.images for b in batches])
+    xs = None if batches[0].shuffled is None else torch.cat([b.shuffled for b in batches])
+    scores = scorer.score(setting, torch.cat(recons), x, xs)
+    regions: dict[int, dict] = {}
+    with_mask = [j for j, b in enumerate(batches) if setting in ("b", "c") and b.unk_mask is not None
+                 and bool(b.unk_mask.any())]
+    if with_mask:
+        got = region_scores(torch.cat([recons[j] for j in with_mask]).float().cpu(),
+                            torch.cat([refs[j] for j in with_mask]).float().cpu(),
+                            torch.cat([batches[j].unk_mask for j in with_mask]).cpu(), patch)
+        start = 0
+        for j in with_mask:
+            n = len(batches[j].image_ids)
+            regions[j] = {k: v[start:start + n] for k, v in got.items()}
+            start += n
+    t_score = (time.perf_counter() - t_score) / max(sum(len(b.image_ids) for b in batches), 1)
+    out = []
+    start = 0
+    for j, (update, batch, result) in enumerate(zip(updates, batches, results)):
+        rnd, part = int(update.server_round), int(update.partition_id)
+        defence = ctx.defence_columns(update.metrics)
+        for b, image_id in enumerate(batch.image_ids):
+            metric_row = scores[start + b]
+            if RowKey(ctx.model, label, setting, rnd, part, b, image_id) in skip:
+                continue
+            jj = orders[j][b]  # the reconstruction paired with image b
+            stats = dict(result.stats[jj]) if jj < len(result.stats) else {}
+            attack_failed = bool(result.failed or stats.get("failed", False))
+            reason = (result.reason or stats.get("reason")) if attack_failed else metric_row["failure"]
+            row_scores = {k: v for k, v in metric_row.items() if k not in ("failed", "failure")}
+            if j in regions:
+                row_scores.update({k: float(v[b]) for k, v in regions[j].items()})
+            row = ResultRow(
+                model=ctx.model, label=ctx.label, trained=ctx.trained, arch=ctx.arch, variant=ctx.variant,
+                april=ctx.april, setting=setting, group=ctx.group, round=rnd, partition_id=part,
+                node_id=int(update.node_id), batch_index=b, image_id=image_id,
+                image_index=ctx.image_index.get(image_id, int(batch.indices[b])), image_class=int(batch.labels[b]),
+                pred=int(top1.pred[j][b]), correct=float(top1.correct[j][b]),
+                correct_attacked_model=float(top1.correct_attacked[j][b]), gamma=float(batch.gamma),
+                attack=label, attack_name=name, seed=ctx.seed, recon_index=int(jj), scored_estimate=estimates[j],
+                scores=row_scores, failed=bool(attack_failed or metric_row["failed"]), reason=reason,
+                error=attack_failed and result.error is not None,
+                attack_stats={k: v for k, v in stats.items() if k not in ("failed", "reason")},
+                time_attack_s=t_attack, time_score_s=t_score, image_stored=image_id in grid_ids, **defence)
+            out.append(ScoredImage(row, recons[j][b]))
+        start += len(batch.image_ids)
+    return out

@@ -18,20 +18,18 @@ grids read only this folder.
 """
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
 import hashlib
 import io
 import json
 import logging
-import math
 import os
 import re
-import secrets
 import time
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -39,7 +37,33 @@ import yaml
 from PIL import Image
 
 from .config import attack_entries, diff_configs, result_view
-from .errors import ConfigError, OutputConflictError, OutputLockedError, OutputWriteError
+from .errors import (
+    ConfigError,
+    OutputConflictError,
+    OutputLockedError,
+    OutputWriteError,
+)
+
+# The atomic, link-safe writers live in benchmark/files.py (below this module and provenance.py);
+# their names stay importable from here.
+from .files import (  # noqa: F401
+    MAX_NAME,
+    _open_append,
+    _write_error,
+    append_line,
+    append_lines,
+    save_figure,
+    write_bytes,
+    write_text,
+)
+from .rows import (  # noqa: F401
+    ROW_KEY,
+    RUN_FAILURE_PREFIX,
+    ResultRow,
+    is_run_failure,
+    jsonable,
+    row_key,
+)
 
 _logger = logging.getLogger(__name__)
 
@@ -54,25 +78,12 @@ RETRIED = "results.retried.jsonl"
 RUN_MARKERS = (CONFIG, PROVENANCE)
 #: Sub-folders a run writes into: a symbolic link anywhere below them is refused.
 WRITTEN_FOLDERS = (IMAGES, "errors")
-#: Longest file name component a run writes (most file systems allow 255 bytes; the rest is left
-#: for the temporary-file prefix and suffix).
-MAX_NAME = 200
-
-#: Fields that identify an attacked image; a resumed run skips rows whose key is stored.
-ROW_KEY = ("model", "attack", "setting", "round", "partition_id", "batch_index", "image_id")
-#: ``reason`` prefix of rows that failed because the run failed (a client raised, timed out or
-#: sent nothing; see ``GroupAttacker.record_client_failures``): retried on resume, unlike an
-#: attack's condition failure, which is a result.
-RUN_FAILURE_PREFIX = "client failed"
 
 
-def row_key(row: Mapping[str, Any]) -> tuple:
-    return tuple(row.get(k) for k in ROW_KEY)
-
-
-def is_run_failure(row: Mapping[str, Any]) -> bool:
-    """A row that failed because the run failed (retried on resume), not a condition failure."""
-    return bool(row.get("failed")) and str(row.get("reason") or "").startswith(RUN_FAILURE_PREFIX)
+def rec_kind(attack: str, setting: str) -> str:
+    """Stored-image kind of a reconstruction: per attacker and setting (an MJP-aware attack scores
+    setting c on its own estimate of x, and batches are paired per setting)."""
+    return f"rec-{slug(attack)}-{setting}"
 
 
 def slug(text: str) -> str:
@@ -90,98 +101,7 @@ def short_name(name: str, limit: int = MAX_NAME) -> str:
     return f"{head}~{digest}"
 
 
-def _write_error(path: Path, err: OSError) -> OutputWriteError:
-    """A failed write as the user-facing error (exit status 10)."""
-    what = err.strerror or str(err)
-    if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-        hint = "free disk space or raise the file-size limit (ulimit -f), then run the same command to resume"
-    elif err.errno == errno.ELOOP:
-        hint = "it is a symbolic link, which a run never writes through; remove the link or use another --output"
-    else:
-        hint = "make the folder writable or choose another --output folder"
-    return OutputWriteError(f"cannot write {path}: {what}; rows written so far are kept; {hint}")
-
-
-def write_bytes(path: str | Path, data: bytes, sync: bool = False) -> None:
-    """Write ``path`` atomically without following a symbolic link.
-
-    The bytes go to a new temporary file beside ``path`` (``O_CREAT | O_EXCL | O_NOFOLLOW``: never an
-    existing file or link), which then replaces ``path`` (``os.replace`` replaces a link itself,
-    never its target). The temporary file is removed on every failure (a full disk, a file-size
-    limit, an interrupt). Hand-written because ``tempfile`` creates files readable by the owner only
-    (mode 0600), while a run's outputs follow the user's umask.
-
-    Raises:
-        OutputWriteError: the file cannot be written (exit status 10).
-    """
-    path = Path(path)
-    tmp = path.with_name(f".{path.name[:MAX_NAME]}.{secrets.token_hex(4)}.tmp")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
-    except OSError as err:
-        raise _write_error(path, err) from err
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            if sync:
-                os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException as err:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        if isinstance(err, OSError):
-            raise _write_error(path, err) from err
-        raise
-
-
-def write_text(path: str | Path, text: str, sync: bool = False) -> None:
-    """:func:`write_bytes` of UTF-8 text."""
-    write_bytes(path, text.encode(), sync)
-
-
-def save_figure(fig: Any, path: str | Path, **savefig_kwargs: Any) -> None:
-    """A matplotlib figure as PNG through :func:`write_bytes` (atomic, never through a link)."""
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", **savefig_kwargs)
-    write_bytes(path, buf.getvalue())
-
-
-def append_line(path: str | Path, line: str) -> None:
-    """Append one line to ``path`` (created if missing), never through a symbolic link."""
-    with _open_append(Path(path)) as fh:
-        fh.write(line.rstrip("\n") + "\n")
-
-
-def _open_append(path: Path) -> Any:
-    """``path`` opened for appending, created if missing, never through a symbolic link."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
-    return os.fdopen(fd, "a")
-
-
-def jsonable(value: Any) -> Any:
-    """Plain JSON data: tensors/arrays to lists, NaN to None, +-inf to "inf"/"-inf"."""
-    if isinstance(value, torch.Tensor):
-        value = value.detach().cpu().tolist()
-    elif isinstance(value, np.ndarray):
-        value = value.tolist()
-    elif isinstance(value, np.generic):
-        value = value.item()
-    if isinstance(value, float):
-        # JSON has no inf/NaN: +-inf (e.g. PSNR of an exact copy) is kept as a string pandas reads back
-        if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
-        return value if math.isfinite(value) else None
-    if isinstance(value, Mapping):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [jsonable(v) for v in value]
-    if isinstance(value, (str, int, bool)) or value is None:
-        return value
-    return str(value)
-
-
-def _parse_line(raw: bytes) -> Optional[dict]:
+def _parse_line(raw: bytes) -> dict | None:
     """A JSON object of one complete line, or None (torn, not JSON, not an object)."""
     if not raw.endswith(b"\n"):
         return None
@@ -223,25 +143,6 @@ def read_jsonl(path: Path, repair: bool = False) -> list[dict]:
     return rows
 
 
-def append_lines(path: Path, lines: Iterable[str]) -> int:
-    """Append text lines (each gets a newline) to ``path``, flushed to disk; never through a link.
-
-    Raises:
-        OutputWriteError: the file cannot be written (the lines before the failure are kept).
-    """
-    n = 0
-    try:
-        with _open_append(path) as fh:
-            for line in lines:
-                fh.write(line + "\n")
-                n += 1
-            fh.flush()
-            os.fsync(fh.fileno())
-    except OSError as err:
-        raise _write_error(path, err) from err
-    return n
-
-
 class RunFolder:
     """One run's output folder.
 
@@ -258,7 +159,7 @@ class RunFolder:
         self.config_path = self.folder / CONFIG
         self.provenance_path = self.folder / PROVENANCE
         self.images_dir = self.folder / IMAGES
-        self._lock_fh: Optional[Any] = None
+        self._lock_fh: Any | None = None
 
     # ---------------------------------------------------------------------------------- checks
     def verify(self) -> None:
@@ -315,7 +216,7 @@ class RunFolder:
         """The folder holds a run's ``config.yaml`` or ``provenance.json``."""
         return any((self.folder / m).is_file() for m in RUN_MARKERS)
 
-    def stored_config(self) -> Optional[dict]:
+    def stored_config(self) -> dict | None:
         """The stored ``config.yaml`` (None when there is none).
 
         Raises:
@@ -391,7 +292,7 @@ class RunFolder:
                                       "refusing to mix results of an unknown config; use a new --output folder")
         return False
 
-    def init(self, cfg: dict, provenance: Optional[Mapping[str, Any]] = None) -> None:
+    def init(self, cfg: dict, provenance: Mapping[str, Any] | None = None) -> None:
         """Lock the folder, save the resolved ``config.yaml`` (kept as is when resuming), move the rows
         that failed because an earlier attempt failed to ``results.retried.jsonl`` (they are computed
         again), and write or check ``provenance.json`` (:mod:`benchmark.provenance`).
@@ -489,17 +390,18 @@ class RunFolder:
     def done_keys(self) -> set[tuple]:
         return {row_key(r) for r in self.rows(repair=True)}
 
-    def append(self, rows: Iterable[Mapping[str, Any]]) -> int:
-        """Append rows and flush them to disk; returns how many were written.
+    def append(self, rows: Iterable[ResultRow]) -> int:
+        """Append rows (:meth:`ResultRow.to_json`, the one writer of results.jsonl) and flush them to
+        disk; returns how many were written.
 
         Raises:
             OutputWriteError: a full disk or a file-size limit (the rows before it are kept).
         """
-        return append_lines(self.results_path, (json.dumps(jsonable(row), allow_nan=False) for row in rows))
+        return append_lines(self.results_path, (row.to_json() for row in rows))
 
     # ---------------------------------------------------------------------------------- images
-    def image_path(self, model: str, group: str, image_id: str, kind: str, round_: Optional[int] = None,
-                   partition_id: Optional[int] = None) -> Path:
+    def image_path(self, model: str, group: str, image_id: str, kind: str, round_: int | None = None,
+                   partition_id: int | None = None) -> Path:
         """``images/<model>/<group>/<image>__r<round>-p<partition>__<kind>.png`` (``kind``: x, xs, rec).
 
         A name longer than :data:`MAX_NAME` bytes keeps its head and gets a hash of the whole
@@ -520,6 +422,33 @@ class RunFolder:
         except OSError as err:
             raise _write_error(path.parent, err) from err
         save_png(image, path)
+
+    def save_row_images(self, row: ResultRow, x: torch.Tensor, x_tilde: torch.Tensor | None,
+                        reconstruction: torch.Tensor) -> None:
+        """The PNGs the grids show for one row: the true image x, x~ (shuffled group) and the
+        reconstruction scored against it."""
+        name, group, image_id, rnd, part = row.model, str(row.group), row.image_id, row.round, row.partition_id
+        self.save_image(self.image_path(name, group, image_id, "x", rnd, part), x)
+        if x_tilde is not None:
+            self.save_image(self.image_path(name, group, image_id, "xs", rnd, part), x_tilde)
+        self.save_image(self.image_path(name, group, image_id, rec_kind(row.attack, row.setting), rnd, part),
+                        reconstruction)
+
+    def write_error(self, name: str, text: str) -> Path:
+        """Write an unexpected error's traceback to ``errors/<name>`` (shortened to a safe file
+        name); returns the path.
+
+        Raises:
+            OutputWriteError: the folder or file cannot be written.
+        """
+        folder = self.folder / "errors"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise OutputWriteError(f"cannot create {folder}: {err.strerror}") from err
+        path = folder / short_name(name)
+        write_text(path, text)
+        return path
 
     def stored_images(self) -> Iterator[Path]:
         return self.images_dir.rglob("*.png") if self.images_dir.is_dir() else iter(())

@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import pandas as pd
 
@@ -36,7 +37,8 @@ import pandas as pd
 # benchmark/config.py holds it, so the config never imports this module.
 from .config import grid_points, point_config, point_label, validate_sweep  # noqa: F401
 from .errors import ConfigError
-from .store import append_line, save_figure, write_text
+from .files import append_line, save_figure, write_text
+from .rows import ResultRow
 
 _logger = logging.getLogger(__name__)
 
@@ -61,7 +63,7 @@ def parse_sweep_flag(text: str) -> tuple[str, list[Any]]:
     return key.strip(), values
 
 
-def run_sweep(cfg: dict, output: str, federate: Optional[Callable[..., Any]] = None,
+def run_sweep(cfg: dict, output: str, federate: Callable[..., Any] | None = None,
               progress: bool = True) -> dict[str, Any]:
     """Run every grid point into ``output/points/`` (each resumable), then gather rows, write
     ``results.jsonl``, ``sweep.csv`` and the plots in ``output``.
@@ -89,7 +91,7 @@ def run_sweep(cfg: dict, output: str, federate: Optional[Callable[..., Any]] = N
         folders.append(folder)
     rows = gather_rows(points, folders)
     write_text(top.results_path, "")  # derived from the points' stores: rebuilt on every run
-    top.append(rows)
+    top.append(ResultRow.from_mapping(r) for r in rows)
     frame = sweep_table(rows)
     csv = top.folder / "sweep.csv"
     write_text(csv, frame.to_csv(index=False))
@@ -99,7 +101,7 @@ def run_sweep(cfg: dict, output: str, federate: Optional[Callable[..., Any]] = N
             "plots": [str(p) for p in plots], "rows": len(rows)}
 
 
-def point_utility(cfg: dict, folder: Path, federate: Optional[Callable[..., Any]] = None) -> list[dict]:
+def point_utility(cfg: dict, folder: Path, federate: Callable[..., Any] | None = None) -> list[dict]:
     """Utility of every model row of one grid point, stored in ``utility.jsonl`` (kept when present:
     same folder, same config, same seeded result)."""
     import torch

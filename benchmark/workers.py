@@ -14,9 +14,10 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 from .errors import ConfigError
 
@@ -45,10 +46,22 @@ class _Done:
 
 
 class LocalRunner:
-    """Attacks in this process, at submission."""
+    """Attacks in this process, at submission.
+
+    A runner's interface (what the pipeline uses): ``slots`` (attacks that run at the same time),
+    :meth:`share` (the model as jobs take it), :meth:`submit`, :meth:`ready`, :meth:`result`,
+    :meth:`close`.
+    """
+
+    #: Attacks that run at the same time.
+    slots = 1
 
     def __init__(self, attacks: Sequence[Any]) -> None:
         self.attacks = list(attacks)
+
+    def share(self, model: Any) -> Any:
+        """The model as :meth:`submit` takes it, for every job of a round: the model itself."""
+        return model
 
     def submit(self, index: int, model: Any, updates: Sequence[dict], metadatas: Sequence[dict],
                batched: bool = True) -> _Done:
@@ -87,7 +100,7 @@ class RayRunner:
             instance with ``workers`` CPUs (never more than this machine has).
     """
 
-    def __init__(self, attacks: Sequence[Any], workers: int, address: Optional[str] = None) -> None:
+    def __init__(self, attacks: Sequence[Any], workers: int, address: str | None = None) -> None:
         import ray
 
         self.ray = ray
@@ -95,8 +108,8 @@ class RayRunner:
         if not ray.is_initialized():
             env = {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
                    "OMP_NUM_THREADS": "1"}
-            kwargs: dict[str, Any] = dict(runtime_env={"env_vars": env}, include_dashboard=False,
-                                          logging_level=logging.WARNING, log_to_driver=False)
+            kwargs: dict[str, Any] = {"runtime_env": {"env_vars": env}, "include_dashboard": False,
+                                      "logging_level": logging.WARNING, "log_to_driver": False}
             if address:
                 try:
                     ray.init(address=address, **kwargs)
@@ -113,6 +126,15 @@ class RayRunner:
         self.in_flight = [0] * len(self.actors)
         self.owner: dict[Any, int] = {}
         _logger.info("attacks run on %d Ray worker(s)%s", len(self.actors), f" at {address}" if address else "")
+
+    @property
+    def slots(self) -> int:
+        """Attacks that run at the same time: one per actor."""
+        return len(self.actors)
+
+    def share(self, model: Any) -> Any:
+        """The model in Ray's object store, shipped once per round for every attacker's job."""
+        return self.ray.put(model)
 
     def submit(self, index: int, model: Any, updates: Sequence[dict], metadatas: Sequence[dict],
                batched: bool = True) -> Any:
@@ -176,7 +198,7 @@ def check_ray_address(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
                           "this machine") from err
 
 
-def make_runner(attacks: Sequence[Any], workers: int, address: Optional[str] = None) -> Any:
+def make_runner(attacks: Sequence[Any], workers: int, address: str | None = None) -> Any:
     """:class:`RayRunner` for ``workers`` >= 1 or a cluster address, else :class:`LocalRunner`."""
     if workers >= 1 or address:
         return RayRunner(attacks, max(int(workers), 1), address)

@@ -1,0 +1,115 @@
+"""Files a run writes, written safely: atomically and never through a symbolic link.
+
+Every file of a run folder (``config.yaml``, ``provenance.json``, ``results.jsonl``, tables, PNGs)
+goes through these functions: a whole file is written to a new temporary file beside it (created
+with ``O_NOFOLLOW | O_EXCL``) and moved over it with ``os.replace`` (which replaces a link itself,
+never its target); an appended line goes through ``O_APPEND | O_NOFOLLOW``. A write that fails is
+:class:`~benchmark.errors.OutputWriteError` (exit status 10) with the reason and what to do.
+
+This module sits below :mod:`benchmark.store` and :mod:`benchmark.provenance`, which both write
+files, so neither has to import the other for it.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import io
+import os
+import secrets
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from .errors import OutputWriteError
+
+#: Longest file name component a run writes (most file systems allow 255 bytes; the rest is left
+#: for the temporary-file prefix and suffix).
+MAX_NAME = 200
+
+
+def _write_error(path: Path, err: OSError) -> OutputWriteError:
+    """A failed write as the user-facing error (exit status 10)."""
+    what = err.strerror or str(err)
+    if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        hint = "free disk space or raise the file-size limit (ulimit -f), then run the same command to resume"
+    elif err.errno == errno.ELOOP:
+        hint = "it is a symbolic link, which a run never writes through; remove the link or use another --output"
+    else:
+        hint = "make the folder writable or choose another --output folder"
+    return OutputWriteError(f"cannot write {path}: {what}; rows written so far are kept; {hint}")
+
+
+def write_bytes(path: str | Path, data: bytes, sync: bool = False) -> None:
+    """Write ``path`` atomically without following a symbolic link.
+
+    The bytes go to a new temporary file beside ``path`` (``O_CREAT | O_EXCL | O_NOFOLLOW``: never an
+    existing file or link), which then replaces ``path`` (``os.replace`` replaces a link itself,
+    never its target). The temporary file is removed on every failure (a full disk, a file-size
+    limit, an interrupt). Hand-written because ``tempfile`` creates files readable by the owner only
+    (mode 0600), while a run's outputs follow the user's umask.
+
+    Raises:
+        OutputWriteError: the file cannot be written (exit status 10).
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name[:MAX_NAME]}.{secrets.token_hex(4)}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    except OSError as err:
+        raise _write_error(path, err) from err
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            if sync:
+                os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException as err:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(err, OSError):
+            raise _write_error(path, err) from err
+        raise
+
+
+def write_text(path: str | Path, text: str, sync: bool = False) -> None:
+    """:func:`write_bytes` of UTF-8 text."""
+    write_bytes(path, text.encode(), sync)
+
+
+def save_figure(fig: Any, path: str | Path, **savefig_kwargs: Any) -> None:
+    """A matplotlib figure as PNG through :func:`write_bytes` (atomic, never through a link)."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", **savefig_kwargs)
+    write_bytes(path, buf.getvalue())
+
+
+def append_line(path: str | Path, line: str) -> None:
+    """Append one line to ``path`` (created if missing), never through a symbolic link."""
+    with _open_append(Path(path)) as fh:
+        fh.write(line.rstrip("\n") + "\n")
+
+
+def _open_append(path: Path) -> Any:
+    """``path`` opened for appending, created if missing, never through a symbolic link."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    return os.fdopen(fd, "a")
+
+
+def append_lines(path: Path, lines: Iterable[str]) -> int:
+    """Append text lines (each gets a newline) to ``path``, flushed to disk; never through a link.
+
+    Raises:
+        OutputWriteError: the file cannot be written (the lines before the failure are kept).
+    """
+    n = 0
+    try:
+        with _open_append(path) as fh:
+            for line in lines:
+                fh.write(line + "\n")
+                n += 1
+            fh.flush()
+            os.fsync(fh.fileno())
+    except OSError as err:
+        raise _write_error(path, err) from err
+    return n
