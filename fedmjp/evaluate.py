@@ -76,16 +76,21 @@ def cls_and_logits(model: nn.Module, images: torch.Tensor,
 @torch.no_grad()
 def evaluate_gammas(model: nn.Module, loader: Iterable, gammas: Sequence[float], seed: int = 0,
                     device: Optional[torch.device] = None, amp_dtype: Optional[torch.dtype] = None,
-                    max_batches: Optional[int] = None, progress: bool = False) -> list[dict]:
+                    max_batches: Optional[int] = None, progress: bool = False,
+                    per_image: bool = False) -> list[dict]:
     """Top-1 on x, and top-1 / consistency / diff_norm on x~ for each gamma (one clean pass).
 
     Args:
         model: a timm ViT (MJP or not); evaluated in eval mode and restored afterwards.
         loader: yields (images [B, 3, H, W], labels [B]).
         gammas: inference shuffle ratios in [0, 1].
+        per_image: also return each image's outcome (for intervals over the images).
     Returns:
         one dict per gamma: {"gamma", "seed", "images", "top1", "top1_shuffled", "consistency",
-        "diff_norm"}; accuracies and consistency in percent, diff_norm in embedding units.
+        "diff_norm"}; accuracies and consistency in percent, diff_norm in embedding units. With
+        ``per_image``, each dict also has "per_image": numpy arrays of length ``images`` in loader
+        order, "correct" and "correct_shuffled" (bool: prediction on x / x~ is the label), "agree"
+        (bool: same prediction on x and x~) and "diff_norm" (float64), whose means give the figures.
     """
     device = device or next(model.parameters()).device
     was_training = model.training
@@ -93,6 +98,8 @@ def evaluate_gammas(model: nn.Module, loader: Iterable, gammas: Sequence[float],
     rngs = [plan_rng(seed, g) for g in gammas]
     n, correct = 0, 0
     acc = [{"correct": 0, "agree": 0, "norm": 0.0} for _ in gammas]
+    kept: list[dict[str, list[torch.Tensor]]] = [{"correct_shuffled": [], "agree": [], "diff_norm": []} for _ in gammas]
+    kept_clean: list[torch.Tensor] = []
     for i, (images, labels) in enumerate(tqdm(loader, desc="evaluate", disable=None if progress else True, leave=False)):
         if max_batches is not None and i >= max_batches:
             break
@@ -102,20 +109,32 @@ def evaluate_gammas(model: nn.Module, loader: Iterable, gammas: Sequence[float],
         pred0 = logits0.argmax(dim=1)
         n += labels.shape[0]
         correct += int((pred0 == labels).sum())
-        for gamma, rng, a in zip(gammas, rngs, acc):
+        if per_image:
+            kept_clean.append((pred0 == labels).cpu())
+        for gamma, rng, a, k in zip(gammas, rngs, acc, kept):
             plan = draw_eval_plan(model, images.shape[0], gamma, rng).to(device)
             with autocast(device, amp_dtype):
                 cls1, logits1 = cls_and_logits(model, images, plan)
             pred1 = logits1.argmax(dim=1)
             a["correct"] += int((pred1 == labels).sum())
             a["agree"] += int((pred1 == pred0).sum())
-            a["norm"] += float((cls0.float() - cls1.float()).norm(dim=1).sum())
+            norms = (cls0.float() - cls1.float()).norm(dim=1)
+            a["norm"] += float(norms.sum())
+            if per_image:
+                k["correct_shuffled"].append((pred1 == labels).cpu())
+                k["agree"].append((pred1 == pred0).cpu())
+                k["diff_norm"].append(norms.double().cpu())
     model.train(was_training)
     if n == 0:
         raise ValueError("evaluation loader yielded no images")
-    return [{"gamma": float(g), "seed": seed, "images": n, "top1": 100.0 * correct / n,
+    rows = [{"gamma": float(g), "seed": seed, "images": n, "top1": 100.0 * correct / n,
              "top1_shuffled": 100.0 * a["correct"] / n, "consistency": 100.0 * a["agree"] / n,
              "diff_norm": a["norm"] / n} for g, a in zip(gammas, acc)]
+    if per_image:
+        clean = torch.cat(kept_clean).numpy()
+        for row, k in zip(rows, kept):
+            row["per_image"] = {"correct": clean, **{key: torch.cat(v).numpy() for key, v in k.items()}}
+    return rows
 
 
 def evaluate_model(model: nn.Module, loader: Iterable, gamma: float = 0.27, seed: int = 0,

@@ -66,6 +66,27 @@ def test_reproducible_and_sweep_rows_match_single_gamma():
     assert a == b == sweep[1]
 
 
+def test_per_image_outputs_reproduce_the_figures():
+    torch.manual_seed(0)
+    model = timm.create_model("mjp_vit_cifar_patch4_32", variant="mjp", **SMALL).eval()
+    with torch.no_grad():
+        model.pos_embed.normal_(0, 1.0)
+        model.unk_embed.normal_(0, 1.0)
+    plain = evaluate_gammas(model, random_loader(n=30, batch=7), [0.27, 0.9], seed=2)
+    rows = evaluate_gammas(model, random_loader(n=30, batch=7), [0.27, 0.9], seed=2, per_image=True)
+    for row, ref in zip(rows, plain):
+        pi = row["per_image"]
+        assert {k: v for k, v in row.items() if k != "per_image"} == ref  # the flag adds the arrays and changes nothing else
+        assert {k: (v.shape, v.dtype.kind) for k, v in pi.items()} == {
+            "correct": ((30,), "b"), "correct_shuffled": ((30,), "b"), "agree": ((30,), "b"),
+            "diff_norm": ((30,), "f")}
+        assert 100 * pi["correct"].mean() == pytest.approx(ref["top1"])
+        assert 100 * pi["correct_shuffled"].mean() == pytest.approx(ref["top1_shuffled"])
+        assert 100 * pi["agree"].mean() == pytest.approx(ref["consistency"])
+        assert pi["diff_norm"].mean() == pytest.approx(ref["diff_norm"], rel=1e-5)
+    assert rows[1]["per_image"]["diff_norm"].min() > 0  # every image moved: the per-image values are not a constant
+
+
 def test_plain_timm_vit_is_supported():
     model = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=4, **SMALL).eval()
     row = evaluate_model(model, random_loader(), gamma=0.5, seed=0)
