@@ -18,13 +18,13 @@ from __future__ import annotations
 import copy
 import json
 import logging
-from typing import Any, Callable, Optional
-
+from collections.abc import Callable
+from typing import Any
 
 _logger = logging.getLogger(__name__)
 
 
-def defence_utility(cfg: dict, row: Any, federate: Optional[Callable[..., Any]] = None) -> dict[str, Any]:
+def defence_utility(cfg: dict, row: Any, federate: Callable[..., Any] | None = None) -> dict[str, Any]:
     """Top-1 of ``row`` after ``cfg['utility']['rounds']`` FedAvg rounds with its defence.
 
     Args:

@@ -21,14 +21,13 @@ import pandas as pd
 import pytest
 import torch
 import yaml
+from helpers import assert_same_scores, metric_rows, run, tiny_config, write_config
 from PIL import Image
 
-from helpers import assert_same_scores, metric_rows, run, tiny_config, write_config  # noqa: F401 (re-exported)
-
 from benchmark import config as C
-from fedmjp.config import fields
 from benchmark.report import GridLayout, grid_columns, to_latex
 from benchmark.store import read_jsonl
+from fedmjp.config import fields
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -247,7 +246,7 @@ def test_script_exit_status(tmp_path: Path) -> None:
     """The real entry script: a missing image folder exits 4 with one clear line."""
     proc = subprocess.run([sys.executable, str(ROOT / "run_benchmark.py"), "--images", str(tmp_path / "none"),
                            "--output", str(tmp_path / "out"), "--no-progress"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+                          check=False, capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 4, proc.stderr
     assert "error: image folder" in proc.stderr
 
@@ -260,7 +259,7 @@ def test_flower_simulation_engine_gives_the_same_rows(full_run: Path, tmp_path: 
     ref = [r for r in metric_rows(full_run / "results.jsonl") if r["model"] == "DeiT" and r["setting"] == "a"]
     assert len(sim) == 4
     drop = ("node_id",)  # Flower assigns node ids per engine
-    strip = lambda rows: [{k: v for k, v in r.items() if k not in drop} for r in rows]  # noqa: E731
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in drop} for r in rows]
     assert_same_scores(strip(sim), strip(ref))
 
 
@@ -369,6 +368,6 @@ def test_without_any_lpips_weights_the_run_completes_and_says_why(tmp_path: Path
     table = (out / "table.md").read_text()
     assert "LPIPS not computed" in table and perceptual.BACKBONE_ENV in table
     # a file the config names but that does not exist is the user's error, before anything is written
-    bad = write_config(tmp_path / "bad", **{"metrics": {"lpips_backbone": str(tmp_path / "missing.pth")}})
+    bad = write_config(tmp_path / "bad", metrics={"lpips_backbone": str(tmp_path / "missing.pth")})
     assert run(bad, tmp_path / "out2", "--models", "DeiT", "--setting", "a") == 3
     assert "missing.pth" in capsys.readouterr().err and not (tmp_path / "out2").exists()

@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from helpers import assert_same_scores, metric_rows, write_config
 
 from benchmark import config as C
@@ -103,7 +102,7 @@ def test_a_second_build_of_a_seeded_model_equals_a_fresh_one() -> None:
     first = factory.build_model(spec)
     second = factory.build_model(spec)
     assert len(factory._FRESH) == 1
-    tensors = lambda m: {**dict(m.named_parameters()), **dict(m.named_buffers())}  # noqa: E731
+    tensors = lambda m: {**dict(m.named_parameters()), **dict(m.named_buffers())}
     a, b = tensors(first), tensors(second)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert not any(v.is_meta for v in b.values())

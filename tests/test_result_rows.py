@@ -12,6 +12,8 @@ import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import run as _run
+from helpers import write_config
 
 import attacks
 from attacks.base import Attack, AttackFailure, register_attack
@@ -20,8 +22,6 @@ from benchmark.report import bootstrap_ci
 from benchmark.store import read_jsonl
 from fedmjp.data import load_images
 from fedmjp.factory import build_model, model_input
-from helpers import run as _run
-from helpers import write_config
 
 ARCH = "mjp_vit_cifar_patch4_32"
 MJP_ROW = {"name": "MJP", "arch": ARCH, "variant": "mjp", "kwargs": {"depth": 2}, "april": "surgery"}
@@ -164,6 +164,7 @@ def test_unexpected_attack_error_is_recorded_and_fails_the_run(tmp_path: Path, c
     assert "Attack" in table.columns and list(table["n"]) == ["2", "2 (2 failed, 2 on errors)", "2 (2 failed)", "2"]
     # the grid has one row per model and attacker, and the strongest row
     from PIL import Image
+
     from benchmark.report import GridLayout, grid_columns
 
     assert Image.open(out / "grid_c.png").size == GridLayout(4, len(grid_columns("c")), 32).size
