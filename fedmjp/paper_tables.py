@@ -314,7 +314,7 @@ def plot_sweep(part: dict, path: Path) -> Path:
 
 def corruption_part(loaded: Sequence[Loaded], data_path: str, split: str, n: int | None, subset_seed: int,
                     names: Sequence[str], severities: Sequence[int], seed: int, device: torch.device,
-                    boot: dict, batch_size: int = 250) -> dict:
+                    boot: dict, batch_size: int = 250, cache_dir: str | Path | None = None) -> dict:
     """Top-1 under each corruption and severity, CE per corruption, mCE (unnormalised and relative)."""
     cfg = loaded[0].state["config"]
     images, labels, indices = load_uint8(cfg, data_path, split, n, subset_seed)
@@ -327,7 +327,7 @@ def corruption_part(loaded: Sequence[Loaded], data_path: str, split: str, n: int
     for ci, name in enumerate(names):
         cost[name] = {"cpu_s": 0.0, "cached": True}
         for si, s in enumerate(severities):
-            corrupted, info = cached_corruption(images, indices, name, s, seed, key=key)
+            corrupted, info = cached_corruption(images, indices, name, s, seed, cache_dir=cache_dir, key=key)
             cost[name]["cached"] = cost[name]["cached"] and info["cached"]
             if cost[name]["cpu_s"] is not None and info["cpu_s"] is not None:
                 cost[name]["cpu_s"] += info["cpu_s"]
@@ -601,6 +601,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fixed subset for the corruptions (0: skip them)")
     p.add_argument("--corruptions", type=_names, default=None, help="comma-separated (default: the 15 standard)")
     p.add_argument("--severities", type=_ints, default=list(SEVERITIES))
+    p.add_argument("--corruption-cache", default=None,
+                   help="folder of the corrupted images (default: $FEDMJP_CACHE/corruptions, ~/.cache/fedmjp/...)")
     p.add_argument("--skip-tables", action="store_true", help="only the corruptions")
     p.add_argument("--n-resamples", type=_positive, default=9999)
     p.add_argument("--bootstrap-seed", type=int, default=0)
@@ -642,7 +644,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> Path:
         plot_sweep(mjp, out.parent / figures["sweep"])
     if args.corruption_images:
         corr = corruption_part(loaded, args.data_path, args.split, args.corruption_images, args.subset_seed,
-                               names, args.severities, args.seed, device, boot, args.batch_size)
+                               names, args.severities, args.seed, device, boot, args.batch_size,
+                               args.corruption_cache)
         plot_corruptions(corr, out.parent / figures["corruptions"])
     shown = [_display_path(a) if a in (args.data_path, *args.checkpoints) else a for a in argv]
     meta = {"command": "python -m fedmjp.paper_tables " + shlex.join(shown),

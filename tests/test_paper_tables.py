@@ -178,11 +178,11 @@ def test_same_checkpoint_twice_gives_relative_mce_100(tmp_path, monkeypatch, no_
     assert len(corr["models"]) == 2  # labelled apart by file name
 
 
-def test_command_on_cifar10_validation_subset(team_data, tmp_path, monkeypatch):
-    archive = team_data.path("cifar10.tar.gz")
-    monkeypatch.setenv("FEDMJP_CACHE", str(tmp_path / "cache"))
+def test_command_on_cifar10_validation_subset(team_data, tmp_path):
+    archive = team_data.path("cifar10.tar.gz")  # extracted once into the user's cache, as the product does
     out = tmp_path / "cifar.md"
     argv = _common(out) + ["--data-path", str(archive), "--max-images", "64", "--gamma-sweep", "0.27",
+                           "--corruption-cache", str(tmp_path / "corruptions"),
                            "--corruption-images", "24", "--corruptions", "glass_blur,impulse_noise",
                            "--severities", "1,3"]
     assert tables_main(argv) == 0
@@ -197,6 +197,7 @@ def test_command_on_cifar10_validation_subset(team_data, tmp_path, monkeypatch):
     # the command shows the data folder as $FEDMJP_DATA, never where it is on this machine
     assert "--data-path '$FEDMJP_DATA/cifar10.tar.gz'" in text and str(archive.parent) not in text
     assert "| glass_blur |" in text and "| impulse_noise |" in text
+    assert len(list((tmp_path / "corruptions").rglob("*.npy"))) == 4  # 2 corruptions x 2 severities
 
 
 @pytest.fixture(scope="module")
