@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -73,6 +73,147 @@ def _tv_kernel(channels: int, dtype: torch.dtype, device: torch.device) -> torch
     return torch.cat([k.transpose(2, 3), k] * channels, dim=0)
 
 
+#: Defences whose update transform :class:`_Match` models (``defence_model=True``).
+MODELLED_DEFENCES = ("local_dp", "dp_sgd", "prune", "quantize")
+
+
+class _Match:
+    """What the candidates' gradients are matched to: the updates [K, ...] by parameter name and,
+    where the attacker knows the clients' defence (``AttackMetadata.defence``), its likelihood.
+
+    ``data(g)`` [K] is the data term of the objective (restarts and starts are scored by it):
+
+    - ``cosine``: 1 - cos(g, u), the whole update (Inverting Gradients);
+    - ``support`` (top-k pruning): 1 - cos(g * m, u) with m the kept (nonzero) entries of u: the
+      pruned update equals the client's gradient there and says nothing else about it;
+    - ``bins`` (deterministic or stochastic quantisation): every entry of the client's gradient lies
+      in the bin [lo, hi] of its level (half a level step either side, a whole step for stochastic
+      rounding, |g| <= the tensor's largest level; 1 bit: the sign's half-line), a uniform
+      likelihood; 1 - cos(g, P(g)) with P the projection onto those bins is zero exactly on the
+      gradients the quantiser maps to the update and grows with the distance outside them (it is
+      the cosine term where the bins shrink to points);
+    - ``gaussian`` / ``laplace`` (local DP, DP-SGD): u = clip_C(g) + noise of scale s (C the clip,
+      s = sigma C, divided by the batch size for DP-SGD): 1 - cos(g, u) plus the noise's negative
+      log-likelihood per entry, ||u - clip_C(g)||^2 / (s^2 n) - 1 (Laplace: |u - clip_C(g)|_1 /
+      (s n) - 1), zero in expectation at the client's gradient; its weight against the cosine term,
+      1 / (s^2 n), is large where the noise is small and vanishes where the noise swamps the update.
+
+    ``cosine(g)`` is always the plain cosine term: 1 - cos < ``exact_cos`` means the start's gradient
+    equals the update (nothing to refine), which a defended update never shows.
+    """
+
+    def __init__(self, targets: dict[str, torch.Tensor], kind: str = "cosine",
+                 bounds: Optional[tuple[dict, dict]] = None, support: Optional[dict] = None,
+                 noise: Optional[torch.Tensor] = None, clip: Optional[torch.Tensor] = None) -> None:
+        self.targets, self.kind, self.bounds, self.support = targets, kind, bounds, support
+        self.noise, self.clip = noise, clip
+        self.tn = sum(t.pow(2).flatten(1).sum(1) for t in targets.values()).sqrt()
+        self.count = sum(t[0].numel() for t in targets.values())
+        self._selected: dict[tuple, "_Match"] = {}
+
+    def select(self, idx: Optional[Sequence[int]]) -> "_Match":
+        """The same for the groups ``idx`` only (kept: the active set changes rarely)."""
+        if idx is None:
+            return self
+        key = tuple(int(i) for i in idx)
+        if key == tuple(range(self.tn.shape[0])):
+            return self
+        got = self._selected.get(key)
+        if got is None:
+            ix = torch.tensor(key, dtype=torch.long, device=self.tn.device)
+
+            def pick(d: Optional[dict]) -> Optional[dict]:
+                return None if d is None else {nm: v[ix] for nm, v in d.items()}
+
+            got = _Match(pick(self.targets), self.kind,
+                         None if self.bounds is None else (pick(self.bounds[0]), pick(self.bounds[1])),
+                         pick(self.support), None if self.noise is None else self.noise[ix],
+                         None if self.clip is None else self.clip[ix])
+            self._selected = {key: got}
+        return got
+
+    def cosine(self, g: dict[str, torch.Tensor]) -> torch.Tensor:
+        dot = sum((g[nm] * t).flatten(1).sum(1) for nm, t in self.targets.items())
+        gn = sum(g[nm].pow(2).flatten(1).sum(1) for nm in self.targets).sqrt()
+        return 1 - dot / (gn * self.tn)
+
+    def data(self, g: dict[str, torch.Tensor]) -> torch.Tensor:
+        if self.kind == "support":
+            gm = {nm: g[nm] * self.support[nm] for nm in self.targets}
+            return self.cosine(gm)
+        if self.kind == "bins":
+            lo, hi = self.bounds
+            proj = {nm: torch.max(torch.min(g[nm], hi[nm]), lo[nm]) for nm in self.targets}
+            dot = sum((g[nm] * proj[nm]).flatten(1).sum(1) for nm in self.targets)
+            gn = sum(g[nm].pow(2).flatten(1).sum(1) for nm in self.targets).sqrt()
+            pn = sum(v.pow(2).flatten(1).sum(1) for v in proj.values()).sqrt()
+            return 1 - dot / (gn * pn).clamp_min(1e-30)
+        cos = self.cosine(g)
+        if self.kind in ("gaussian", "laplace"):
+            gn = sum(g[nm].pow(2).flatten(1).sum(1) for nm in self.targets).sqrt()
+            factor = torch.clamp(self.clip / gn.clamp_min(1e-30), max=1.0)  # clip_C(g) = factor g
+            res = [(t - factor.reshape(-1, *([1] * (t.dim() - 1))) * g[nm]).flatten(1) for nm, t in self.targets.items()]
+            if self.kind == "gaussian":
+                return cos + sum(r.pow(2).sum(1) for r in res) / (self.noise.pow(2) * self.count) - 1
+            return cos + sum(r.abs().sum(1) for r in res) / (self.noise * self.count) - 1
+        return cos
+
+
+def defence_match(targets: dict[str, torch.Tensor], raw: Sequence[Any], metas: Sequence[AttackMetadata],
+                  names: Sequence[str]) -> tuple[_Match, list[str]]:
+    """The :class:`_Match` of K groups' targets under their clients' defence (``metas[k].defence``;
+    one kind for all: the groups of one call share a protocol, else the plain cosine) and a note.
+
+    ``raw[k]``: group k's update in gradient units as sent (before any known term is removed), for
+    the pruned support and the quantiser's levels."""
+    specs = [m.defence or {"name": "none"} for m in metas]
+    name = specs[0].get("name")
+    if any(sp != specs[0] for sp in specs) or name not in MODELLED_DEFENCES:
+        return _Match(targets), ([] if name in (None, "none") or any(sp != specs[0] for sp in specs) else
+                                 [f"defence {name!r}: not modelled, plain cosine matching"])
+    spec, meta = specs[0], metas[0]
+    dev = next(iter(targets.values())).device
+    # gradient units: a FedAvg delta was divided by -lr * steps (attacks.base.update_to_gradients)
+    unit = 1.0 if meta.update_type == "gradient" else 1.0 / (float(meta.lr) * max(meta.local_steps, 1))
+    if name == "prune":
+        support = {nm: torch.stack([r[nm] != 0 for r in raw]).to(dev, torch.float32) for nm in names}
+        return _Match(targets, "support", support=support), [
+            f"defence prune (keep {spec.get('keep')}): matched on the kept entries only"]
+    if name == "quantize":
+        bits, stochastic = int(spec["bits"]), bool(spec.get("stochastic", False))
+        lo, hi = {}, {}
+        for nm in names:
+            q = torch.stack([r[nm].detach().to("cpu", torch.float64) for r in raw])  # [K, ...] as sent
+            # where a known term was removed from the target (MJP's DAL term), the bins move with it
+            shift = targets[nm].detach().to("cpu", torch.float64) - q
+            flat = q.flatten(1).abs()
+            if bits == 1:  # sign(g) * mean|g|: g lies on the sign's half-line (zeros stay zero)
+                inf = torch.full_like(q, float("inf"))
+                lo[nm] = torch.where(q > 0, torch.zeros_like(q), torch.where(q < 0, -inf, torch.zeros_like(q)))
+                hi[nm] = torch.where(q < 0, torch.zeros_like(q), torch.where(q > 0, inf, torch.zeros_like(q)))
+            else:
+                m = flat.amax(1).reshape(-1, *([1] * (q.dim() - 1)))  # the largest level: max |g|
+                half = (2 * m / (2 ** bits - 1)) * (1.0 if stochastic else 0.5)
+                lo[nm], hi[nm] = torch.maximum(q - half, -m), torch.minimum(q + half, m)
+            lo[nm], hi[nm] = lo[nm] + shift, hi[nm] + shift
+        what = f"{bits} bit{'s' if bits > 1 else ''}{', stochastic' if stochastic else ''}"
+        return _Match(targets, "bins", bounds=({k: v.to(dev, torch.float32) for k, v in lo.items()},
+                                               {k: v.to(dev, torch.float32) for k, v in hi.items()})), [
+            f"defence quantize ({what}): matched through the quantiser's bins"]
+    if name == "dp_sgd" and (meta.update_type != "gradient" or meta.num_images != 1):
+        return _Match(targets), ["defence dp_sgd on a FedAvg delta or a batch (per-example clipping): plain cosine"]
+    clip, sigma = float(spec["clip"]), float(spec["sigma"])
+    scale = sigma * clip / (meta.num_images if name == "dp_sgd" else 1)
+    if scale <= 0:
+        return _Match(targets), [f"defence {name} without noise: plain cosine matching"]
+    kind = "laplace" if spec.get("noise") == "laplace" else "gaussian"
+    K = len(raw)
+    # the clip bounds the whole update (local DP) or the one example's gradient (DP-SGD, batch 1)
+    note = f"defence {name} (clip {clip:g}, sigma {sigma:g}): {kind} likelihood of scale {scale * unit:.3g}"
+    return _Match(targets, kind, noise=torch.full((K,), scale * unit, device=dev),
+                  clip=torch.full((K,), clip * unit, device=dev)), [note + " beside the cosine term"]
+
+
 class GradientMatching(Attack):
     """Batched per-update gradient matching (see the module docstring).
 
@@ -95,7 +236,11 @@ class GradientMatching(Attack):
             less than ``converge_tol`` (relative) over the last ``converge_window`` steps; the step
             size halves after ``converge_window // 2`` steps without improvement; the stats keep
             the loss curve (``objective_curve``: [iteration, best objective] every ``curve_every``
-            steps) and whether it converged.
+            steps) and whether it converged. A later restart gives up on an update once it cannot
+            get below the data term of the best earlier one (:meth:`_run_trial_converging`).
+        defence_model: where ``AttackMetadata.defence`` names a defence the attacker can model
+            (pruning, quantisation, local DP, DP-SGD), match through it (:func:`defence_match`:
+            the kept entries, the quantiser's bins, the noise's likelihood); False: plain cosine.
     """
 
     def __init__(self, iterations: int = 200, lr: float = 0.1, tv: float = 0.2, signed: Optional[str] = "hard",
@@ -103,8 +248,10 @@ class GradientMatching(Attack):
                  label_strategy: str = "bias", seed: Optional[int] = 0, device: str = "cpu",
                  progress: bool = False, unk_mask: Optional[torch.Tensor] = None,
                  converge_window: int = 0, converge_tol: float = 1e-4, curve_every: int = 50,
-                 raise_errors: bool = False) -> None:
+                 defence_model: bool = False, raise_errors: bool = False) -> None:
         super().__init__(raise_errors)
+        # match through the clients' defence where the metadata names one (:func:`defence_match`)
+        self.defence_model = bool(defence_model)
         if converge_window < 0 or curve_every < 1 or converge_tol < 0:
             raise ValueError("converge_window must be >= 0, converge_tol >= 0 and curve_every >= 1")
         # converge_window > 0: run up to ``iterations`` and stop each update once its best objective
@@ -162,6 +309,7 @@ class GradientMatching(Attack):
         K, n, size = len(updates), metas[0].num_images, metas[0].image_size
         work = attack_copy(model, torch.float32, self.device)
         converted = [update_to_gradients(u, m) for u, m in zip(updates, metas)]
+        raw = [g for g, _ in converted]  # as sent (before _prepare_groups removes any known term)
         masks, starts, start_notes = self._prepare_groups(model, updates, metas, converted)
         names = matched_names(work, converted[0][0], size)
         if (self.unk_mask is not None or masks is not None) and "unk_embed" not in names and all(
@@ -183,6 +331,12 @@ class GradientMatching(Attack):
                 notes[-1].append(f"labels recovered from the gradient ({self.label_strategy})")
         y = torch.stack(labels).to(self.device)  # [K, n]
         targets = {nm: torch.stack([g[nm] for g, _ in converted]).to(self.device, torch.float32) for nm in names}
+        if self.defence_model:
+            match, more = defence_match(targets, raw, metas, names)
+            for note in notes:
+                note.extend(more)
+        else:
+            match = _Match(targets)
         lo, hi = metas[0].box(torch.float32, self.device)
         per_group = self._per_group_gradients(work, names, masks)
 
@@ -190,13 +344,14 @@ class GradientMatching(Attack):
         for trial in range(self.restarts):
             if self.converge_window > 0:
                 solved = (torch.tensor([bool(i["solved"]) for i in trial_info[0]]) if trial_info else None)
-                x, trace, failed, info = self._run_trial_converging(per_group, targets, y, (K, n, *size), lo, hi,
-                                                                    trial, starts if trial == 0 else None, solved)
+                x, trace, failed, info = self._run_trial_converging(per_group, match, y, (K, n, *size), lo, hi,
+                                                                    trial, starts if trial == 0 else None, solved,
+                                                                    best_score)
                 trial_info.append(info)
             else:
-                x, trace, failed = self._run_trial(per_group, targets, y, (K, n, *size), lo, hi, trial)
+                x, trace, failed = self._run_trial(per_group, match, y, (K, n, *size), lo, hi, trial)
             with torch.no_grad():
-                score = self._objective(per_group, targets, y, x, lo, with_prior=False)[0].detach()
+                score = self._objective(per_group, match, y, x, lo, with_prior=False)[0].detach()
             score = torch.where(torch.isfinite(score) & ~failed, score, torch.full_like(score, float("inf")))
             if best_x is None:
                 best_x, best_score = x, score
@@ -223,7 +378,7 @@ class GradientMatching(Attack):
                 chosen = int(best_trial[k])
                 stats.update(trial_info[chosen][k], chosen_trial=chosen,
                              iterations=sum(int(t[k]["iterations_run"]) for t in trial_info),
-                             trials=[{key: t[k][key] for key in ("start", "iterations_run", "converged")}
+                             trials=[{key: t[k][key] for key in ("start", "iterations_run", "converged", "abandoned")}
                                      for t in trial_info])
             if not ok:
                 stats["reason"] = "non-finite objective"
@@ -238,16 +393,20 @@ class GradientMatching(Attack):
         May replace ``converted[k]``'s gradients (e.g. with a known extra loss term removed)."""
         return None, None, [[] for _ in updates]
 
-    def _run_trial_converging(self, per_group, targets: dict, y: torch.Tensor, shape: tuple, lo: torch.Tensor,
+    def _run_trial_converging(self, per_group, match: "_Match", y: torch.Tensor, shape: tuple, lo: torch.Tensor,
                               hi: torch.Tensor, trial: int, starts: Optional[list],
-                              solved: Optional[torch.Tensor] = None
+                              solved: Optional[torch.Tensor] = None, incumbent: Optional[torch.Tensor] = None
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[dict]]:
         """One restart run to convergence (``converge_window`` > 0), each update on its own.
 
         Every update has its own candidate, Adam and step size, and stops on its own (the others go
-        on), so an update's result does not depend on which updates share the batched call.
+        on; a step evaluates the updates still running only), so an update's result does not depend
+        on which updates share the batched call. ``incumbent`` [K]: the data term of the best
+        earlier restart per update; this restart gives up on an update once its best data term,
+        improving for every remaining step at twice the rate of the last ``converge_window`` steps,
+        would still not get below it (it could not be chosen).
         Returns (best candidate, objective trace [iterations, K] (NaN after a stop), failed [K],
-        per update {start, iterations_run, converged, objective_curve}).
+        per update {start, iterations_run, converged, abandoned, objective_curve}).
         """
         K = shape[0]
         gen = torch.Generator(device="cpu")
@@ -255,7 +414,7 @@ class GradientMatching(Attack):
         draw = torch.randn(shape[1:], generator=gen)
         lo5, hi5 = lo.unsqueeze(0), hi.unsqueeze(0)
         leaves, kinds = [], []
-        chosen = self._pick_starts(per_group, targets, y, draw, lo, hi, starts) if starts else [None] * K
+        chosen = self._pick_starts(per_group, match, y, draw, lo, hi, starts) if starts else [None] * K
         for k in range(K):
             start = chosen[k]
             kinds.append("random" if start is None else start[0])
@@ -268,10 +427,11 @@ class GradientMatching(Attack):
         best_val = torch.full((K,), float("inf"), device=self.device)
         failed = torch.zeros(K, dtype=torch.bool, device=self.device)
         done = torch.zeros(K, dtype=torch.bool)
-        converged = [False] * K
+        converged, abandoned = [False] * K, [False] * K
         ran = [its] * K
         since = [0] * K  # steps since the best objective last improved
-        history = torch.full((its + 1, K), float("inf"))  # running best after each step
+        history = torch.full((its + 1, K), float("inf"))  # running best objective after each step
+        data_hist = torch.full((its + 1, K), float("inf"))  # running best data term after each step
         trace = torch.full((its, K), float("nan"))
         curves: list[list[list[float]]] = [[] for _ in range(K)]
         skip = torch.zeros(K, dtype=torch.bool) if solved is None else solved.clone()
@@ -279,7 +439,8 @@ class GradientMatching(Attack):
             # a start whose gradient already matches the update (an exact closed form on a clean
             # update) has nothing left to gain: no steps, and no random restart for it either
             with torch.no_grad():
-                cos0 = self._objective(per_group, targets, y, torch.stack(leaves).detach(), lo, with_prior=False)[1]
+                cos0 = self._objective(per_group, match, y, torch.stack(leaves).detach(), lo, with_prior=False,
+                                       plain=True)[1]
             for k in range(K):
                 if chosen[k] is not None and float(cos0[k]) < self.exact_cos:
                     skip[k] = True
@@ -289,30 +450,37 @@ class GradientMatching(Attack):
                 done[k], ran[k], converged[k] = True, 0, True
                 if chosen[k] is None:
                     kinds[k] += " (no steps: an earlier start matched the update)"
+        bar = incumbent.detach().cpu() if incumbent is not None else torch.full((K,), float("inf"))
         for it in tqdm(range(its), disable=None if self.progress else True, desc=self.name, leave=False):
             active = [k for k in range(K) if not done[k]]
             if not active:
                 break
             for k in active:
                 opts[k].zero_grad(set_to_none=False)
-            x = torch.stack(leaves)
-            obj, _ = self._objective(per_group, targets, y, x, lo)
-            val = obj.detach()
+            x = torch.stack([leaves[k] for k in active])
+            obj, data = self._objective(per_group, match, y, x, lo, sel=active)
+            val, dval = obj.detach(), data.detach().cpu()
             finite = torch.isfinite(val)
-            failed |= ~finite
-            keep = finite & ~done.to(self.device)
-            torch.where(keep, obj, torch.zeros_like(obj)).sum().backward(inputs=[leaves[k] for k in active])
+            torch.where(finite, obj, torch.zeros_like(obj)).sum().backward(inputs=[leaves[k] for k in active])
+            history[it + 1] = history[it]
+            data_hist[it + 1] = data_hist[it]
             with torch.no_grad():
-                improved = keep & (val < best_val)
-                best = torch.where(improved[:, None, None, None, None], x.detach(), best)
-                best_val = torch.where(improved, val, best_val)
-            history[it + 1] = best_val.cpu()
-            for k in active:
-                trace[it, k] = float(val[k])
-                if not bool(finite[k]):
+                for j, k in enumerate(active):
+                    if not bool(finite[j]):
+                        failed[k] = True
+                        continue
+                    data_hist[it + 1, k] = min(float(data_hist[it, k]), float(dval[j]))
+                    if bool(val[j] < best_val[k]):
+                        best[k], best_val[k] = x[j].detach(), val[j]
+                        since[k] = 0
+                    else:
+                        since[k] += 1
+                    history[it + 1, k] = float(best_val[k])
+            for j, k in enumerate(active):
+                trace[it, k] = float(val[j])
+                if not bool(finite[j]):
                     done[k], ran[k] = True, it + 1
                     continue
-                since[k] = 0 if bool(improved[k]) else since[k] + 1
                 if it % self.curve_every == 0:
                     curves[k].append([it, float(best_val[k])])
                 old = float(history[it + 1 - window, k]) if it + 1 >= window else float("inf")
@@ -320,6 +488,12 @@ class GradientMatching(Attack):
                 if math.isfinite(old) and (old - now) <= self.converge_tol * max(abs(old), 1e-12):
                     done[k], ran[k], converged[k] = True, it + 1, True
                     continue
+                if it + 1 >= window and math.isfinite(float(bar[k])):
+                    d_old, d_now = float(data_hist[it + 1 - window, k]), float(data_hist[it + 1, k])
+                    reach = d_now - 2.0 * max(d_old - d_now, 0.0) / window * (its - it - 1)
+                    if math.isfinite(d_old) and reach > float(bar[k]):
+                        done[k], ran[k], abandoned[k] = True, it + 1, True
+                        continue
                 if leaves[k].grad is not None and self.signed == "hard":
                     leaves[k].grad.sign_()
                 opts[k].step()
@@ -333,27 +507,31 @@ class GradientMatching(Attack):
                 break
         starts_used = [k for k in range(K) if chosen[k] is not None]
         if starts_used:
-            # the start itself competes by the cosine term (restarts are scored by it too): the TV
+            # the start itself competes by the data term (restarts are scored by it too): the TV
             # prior must not trade an exact closed-form start for a smoother, worse-matching image
             x_start = torch.stack([leaf.detach() for leaf in leaves])
             for k in starts_used:
                 x_start[k] = torch.max(torch.min(chosen[k][1].to(self.device, x_start.dtype), hi), lo)
             with torch.no_grad():
-                cos_start = self._objective(per_group, targets, y, x_start, lo, with_prior=False)[1]
-                cos_best = self._objective(per_group, targets, y, best, lo, with_prior=False)[1]
-            for k in starts_used:
-                if bool(torch.isfinite(cos_start[k])) and not bool(cos_best[k] <= cos_start[k]):
+                cos_start = self._objective(per_group, match, y, x_start[starts_used], lo, with_prior=False,
+                                            sel=starts_used)[1]
+                cos_best = self._objective(per_group, match, y, best[starts_used], lo, with_prior=False,
+                                           sel=starts_used)[1]
+            for j, k in enumerate(starts_used):
+                if bool(torch.isfinite(cos_start[j])) and not bool(cos_best[j] <= cos_start[j]):
                     best[k] = x_start[k]
                     kinds[k] += " (kept: no iterate matched better)"
         info = []
         for k in range(K):
             if not bool(skip[k]) and (not curves[k] or curves[k][-1][0] != ran[k]):
                 curves[k].append([ran[k], float(best_val[k])])
-            info.append(dict(start=kinds[k], iterations_run=ran[k], converged=converged[k],
+            if abandoned[k]:
+                kinds[k] += f" (given up after {ran[k]} steps: it could not reach the best earlier restart)"
+            info.append(dict(start=kinds[k], iterations_run=ran[k], converged=converged[k], abandoned=abandoned[k],
                              objective_curve=curves[k], solved=bool(skip[k])))
         return best, trace, failed, info
 
-    def _pick_starts(self, per_group, targets: dict, y: torch.Tensor, draw: torch.Tensor, lo: torch.Tensor,
+    def _pick_starts(self, per_group, match: "_Match", y: torch.Tensor, draw: torch.Tensor, lo: torch.Tensor,
                      hi: torch.Tensor, starts: list) -> list:
         """Per update, the candidate start (name, x) whose gradient matches the update best (the
         cosine term, what the attacker can evaluate), or None where it has none. ``starts[k]``: a
@@ -365,14 +543,15 @@ class GradientMatching(Attack):
             x = torch.stack([starts[k][c][1].to(draw.dtype) if c < len(starts[k]) else draw for k in range(K)])
             x = torch.max(torch.min(x.to(self.device), hi.unsqueeze(0)), lo.unsqueeze(0))
             with torch.no_grad():
-                cos = self._objective(per_group, targets, y, x, lo, with_prior=False)[1].detach().cpu()
+                cos = self._objective(per_group, match, y, x, lo, with_prior=False)[1].detach().cpu()
             for k in range(K):
                 if c < len(starts[k]) and math.isfinite(float(cos[k])) and float(cos[k]) < best_cos[k]:
                     best[k], best_cos[k] = starts[k][c], float(cos[k])
         return best
 
     def _per_group_gradients(self, work: nn.Module, names: list[str], masks: Optional[torch.Tensor] = None):
-        """f(x [K, n, C, H, W], y [K, n]) -> {name: [K, ...]}: each group's own model gradient.
+        """f(x [k, n, C, H, W], y [k, n], sel=None) -> {name: [k, ...]}: each group's own model
+        gradient; ``sel``: the indices of the k groups among the K (all K when None).
 
         ``masks`` [K, N] bool: each group's own E_unk positions (an MJP-aware forward per update);
         None: the shared ``unk_mask`` (or the plain forward)."""
@@ -387,7 +566,12 @@ class GradientMatching(Attack):
                 return F.cross_entropy(functional_call(work, ({**p, **frozen}, buffers), (xg,), kwargs), yg)
 
             masked_fn = vmap(grad(masked_loss), in_dims=(None, 0, 0, 0))
-            return lambda x, y: masked_fn(params, x, y, group_masks)
+
+            def masked(x: torch.Tensor, y: torch.Tensor, sel: Optional[Sequence[int]] = None) -> dict:
+                m = group_masks if sel is None else group_masks[list(sel)]
+                return masked_fn(params, x, y, m)
+
+            return masked
         mask = None if self.unk_mask is None else self.unk_mask.to(self.device)
 
         def loss(p: dict, xg: torch.Tensor, yg: torch.Tensor) -> torch.Tensor:
@@ -395,25 +579,25 @@ class GradientMatching(Attack):
             return F.cross_entropy(functional_call(work, ({**p, **frozen}, buffers), (xg,), kwargs), yg)
 
         grad_fn = vmap(grad(loss), in_dims=(None, 0, 0))
-        return lambda x, y: grad_fn(params, x, y)
+        return lambda x, y, sel=None: grad_fn(params, x, y)
 
-    def _objective(self, per_group, targets: dict, y: torch.Tensor, x: torch.Tensor, lo: torch.Tensor,
-                   with_prior: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """(objective [K], cosine term [K]) for candidates x [K, n, C, H, W]."""
-        g = per_group(x, y)
-        dot = sum((g[nm] * t).flatten(1).sum(1) for nm, t in targets.items())
-        gn = sum(g[nm].pow(2).flatten(1).sum(1) for nm in targets)
-        tn = sum(t.pow(2).flatten(1).sum(1) for t in targets.values())
-        cos_term = 1 - dot / (gn.sqrt() * tn.sqrt())
-        obj = cos_term
+    def _objective(self, per_group, match: "_Match", y: torch.Tensor, x: torch.Tensor, lo: torch.Tensor,
+                   with_prior: bool = True, sel: Optional[Sequence[int]] = None,
+                   plain: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(objective [k], data term [k]) for candidates x [k, n, C, H, W] of the groups ``sel``
+        (all when None); ``plain``: the data term is the plain cosine term (:meth:`_Match.cosine`)."""
+        match = match.select(sel)
+        g = per_group(x, y if sel is None else y[list(sel)], sel)
+        data = match.cosine(g) if plain else match.data(g)
+        obj = data
         if with_prior and self.pe_weight > 0:
-            gp, tp = g["pos_embed"].flatten(1), targets["pos_embed"].flatten(1)
+            gp, tp = g["pos_embed"].flatten(1), match.targets["pos_embed"].flatten(1)
             obj = obj + self.pe_weight * (1 - F.cosine_similarity(gp, tp, dim=1, eps=1e-30))
         if with_prior and self.tv > 0:
             obj = obj + self.tv * total_variation(x, _tv_kernel(x.shape[2], x.dtype, x.device))
-        return obj, cos_term
+        return obj, data
 
-    def _run_trial(self, per_group, targets: dict, y: torch.Tensor, shape: tuple, lo: torch.Tensor,
+    def _run_trial(self, per_group, match: "_Match", y: torch.Tensor, shape: tuple, lo: torch.Tensor,
                    hi: torch.Tensor, trial: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One restart: (best candidate [K, n, C, H, W], objective trace [iterations, K], failed [K])."""
         K = shape[0]
@@ -433,7 +617,7 @@ class GradientMatching(Attack):
         lo5, hi5 = lo.unsqueeze(0), hi.unsqueeze(0)
         for it in tqdm(range(its), disable=None if self.progress else True, desc=self.name, leave=False):
             opt.zero_grad(set_to_none=False)
-            obj, _ = self._objective(per_group, targets, y, x, lo)
+            obj, _ = self._objective(per_group, match, y, x, lo)
             finite = torch.isfinite(obj.detach())
             failed |= ~finite
             # Failed groups are frozen: their (non-finite) graph stays inside their own slice.
@@ -528,13 +712,14 @@ class InvertingGradientsClosedStart(GradientMatching):
     def __init__(self, iterations: int = 2000, lr: float = 0.03, tv: float = 0.01, signed: Optional[str] = None,
                  scheduler: Optional[str] = None, restarts: int = 2, converge_window: int = 50,
                  converge_tol: float = 1e-3, start_attacks: Optional[Sequence[str]] = None, mjp_mask: bool = True,
-                 exact_cos: float = 1e-6, **options) -> None:
+                 exact_cos: float = 1e-6, defence_model: bool = True, **options) -> None:
         if converge_window < 1:
             raise ValueError("ig_closed_start needs converge_window >= 1 (it runs to convergence)")
         if options.get("pe_weight", 0.0):
             raise ValueError("ig_closed_start has no PE term; use april_optimization")
         super().__init__(iterations=iterations, lr=lr, tv=tv, signed=signed, scheduler=scheduler,
-                         restarts=restarts, converge_window=converge_window, converge_tol=converge_tol, **options)
+                         restarts=restarts, converge_window=converge_window, converge_tol=converge_tol,
+                         defence_model=defence_model, **options)
         self.start_attacks = None if start_attacks is None else tuple(str(a) for a in start_attacks)
         self.mjp_mask = bool(mjp_mask)
         if not 0.0 <= exact_cos < 1.0:
