@@ -31,19 +31,30 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Optional
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
 
 import numpy as np
 import scipy.sparse.linalg as spla
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from .april import _gradient_of_Z, _is_design_a, _vit, check_conditions
 from .base import Attack, AttackFailure, AttackMetadata, AttackResult, Update, register_attack, update_to_gradients
 from .pe_closed_form import images_to_patches, patches_to_images, pe_closed_form_system, pe_conditions
+from .priors import PatchPrior, load_patch_prior
 
 _logger = logging.getLogger(__name__)
 _DT = torch.float64
+#: Weight of the Gaussian patch prior's Mahalanobis sum (times ``prior_scale``). Not chosen from the
+#: estimate as the smoothness prior's is: the joint MAP over (X, G) needs a far stronger prior than the
+#: learned covariance itself says (the weight that fits the true 32 px images is 0.02-0.03; chosen from
+#: the estimates it ended near 0.3, 13.8 dB after 8-bit quantisation where a fixed 10 gave 18). 10 was
+#: the best of 3, 10, 30 (8-bit quantisation) and of 1, 10 (local DP 1e-6, 1e-4) on ImageNet-sample
+#: images 5, 118, 231, 344 at 32 px, disjoint from bench/closed_forms.py's images 41, 138, 235, 332.
+_GAUSSIAN_WEIGHT = 10.0
 
 
 def _noise_floor(t: torch.Tensor) -> float:
@@ -72,6 +83,122 @@ def _smooth_energy(img: torch.Tensor) -> tuple[float, int]:
     return float(dx.pow(2).sum() + dy.pow(2).sum()), dx.numel() + dy.numel()
 
 
+@dataclass
+class _Noise:
+    """The noise model of the received update's entries, and where it came from.
+
+    ``std``: i.i.d. additive noise std per entry in gradient units (local DP, DP-SGD); ``quant``:
+    (bits, stochastic) of a per-tensor quantiser; ``prune_keep``: the kept share of a top-k pruning
+    (zeros are missing entries). ``known`` is False when
+    nothing about the perturbation is known and the noise is read off the update."""
+
+    source: str = "estimate"
+    description: str = "unknown: noise std read off the update's redundancy"
+    std: float = 0.0
+    quant: Optional[tuple[int, bool]] = None
+    prune_keep: Optional[float] = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def known(self) -> bool:
+        return self.std > 0 or self.quant is not None
+
+    def tensor_std(self, t: torch.Tensor) -> Optional[float]:
+        """The noise std of one received tensor's entries, or None when unknown."""
+        if not self.known:
+            return None
+        var = self.std ** 2
+        if self.quant is not None:
+            bits, stochastic = self.quant
+            m = float(t.abs().max())  # the largest level is max|u| itself (bits > 1), mean|u| (bits = 1)
+            if bits == 1:
+                var += m ** 2 / 3
+            else:
+                step = 2 * m / (2 ** bits - 1)
+                # nearest level: uniform error on [-step/2, step/2]; unbiased stochastic rounding:
+                # variance p (1 - p) step^2, 1/6 step^2 on average over the position p in the step
+                var += step ** 2 / (6 if stochastic else 12)
+        return math.sqrt(var)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(source=self.source, model=self.description, std=self.std,
+                    quant_bits=None if self.quant is None else self.quant[0],
+                    quant_stochastic=None if self.quant is None else self.quant[1], prune_keep=self.prune_keep)
+
+
+def _defence_noise(spec: Any, meta: AttackMetadata) -> _Noise:
+    """The noise model of a defence spec from the metadata (Kerckhoffs); an invalid or unmodelled
+    spec gives the estimating model with a note saying why."""
+    from defences.spec import validate_defence  # lazily: the defences package imports Opacus
+
+    to_grad = 1.0 if meta.update_type == "gradient" else 1.0 / (float(meta.lr) * max(meta.local_steps, 1))
+    try:
+        spec = validate_defence(spec)
+    except ValueError as err:
+        return _Noise(notes=[f"defence spec in metadata not understood ({err}): treated as unknown, noise estimated"])
+    name, src = spec["name"], "defence metadata"
+    if name == "local_dp":
+        # the clip scales every equation alike (X unchanged); noise of scale sigma * clip per entry
+        scale = float(spec["sigma"]) * float(spec["clip"])
+        laplace = spec.get("noise") == "laplace"
+        std = scale * (math.sqrt(2) if laplace else 1.0) * to_grad
+        desc = (f"local_dp: i.i.d. {'Laplace (by its variance)' if laplace else 'Gaussian'} noise, std {std:.3g} "
+                f"per entry (sigma {spec['sigma']} x clip {spec['clip']}"
+                + (", x sqrt 2" if laplace else "") + (", / (lr steps) of the delta" if to_grad != 1 else "") + ")")
+        return _Noise(src, desc, std=std)
+    if name == "dp_sgd":
+        # per-sample clip (a common factor at batch 1), Gaussian noise sigma * clip on the sum, / batch
+        # size; a FedAvg delta's mean gradient averages ``local_steps`` independent draws
+        steps = 1 if meta.update_type == "gradient" else max(meta.local_steps, 1)
+        std = float(spec["sigma"]) * float(spec["clip"]) / max(meta.num_images, 1) / math.sqrt(steps)
+        return _Noise(src, f"dp_sgd: Gaussian noise, std {std:.3g} per entry of the mean gradient (sigma "
+                           f"{spec['sigma']} x clip {spec['clip']} / batch {meta.num_images}"
+                           + (f" / sqrt({steps} steps)" if steps > 1 else "") + ")", std=std)
+    if name == "quantize":
+        bits, stochastic = int(spec["bits"]), bool(spec["stochastic"])
+        kind = "sign x mean|u| per tensor" if bits == 1 else (
+            f"{2 ** bits} levels per tensor, {'stochastic' if stochastic else 'nearest'} rounding error of the step")
+        return _Noise(src, f"quantize {bits} bit: {kind}", quant=(bits, stochastic))
+    if name == "prune":
+        keep = float(spec["keep"])
+        return _Noise(src, f"prune keep {keep}: zeros are missing entries, the kept ones exact (their rounding "
+                           "estimated)", prune_keep=keep)
+    clean = {"none": "no defence", "central_dp": "central DP (the client sends its clean update)",
+             "mixup": "mixup (a clean gradient of the mixed image)",
+             "fedavg": "FedAvg local steps (the update is not perturbed entrywise)"}
+    if name in clean:
+        return _Noise(src, f"{clean[name]}: noise std read off the update's redundancy")
+    note = f"defence {name!r} in metadata is not modelled by april_robust: treated as unknown, noise estimated"
+    return _Noise(notes=[note])
+
+
+class _PatchPriorTerm:
+    """The Gaussian patch prior as a quadratic term of the normalised image ``img`` [1, C, H, W]:
+    sum over every p x p patch at every offset of (u_p - mu)^T Lambda (u_p - mu), u = std img + mean
+    the pixels in [0, 1]. ``torch.nn.functional.unfold``/``fold`` are the patch extraction and its adjoint."""
+
+    def __init__(self, prior: PatchPrior, meta: AttackMetadata, info) -> None:
+        p, C = prior.patch, info.channels
+        self.p, self.size = p, (info.grid[0] * p, info.grid[1] * p)
+        self.s = meta.std.to(_DT).reshape(1, C, 1, 1)
+        self.lam_mat = torch.from_numpy(prior.precision).to(_DT)
+        # u_p - mu = unfold(std img) - c, c = mu - mean (per channel, repeated over the patch)
+        self.c = torch.from_numpy(prior.mean).to(_DT) - meta.mean.to(_DT).repeat_interleave(p * p)
+        self.count = (self.size[0] - p + 1) * (self.size[1] - p + 1)
+        ones = torch.ones(1, self.c.numel(), self.count, dtype=_DT)
+        self.rhs_img = self.s * F.fold(self.lam_mat @ self.c[:, None] * ones, self.size, p)
+        self.diag_img = self.s ** 2 * F.fold(self.lam_mat.diagonal()[:, None] * ones, self.size, p)
+
+    def apply(self, img: torch.Tensor) -> torch.Tensor:
+        """The term's Hessian (halved) times ``img``: std fold(Lambda unfold(std img))."""
+        return self.s * F.fold(self.lam_mat @ F.unfold(self.s * img, self.p), self.size, self.p)
+
+    def energy(self, img: torch.Tensor) -> tuple[float, int]:
+        """(sum of squared Mahalanobis distances, number of patch values)."""
+        r = F.unfold(self.s * img, self.p)[0] - self.c[:, None]
+        return float((r * (self.lam_mat @ r)).sum()), r.numel()
+
+
 @register_attack("april_robust")
 class AprilRobust(Attack):
     """Joint regularised least squares of the first layer's equations (see the module docstring).
@@ -80,9 +207,17 @@ class AprilRobust(Attack):
         sigma, clip: local DP's noise multiplier and clip, if the server knows them (noise std
             sigma * clip); ``clip`` alone is not used (clipping scales every equation alike).
         quant_bits: the quantisation's bits, if known.
+        prune_keep: the kept share of a top-k pruning, if known: zeros are then missing entries even
+            with ``prune_missing=False`` (recorded; bounding them by the smallest kept magnitude did not help).
+        known_defence: read the defence's parameters from ``metadata["defence"]`` (the clients'
+            defence spec, Kerckhoffs) where the options above set none; False: the estimating attacker.
+            Options set explicitly win over the metadata.
         prune_missing: treat exactly-zero entries as missing (True) or as observed zeros.
-        prior: ``smooth`` (Gaussian on pixel differences) or ``tv`` (Laplace on them, total
-            variation, by iteratively reweighted least squares).
+        prior: ``smooth`` (Gaussian on pixel differences), ``tv`` (Laplace on them, total variation,
+            by iteratively reweighted least squares), ``gaussian`` (a Gaussian over every p x p patch
+            learned from training images, ``prior_path``; refused when its patch size is not the
+            model's) or ``auto`` (``gaussian`` where the patch size fits, else ``smooth``, noted).
+        prior_path: the patch prior's .npz (None: the shipped CIFAR-10 one, p = 4, attacks/priors).
         prior_scale: multiplier of the automatically chosen prior weight.
         prior_weight: a fixed prior weight lambda instead of the automatic choice.
         iterations: alternations of the X and G solves (stops early when X stops changing).
@@ -97,10 +232,12 @@ class AprilRobust(Attack):
     name = "april_robust"
 
     def __init__(self, sigma: Optional[float] = None, clip: Optional[float] = None,
-                 quant_bits: Optional[int] = None, prune_missing: bool = True, prior_scale: float = 1.0,
+                 quant_bits: Optional[int] = None, prune_keep: Optional[float] = None, known_defence: bool = True,
+                 prune_missing: bool = True, prior_scale: float = 1.0,
                  prior_weight: Optional[float] = None, iterations: int = 10, use_qkv: str = "auto",
-                 errors: str = "joint", prior: str = "smooth", reestimate_noise: bool = True,
-                 cg_tol: float = 1e-12, cg_maxiter: int = 300, raise_errors: bool = False) -> None:
+                 errors: str = "joint", prior: str = "smooth", prior_path: Optional[str] = None,
+                 reestimate_noise: bool = True, cg_tol: float = 1e-12, cg_maxiter: int = 300,
+                 raise_errors: bool = False) -> None:
         super().__init__(raise_errors)
         if sigma is not None and (not math.isfinite(sigma) or sigma < 0):
             raise ValueError(f"sigma must be >= 0, got {sigma!r}")
@@ -110,8 +247,10 @@ class AprilRobust(Attack):
             raise ValueError("sigma needs the clip it multiplies (noise std = sigma * clip)")
         if quant_bits is not None and not 1 <= int(quant_bits) <= 32:
             raise ValueError(f"quant_bits must be in [1, 32], got {quant_bits!r}")
-        if prior not in ("smooth", "tv"):
-            raise ValueError(f"prior must be 'smooth' or 'tv', got {prior!r}")
+        if prune_keep is not None and not 0 < prune_keep <= 1:
+            raise ValueError(f"prune_keep must be in (0, 1], got {prune_keep!r}")
+        if prior not in ("smooth", "tv", "gaussian", "auto"):
+            raise ValueError(f"prior must be 'smooth', 'tv', 'gaussian' or 'auto', got {prior!r}")
         if errors not in ("joint", "weighted"):
             raise ValueError(f"errors must be 'joint' or 'weighted', got {errors!r}")
         if use_qkv not in ("auto", "never"):
@@ -122,21 +261,57 @@ class AprilRobust(Attack):
             raise ValueError(f"iterations must be >= 1, got {iterations!r}")
         self.sigma, self.clip = sigma, clip
         self.quant_bits = None if quant_bits is None else int(quant_bits)
+        self.prune_keep, self.known_defence = prune_keep, bool(known_defence)
         self.prune_missing, self.prior_scale, self.prior_weight = bool(prune_missing), float(prior_scale), prior_weight
         self.iterations, self.use_qkv, self.errors = int(iterations), use_qkv, errors
         self.reestimate_noise, self.prior = bool(reestimate_noise), prior
+        # read now: a missing or malformed file is a ValueError (PriorError) naming it, before any solve
+        self.patch_prior = load_patch_prior(prior_path) if prior in ("gaussian", "auto") else None
         self.cg_tol, self.cg_maxiter = float(cg_tol), int(cg_maxiter)
+        self.quant_cells = True
 
     # --------------------------------------------------------------------------------- noise model
-    def _known_std(self, t: torch.Tensor) -> Optional[float]:
-        """The noise std of one received tensor from the defence's known parameters, or None."""
-        if self.sigma is None and self.quant_bits is None:
+    def _noise_model(self, meta: AttackMetadata) -> _Noise:
+        """The noise model: the options where they set one, else the metadata's defence spec
+        (``known_defence``), else unknown (estimated from the update)."""
+        if self.sigma is not None or self.quant_bits is not None or self.prune_keep is not None:
+            to_grad = 1.0 if meta.update_type == "gradient" else 1.0 / (float(meta.lr) * max(meta.local_steps, 1))
+            std = (self.sigma * self.clip if self.sigma else 0.0) * to_grad
+            parts = ([f"Gaussian std {std:.3g} per entry (sigma {self.sigma} x clip {self.clip})"] if self.sigma else []) \
+                + ([f"quantize {self.quant_bits} bit, rounding error of the step"] if self.quant_bits else []) \
+                + ([f"prune keep {self.prune_keep}: zeros are missing entries"] if self.prune_keep else [])
+            noise = _Noise("options", "; ".join(parts) or "sigma = 0: no additive noise", std=std,
+                           quant=None if self.quant_bits is None else (self.quant_bits, False),
+                           prune_keep=self.prune_keep)
+            if self.known_defence and meta.defence is not None:
+                noise.notes.append(f"options set the noise model; metadata defence {meta.defence} not used")
+            return noise
+        if not self.known_defence:
+            return _Noise(notes=["known_defence=False: the defence's parameters are not used"]
+                          if meta.defence is not None else [])
+        if meta.defence is None:
+            return _Noise()
+        return _defence_noise(meta.defence, meta)
+
+    def _prior_term(self, meta: AttackMetadata, info, notes: list[str]) -> Optional[_PatchPriorTerm]:
+        """The Gaussian patch prior's term for this model, None for the smoothness priors; a patch
+        size the prior file was not made for is refused (``gaussian``) or falls back (``auto``)."""
+        pp = self.patch_prior
+        if pp is None:
             return None
-        var = (self.sigma * self.clip) ** 2 if self.sigma else 0.0
-        if self.quant_bits is not None:
-            m = float(t.abs().max())
-            var += (m / math.sqrt(3)) ** 2 if self.quant_bits == 1 else (m / ((2 ** self.quant_bits - 1) * math.sqrt(3))) ** 2
-        return math.sqrt(var)
+        if pp.patch != info.patch_size or pp.channels != info.channels:
+            msg = (f"the patch prior {pp.path} is for {pp.patch} x {pp.patch} x {pp.channels} patches, the model's are "
+                   f"{info.patch_size} x {info.patch_size} x {info.channels}")
+            if self.prior == "gaussian":
+                raise AttackFailure(f"prior='gaussian': {msg}; build a prior for them with `python -m attacks.priors "
+                                    f"--data-path <train images> --patch {info.patch_size} --out <file.npz>` and "
+                                    "pass prior_path, or use prior='smooth'")
+            notes.append(f"prior='auto': {msg}; the smoothness prior is used instead")
+            return None
+        if meta.image_size[1] != pp.image_size:
+            notes.append(f"the patch prior was learned on {pp.image_size} px images, these are {meta.image_size[1]} px")
+        notes.append(f"prior: Gaussian over every {pp.patch} x {pp.patch} patch, {Path(pp.path).name} ({pp.source})")
+        return _PatchPriorTerm(pp, meta, info)
 
     def _reconstruct(self, model: nn.Module, update: Update, meta: AttackMetadata) -> AttackResult:
         t0 = time.perf_counter()
@@ -146,10 +321,16 @@ class AprilRobust(Attack):
         vit = _vit(model)
         info = pe_conditions(model, meta.image_size)
         grads, notes = update_to_gradients(update, meta)
+        noise = self._noise_model(meta)
+        notes.extend(noise.notes)
+        notes.append(f"noise model ({noise.source}): {noise.description}")
+        prior_term = self._prior_term(meta, info, notes)
+        prior_name = "gaussian" if prior_term is not None else ("smooth" if self.prior == "auto" else self.prior)
         sysm = pe_closed_form_system(model, grads, _DT, info)
         N, D, J = info.N, info.D, info.patch_dim
         pre = info.num_prefix
-        miss = (lambda t: t != 0) if self.prune_missing else (lambda t: torch.ones_like(t, dtype=torch.bool))
+        zeros_missing = self.prune_missing or noise.prune_keep is not None
+        miss = (lambda t: t != 0) if zeros_missing else (lambda t: torch.ones_like(t, dtype=torch.bool))
         G_obs, dW = sysm.G, sysm.dW_e
         mG, mW = miss(G_obs), miss(dW)
         if info.has_unk:
@@ -177,29 +358,31 @@ class AprilRobust(Attack):
 
         # noise std of each equation group
         # (quantisation levels are per received tensor: P's are set by the whole pos_embed, cls row included)
-        std_known = {"P": self._known_std(grads[info.prefix + "pos_embed"].to("cpu", _DT)),
-                     "We": self._known_std(dW)}
+        std_known = {"P": noise.tensor_std(grads[info.prefix + "pos_embed"].to("cpu", _DT)),
+                     "We": noise.tensor_std(dW)}
         est = self._redundancy_std(G_obs, mG, bias_eqs, N)
+
         def std(key: str, t: torch.Tensor) -> float:
-            s = std_known.get(key) if key in std_known else self._known_std(t)
+            s = std_known[key] if key in std_known else noise.tensor_std(t)
             s = est if s is None else s
             return max(s, _noise_floor(t))
         s_P, s_We = std("P", G_obs), std("We", dW)
         s_b = [std(name, tgt) for name, _, tgt, _ in bias_eqs]
         wP, wW, wb = 1 / s_P ** 2, 1 / s_We ** 2, [1 / s ** 2 for s in s_b]
         if qkv is not None:
-            s_q = max(self._known_std(qkv["G_W"]) if self._known_std(qkv["G_W"]) is not None else est,
-                      _noise_floor(qkv["G_W"]))
+            s_q = noise.tensor_std(qkv["G_W"])
+            s_q = max(est if s_q is None else s_q, _noise_floor(qkv["G_W"]))
             qkv["omega"] = 1.0 / (s_q ** 2 * qkv["W"].pow(2).sum(0) + _noise_floor(qkv["R"]) ** 2)
             qkv["s"] = s_q
         fracG = float(mG.double().mean())
+        noise_stats = noise.as_dict()
 
         # A consistent update (no defence known, every entry present, the bias redundancy zero to
         # float64 rounding): every equation holds at the truth, so the joint least squares solution
         # is the closed form's; solved directly (the normal equations above square the condition
         # number, ~1e7 for a design-A model, and would lose the exactness).
         G = torch.where(mG, G_obs, torch.zeros_like(G_obs))
-        consistent = (not self.sigma and self.quant_bits is None and bool(mG.all()) and bool(mW.all())
+        consistent = (not noise.known and bool(mG.all()) and bool(mW.all())
                       and est <= 1e-9 * float(G_obs.pow(2).mean().sqrt()))
         if consistent:
             X = torch.linalg.lstsq(G.T, dW, driver="gelsd").solution
@@ -207,30 +390,48 @@ class AprilRobust(Attack):
             img = patches_to_images(X[None], info)
             res = float((G.T @ X - dW).norm() / dW.norm().clamp_min(1e-300))
             stats = dict(objective=res, iterations=0, cg_iterations=0, time_s=time.perf_counter() - t0,
-                         prior_weight=0.0, noise_std_from_redundancy=est, residual=res, used_qkv=False,
-                         observed_fraction=dict(P=1.0, We=1.0), failed=False, notes=notes)
+                         prior_weight=0.0, prior=prior_name, noise_model=noise_stats, noise_std_from_redundancy=est,
+                         residual=res, used_qkv=False, observed_fraction=dict(P=1.0, We=1.0), failed=False, notes=notes)
             return AttackResult(meta.denormalize(img), [stats], labels=meta.labels)
         if fracG < 0.5:
             # With most of G gone, dL/dW_e = G^T X is a bilinear system with no identifiable solution
-            # (any G' = A G, X' = A^-T X fits; alternating from here drifted below the mean image in
-            # every case tried). What the first layer still says: the G-weighted mean patch.
+            # (any G' = A G, X' = A^-T X fits; alternating from here, with or without the bound of the
+            # missing entries that a known pruning gives, drifted far below the mean image in every
+            # case tried). What the first layer still says: the G-weighted mean patch.
+            X = self._mean_patch_start(dW, mW, bias_eqs, N, J)
             notes.append(f"dL/dP {100 * (1 - fracG):.0f}% missing: the first-layer signal is gone; returned the "
                          "mean patch read off dL/dW_e ~ dL/db_e x^T, tiled")
-            X = self._mean_patch_start(dW, mW, bias_eqs, N, J)
             stats = dict(objective=float("nan"), iterations=0, cg_iterations=0, time_s=time.perf_counter() - t0,
-                         prior_weight=0.0, noise_std_from_redundancy=est, used_qkv=False,
+                         prior_weight=0.0, prior=prior_name, noise_model=noise_stats,
+                         noise_std_from_redundancy=est, used_qkv=False,
                          observed_fraction=dict(P=fracG, We=float(mW.double().mean())), failed=False, notes=notes)
             return AttackResult(meta.denormalize(patches_to_images(X[None], info)), [stats], labels=meta.labels)
         X = None
         lam, edge = self.prior_weight, None
         history, it, cg_its = [], 0, 0
+        cells = None
+        if noise.quant is not None and noise.quant[0] > 1 and not noise.quant[1] and self.quant_cells:
+            # nearest-level quantisation: the true entry lies in its level's cell [q - h, q + h], h half
+            # the tensor's step; the Gaussian data terms become dead-zone ones (zero inside the cell),
+            # minimised by majorisation: each solve fits the current prediction projected onto the cells
+            half = {k: float(t.abs().max()) / (2 ** noise.quant[0] - 1) for k, t in
+                    (("P", grads[info.prefix + "pos_embed"]), ("We", dW))}
+            cells = dict(P=half["P"], We=half["We"], bias=[float(t.abs().max()) / (2 ** noise.quant[0] - 1)
+                                                           for _, _, t, _ in bias_eqs])
+            notes.append("quantisation cells: dead-zone data terms (entries anywhere in their level's cell fit)")
+            # outside its cell an entry's residual is penalised as with std step / sqrt(120), not the
+            # rounding error's step / sqrt(12): steep walls (calibrated on validation images, docs/attacks.md)
+            wP, wW, wb = wP * 10, wW * 10, [w * 10 for w in wb]
         for it in range(1, self.iterations + 1):
             if X is not None and self.prior_weight is None:
                 img = patches_to_images(X[None], info)
-                energy, count = _smooth_energy(img)
-                # clamped to pixel-difference std between 1e-3 and 10 (normalised input)
-                lam = self.prior_scale * min(max(count / max(energy, 1e-300), 1e-2), 1e6)
-                if self.prior == "tv":
+                if prior_term is not None:
+                    lam = self.prior_scale * _GAUSSIAN_WEIGHT
+                else:
+                    energy, count = _smooth_energy(img)
+                    # clamped to pixel-difference std between 1e-3 and 10 (normalised input)
+                    lam = self.prior_scale * min(max(count / max(energy, 1e-300), 1e-2), 1e6)
+                if prior_name == "tv":
                     # Laplace prior sum |d| / b, b = mean |d|, by iteratively reweighted least squares:
                     # weight 1 / (b max(|d|, b / 10)) per difference, relative to lam's mean
                     dx, dy = img[..., :, 1:] - img[..., :, :-1], img[..., 1:, :] - img[..., :-1, :]
@@ -240,19 +441,25 @@ class AprilRobust(Attack):
                     lam = self.prior_scale * float(torch.cat([wx.flatten(), wy.flatten()]).mean())
                     edge = (wx * self.prior_scale / lam, wy * self.prior_scale / lam)
             elif lam is None:
-                lam = self.prior_scale * 1.0  # first solve: unit-variance differences (normalised input)
+                # first solve: unit-variance differences (normalised input), or the learned prior's weight
+                lam = self.prior_scale * (_GAUSSIAN_WEIGHT if prior_term is not None else 1.0)
             wWj = torch.full((J,), wW, dtype=_DT)
             if self.errors == "weighted" and X is not None:  # G's noise carried into dL/dW_e = G^T X
                 wWj = 1.0 / (s_We ** 2 + s_P ** 2 * X.pow(2).sum(0))
-            X_new, n_cg = self._x_step(G, dW, mW, wWj, qkv, lam, info, X, edge)
+            tG, tW, tb = G_obs, dW, bias_eqs
+            if cells is not None and X is not None:
+                tG, tW, tb = self._cell_targets(X, G, G_obs, dW, bias_eqs, cells)
+            X_new, n_cg = self._x_step(G, tW, mW, wWj, qkv, lam, info, X, edge, prior_term)
             cg_its += n_cg
             change = float((X_new - X).norm() / X_new.norm().clamp_min(1e-300)) if X is not None else float("inf")
             X = X_new
-            G = self._g_step(X, G_obs, mG, wP, dW, mW, wW, bias_eqs, wb, qkv, W_e, b_e, info)
+            if cells is not None:
+                tG, tW, tb = self._cell_targets(X, G, G_obs, dW, bias_eqs, cells)
+            G = self._g_step(X, tG, mG, wP, tW, mW, wW, tb, wb, qkv, W_e, b_e, info)
             if self.errors == "weighted":
                 G = torch.where(mG, G_obs, G)  # only the missing entries are estimated
             history.append(change)
-            if self.sigma is None and self.quant_bits is None and self.reestimate_noise:
+            if not noise.known and self.reestimate_noise:
                 # variance components: each group's noise std from its own residual at the estimate
                 ms = self._mean_squares(X, G, G_obs, mG, dW, mW, bias_eqs, qkv, W_e, b_e)
                 s_P = max(math.sqrt(ms["P"]), _noise_floor(G_obs)) if self.errors == "joint" else s_P
@@ -275,9 +482,13 @@ class AprilRobust(Attack):
             r = qkv["R"] - qkv["G_pre"].T @ qkv["Z_pre"] - G.T @ Zp
             chi["qkv"] = float((r.pow(2).sum(1) * qkv["omega"]).sum() / r.numel())
         img = patches_to_images(X[None], info)
+        if prior_term is not None:  # squared Mahalanobis distance per patch value (1: a typical training patch)
+            energy, count = prior_term.energy(img)
+            notes.append(f"patch prior: squared Mahalanobis distance {energy / count:.3g} per patch value")
         stats = dict(objective=sum(chi.values()), iterations=it, cg_iterations=cg_its, time_s=time.perf_counter() - t0,
-                     prior_weight=float(lam), noise_std=dict(P=s_P, We=s_We, **{n: s for (n, *_), s in zip(bias_eqs, s_b)},
-                                                             **({"qkv": qkv["s"]} if qkv is not None else {})),
+                     prior_weight=float(lam), prior=prior_name, noise_model=noise_stats,
+                     noise_std=dict(P=s_P, We=s_We, **{n: s for (n, *_), s in zip(bias_eqs, s_b)},
+                                    **({"qkv": qkv["s"]} if qkv is not None else {})),
                      noise_std_from_redundancy=est, chi2_per_entry=chi, used_qkv=qkv is not None,
                      observed_fraction=dict(P=fracG, We=float(mW.double().mean())), change_history=history,
                      failed=False, notes=notes)
@@ -315,6 +526,17 @@ class AprilRobust(Attack):
         return dict(G_W=G_W, W=W, R=W.T @ G_W, G_pre=G_Z[:pre], Z_pre=Z_pre, offset=offset)
 
     @staticmethod
+    def _cell_targets(X, G, G_obs, dW, beqs, cells):
+        """The current predictions of G, dL/dW_e and the bias targets projected onto the quantisation
+        cells of the received values (exact zeros, the missing entries, are left as they are)."""
+        def proj(pred, obs, h):
+            return torch.where(obs != 0, torch.minimum(torch.maximum(pred, obs - h), obs + h), obs)
+        tG = proj(G, G_obs, cells["P"])
+        tW = proj(G.T @ X, dW, cells["We"])
+        tb = [(n, a, proj(a @ G, t, h), m) for (n, a, t, m), h in zip(beqs, cells["bias"])]
+        return tG, tW, tb
+
+    @staticmethod
     def _mean_squares(X, G, G_obs, mG, dW, mW, bias_eqs, qkv, W_e, b_e) -> dict[str, float]:
         """Mean squared residual of each equation group (the qkv one per unit ||W_qkv[:, d]||^2)."""
         out = {"P": float(((G - G_obs)[mG]).pow(2).mean()) if bool(mG.any()) else 0.0,
@@ -350,11 +572,12 @@ class AprilRobust(Attack):
         den = (m * db[:, None] ** 2).sum(0).clamp_min(1e-300)
         return (num / den).expand(N, J).clone()
 
-    def _x_step(self, G, dW, mW, wW, qkv, lam, info, X0, edge=None) -> tuple[torch.Tensor, int]:
-        """argmin_X sum_j wW_j |mW (G^T X - dW)_j|^2 + sum_d omega_d |(G^T X W_e^T - R1)_d|^2 + lam |L X|^2 + eps |X|^2."""
+    def _x_step(self, G, dW, mW, wW, qkv, lam, info, X0, edge=None, prior_term=None) -> tuple[torch.Tensor, int]:
+        """argmin_X sum_j wW_j |mW (G^T X - dW)_j|^2 + sum_d omega_d |(G^T X W_e^T - R1)_d|^2 + lam |L X|^2 + eps |X|^2
+        (``mW``: per-entry weights; ``prior_term``: the Gaussian patch prior's Mahalanobis sum instead of |L X|^2)."""
         N, J = info.N, info.patch_dim
         eps = 1e-6 * lam
-        full = bool(mW.all())
+        full = bool((mW == 1).all())
         GGt = G @ G.T
         if full:
             A1 = wW[:, None, None] * GGt
@@ -370,7 +593,12 @@ class AprilRobust(Attack):
             A1 = A1 + cj[:, None, None] * GoG
             rhs = rhs + G @ (om * R1) @ W_e
         jitter = 1e-12 * A1.diagonal(dim1=1, dim2=2).mean(1).clamp_min(1e-300)  # rounding of near-singular G G^T
-        prec = A1 + ((4 * lam + eps) + jitter)[:, None, None] * torch.eye(N, dtype=_DT)
+        if prior_term is not None:  # the prior's exact diagonal, per patch entry
+            dg = lam * images_to_patches(prior_term.diag_img, info)[0]  # [N, J]
+            prec = A1 + torch.diag_embed(dg.T + (eps + jitter)[:, None])
+            rhs = rhs + lam * images_to_patches(prior_term.rhs_img, info)[0]
+        else:
+            prec = A1 + ((4 * lam + eps) + jitter)[:, None, None] * torch.eye(N, dtype=_DT)
         L = torch.linalg.cholesky(prec)  # [J, N, N]
 
         def op(x: torch.Tensor) -> torch.Tensor:
@@ -379,8 +607,8 @@ class AprilRobust(Attack):
             if qkv is not None:
                 out = out + G @ (om * (G.T @ X @ qkv["W_e"].T)) @ qkv["W_e"]
             img = patches_to_images(X[None], info)
-            out = out + lam * images_to_patches(_smooth_normal(img, edge), info)[0] + eps * X
-            return out
+            reg = _smooth_normal(img, edge) if prior_term is None else prior_term.apply(img)
+            return out + lam * images_to_patches(reg, info)[0] + eps * X
 
         def pre(x: torch.Tensor) -> torch.Tensor:
             Xc = x.reshape(N, J).T[:, :, None]  # [J, N, 1]
@@ -401,7 +629,7 @@ class AprilRobust(Attack):
         N, D = info.N, info.D
         mGd = mG.to(_DT)
         H = torch.diag_embed(wP * mGd.T)  # [D, N, N]
-        if bool(mW.all()):
+        if bool((mW == 1).all()):
             H = H + wW * (X @ X.T)
         else:
             H = H + wW * torch.einsum("nj,dj,mj->dnm", X, mW.to(_DT), X)
