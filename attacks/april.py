@@ -25,9 +25,9 @@ import hashlib
 import logging
 import threading
 import time
-from collections import OrderedDict
 from typing import Any, Optional, Sequence
 
+import cachetools
 import torch
 import torch.nn as nn
 from patchgrid import unpatchify
@@ -119,8 +119,7 @@ def _gradient_of_Z(vit: nn.Module, grads: dict[str, torch.Tensor], info: dict) -
 #: (pseudo-inverse, rank) of the patch embeddings solved lately, by content: a benchmark attacks
 #: every round of a federation with the same weights (the paper's lr 0), and the SVD of a DeiT-S
 #: patch embedding costs ~45 ms per round on a CPU where hashing its bytes costs ~2 ms.
-_PINV_CACHE: OrderedDict[bytes, tuple[torch.Tensor, int]] = OrderedDict()
-_PINV_CACHE_SIZE = 8
+_PINV_CACHE: cachetools.LRUCache = cachetools.LRUCache(maxsize=8)
 _PINV_LOCK = threading.Lock()
 
 
@@ -134,18 +133,16 @@ def _pinv_and_rank(W: torch.Tensor, rcond: Optional[float]) -> tuple[torch.Tenso
     digest.update(data.view(torch.uint8).numpy().data)
     key = digest.digest()
     with _PINV_LOCK:
-        if key in _PINV_CACHE:
-            _PINV_CACHE.move_to_end(key)
-            return _PINV_CACHE[key]
+        hit = _PINV_CACHE.get(key)  # a hit counts as a use
+    if hit is not None:
+        return hit
     U, S, Vh = torch.linalg.svd(W, full_matrices=False)
     default = max(W.shape) * torch.finfo(W.dtype).eps * S.max()
     keep = S > (rcond * S.max() if rcond else default)
     inv = torch.where(keep, 1.0 / S, torch.zeros_like(S))
     result = ((Vh.mT * inv) @ U.mT, int((S > default).sum()))
     with _PINV_LOCK:
-        _PINV_CACHE[key] = result
-        while len(_PINV_CACHE) > _PINV_CACHE_SIZE:
-            _PINV_CACHE.popitem(last=False)
+        _PINV_CACHE[key] = result  # the least recently used goes when 8 are held
     return result
 
 

@@ -16,9 +16,9 @@ import copy
 import json
 import logging
 import threading
-from collections import OrderedDict
 from typing import Any, Mapping, Sequence
 
+import cachetools
 import timm
 import torch
 import torch.nn as nn
@@ -93,8 +93,7 @@ def build_model(spec: Mapping[str, Any], device: str | torch.device = "cpu") -> 
 #: (trunc_normal_ over every weight) costs ~1 s for a DeiT-S on a CPU; even a meta-device build
 #: filled from stored tensors cost ~0.5 s (timm's init runs through the meta dispatcher). A deep copy
 #: of a stored template costs ~40 ms.
-_FRESH: "OrderedDict[str, nn.Module]" = OrderedDict()
-_FRESH_SIZE = 8
+_FRESH: cachetools.LRUCache = cachetools.LRUCache(maxsize=8)
 _FRESH_LOCK = threading.Lock()
 
 
@@ -105,17 +104,13 @@ def _fresh_model(arch: str, kwargs: Mapping[str, Any], seed: int) -> nn.Module:
     exactly and shares no storage with it."""
     key = json.dumps([arch, kwargs, seed], sort_keys=True, default=str)
     with _FRESH_LOCK:
-        template = _FRESH.get(key)
-        if template is not None:
-            _FRESH.move_to_end(key)
+        template = _FRESH.get(key)  # a hit counts as a use
     if template is None:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             template = create_model(arch, **kwargs)
         with _FRESH_LOCK:
-            _FRESH[key] = template
-            while len(_FRESH) > _FRESH_SIZE:
-                _FRESH.popitem(last=False)
+            _FRESH[key] = template  # the least recently used template goes when 8 are held
     return copy.deepcopy(template)
 
 

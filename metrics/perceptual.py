@@ -32,11 +32,11 @@ import threading
 import time
 import urllib.parse
 import warnings
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
+import cachetools
 import lpips as lpips_pkg
 import torch
 import torch.nn.functional as F
@@ -394,6 +394,10 @@ def cache_budget_mb() -> int:
     return value
 
 
+def _nbytes(feats: list[torch.Tensor]) -> int:
+    return sum(f.numel() * f.element_size() for f in feats)
+
+
 class LpipsFeatureCache:
     """The AlexNet features of images LPIPS has scored, found again by the images' content.
 
@@ -424,13 +428,24 @@ class LpipsFeatureCache:
         _check_cacheable(model)
         self.model = model
         self.keep_bytes = (cache_budget_mb() if keep_mb is None else int(keep_mb)) << 20
-        self.recent_bytes = int(recent_mb) << 20
+        self.recent_bytes = int(recent_mb) << 20  # property: sets up the recent part
         self._kept: dict[bytes, list[torch.Tensor]] = {}
-        self._recent: OrderedDict[bytes, list[torch.Tensor]] = OrderedDict()
-        self._kept_size = self._recent_size = 0
+        self._kept_size = 0
         self._lock = threading.Lock()
         self.computed = 0  # images whose features were computed
         self.reused = 0  # images whose features came from the cache
+
+    @property
+    def recent_bytes(self) -> int:
+        """Budget of the recent part in bytes; setting it empties that part."""
+        return self._recent_bytes
+
+    @recent_bytes.setter
+    def recent_bytes(self, value: int) -> None:
+        self._recent_bytes = int(value)
+        # cachetools' size-weighted LRU (maxsize in bytes): it evicts the least recently used entries
+        # until a new one fits; one larger than the whole budget is not stored (_store checks).
+        self._recent = cachetools.LRUCache(maxsize=max(self._recent_bytes, 1), getsizeof=_nbytes)
 
     @staticmethod
     def _key(image: torch.Tensor, size: Optional[tuple[int, int]]) -> bytes:
@@ -442,15 +457,12 @@ class LpipsFeatureCache:
     def _lookup(self, key: bytes) -> Optional[list[torch.Tensor]]:
         if key in self._kept:
             return self._kept[key]
-        hit = self._recent.get(key)
-        if hit is not None:
-            self._recent.move_to_end(key)
-        return hit
+        return self._recent.get(key)  # a hit counts as a use
 
     def _store(self, key: bytes, feats: list[torch.Tensor], keep: bool) -> None:
         if key in self._kept or key in self._recent:  # the same image twice in one batch
             return
-        nbytes = sum(f.numel() * f.element_size() for f in feats)
+        nbytes = _nbytes(feats)
         if keep and self._kept_size + nbytes <= self.keep_bytes:
             self._kept[key] = feats
             self._kept_size += nbytes
@@ -458,10 +470,6 @@ class LpipsFeatureCache:
         if nbytes > self.recent_bytes:
             return
         self._recent[key] = feats
-        self._recent_size += nbytes
-        while self._recent_size > self.recent_bytes:
-            _, old = self._recent.popitem(last=False)
-            self._recent_size -= sum(f.numel() * f.element_size() for f in old)
 
     def features(self, images: torch.Tensor, model_input: torch.Tensor, size: Optional[tuple[int, int]],
                  keep: bool) -> list[torch.Tensor]:
@@ -486,4 +494,4 @@ class LpipsFeatureCache:
         """Images computed and reused, and the bytes held in each part."""
         with self._lock:
             return dict(computed=self.computed, reused=self.reused, kept_images=len(self._kept),
-                        kept_bytes=self._kept_size, recent_images=len(self._recent), recent_bytes=self._recent_size)
+                        kept_bytes=self._kept_size, recent_images=len(self._recent), recent_bytes=self._recent.currsize)

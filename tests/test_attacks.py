@@ -98,7 +98,7 @@ def test_april_patch_embedding_pseudo_inverse_is_reused_only_for_the_same_weight
     updates = attacks.compute_per_sample_updates(model, normalize(x), torch.tensor([0, 1]))
     svds, svd = [], torch.linalg.svd
     monkeypatch.setattr(torch.linalg, "svd", lambda *a, **k: svds.append(1) or svd(*a, **k))
-    monkeypatch.setattr(april, "_PINV_CACHE", april.OrderedDict())
+    monkeypatch.setattr(april, "_PINV_CACHE", april.cachetools.LRUCache(maxsize=8))
     attack = attacks.create_attack("april_analytic")
     first = attack.reconstruct_many(model, updates, MD)
     again = attack.reconstruct_many(model, updates, MD)  # the next round, same weights
