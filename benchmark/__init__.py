@@ -2,8 +2,11 @@
 
 - :mod:`.config`: YAML presets, ``key=value`` overrides, validation, the resolved config.
 - :mod:`.pipeline`: federations -> attacks on tapped updates -> scores -> ``results.jsonl`` (resumable).
-- :mod:`.scoring`: metrics against the setting's reference and top-1 (the Acc. column).
+- :mod:`.scoring`: metrics against the setting's reference and top-1 (the Acc. column), as pure
+  functions (``score_round``, ``round_top1``) a test can call without threads or Flower.
+- :mod:`.rows`: ``ResultRow``, the schema of ``results.jsonl`` and its one row key.
 - :mod:`.store`: the output folder (rows appended as produced, stored images).
+- :mod:`.files`: atomic, link-refusing writes every file of an output folder goes through.
 - :mod:`.report`: tables and grids built only from the output folder.
 - :mod:`.cli`: the command line; :mod:`.errors`: exit statuses.
 """
