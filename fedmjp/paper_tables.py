@@ -445,7 +445,9 @@ def render(mjp: dict | None, corr: dict | None, loaded: Sequence[Loaded], meta: 
          f"- Command: `{meta['command']}`",
          (f"- Date: {meta['date']}; machine: {meta['machine']}; torch {torch.__version__}, "
          f"{meta['threads']} thread(s); wall time {meta['wall_s'] / 60:.1f} min, "
-         f"CPU time {meta['cpu_s'] / 60:.1f} min."),
+         f"CPU time {meta['cpu_s'] / 60:.1f} min"
+         + "".join(f"; {k}: {v['wall_s'] / 60:.1f} min wall, {v['cpu_s'] / 60:.1f} min CPU"
+                   for k, v in meta.get("parts", {}).items()) + "."),
          ("- Intervals: 95 % bootstrap over the images (scipy.stats.bootstrap, BCa, "
          f"{meta['n_resamples']} resamples, seed {meta['boot_seed']}); a difference is "
          f"{comp} minus {base}, bootstrapped over the same resampled images (paired). Each interval "
@@ -460,7 +462,9 @@ def render(mjp: dict | None, corr: dict | None, loaded: Sequence[Loaded], meta: 
         L += ["", "## Tables 1-3: accuracy, Consistency, Diff. Norm", "",
               (f"{mjp['images']} validation images; x~ is x with the patches of a block mask of gamma x 64 patches "
               f"permuted among themselves (E_unk at their positions for {comp}), one mask per image, seed "
-              f"{meta['seed']} (`fedmjp.evaluate`). Top-1 and Consistency in percent."), "",
+              f"{meta['seed']}, batches of {meta['batch_size']} (`fedmjp.evaluate`; the masks depend on the seed "
+              "and the batch size, so x~ figures of an evaluation at another batch size differ slightly). "
+              "Top-1 and Consistency in percent."), "",
               "| model | top-1 on x | " + " | ".join(f"top-1 on x~, gamma {g}" for g in gs) + " |",
               "|---" * (2 + len(gs)) + "|"]
         for label, m in mjp["models"].items():
@@ -636,22 +640,28 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> Path:
     boot = {"seed": args.bootstrap_seed, "n_resamples": args.n_resamples}
     figures = {"sweep": f"{out.stem}_gamma_sweep.png", "corruptions": f"{out.stem}_corruptions.png"}
     mjp = corr = None
+    parts = {}
     if not args.skip_tables:
+        t0, c0 = time.time(), time.process_time()
         loader = build_eval_loader(loaded[0].state["config"], args.data_path, args.split, args.batch_size,
                                    args.num_workers, args.max_images, args.subset_seed)
         batches = list(loader)  # decoded once, evaluated by both models
         mjp = mjp_part(loaded, batches, args.gammas, args.gamma_sweep, args.seed, device, boot)
         plot_sweep(mjp, out.parent / figures["sweep"])
+        parts["Tables 1-3"] = (time.time() - t0, time.process_time() - c0)
     if args.corruption_images:
+        t0, c0 = time.time(), time.process_time()
         corr = corruption_part(loaded, args.data_path, args.split, args.corruption_images, args.subset_seed,
                                names, args.severities, args.seed, device, boot, args.batch_size,
                                args.corruption_cache)
         plot_corruptions(corr, out.parent / figures["corruptions"])
+        parts["corruptions"] = (time.time() - t0, time.process_time() - c0)
     shown = [_display_path(a) if a in (args.data_path, *args.checkpoints) else a for a in argv]
     meta = {"command": "python -m fedmjp.paper_tables " + shlex.join(shown),
             "date": datetime.date.today().isoformat(), "machine": _machine(), "threads": torch.get_num_threads(),
             "wall_s": time.time() - t_wall, "cpu_s": time.process_time() - t_cpu, "n_resamples": args.n_resamples,
-            "boot_seed": args.bootstrap_seed, "seed": args.seed}
+            "boot_seed": args.bootstrap_seed, "seed": args.seed, "batch_size": args.batch_size,
+            "parts": {k: {"wall_s": w, "cpu_s": c} for k, (w, c) in parts.items()}}
     out.write_text(render(mjp, corr, loaded, meta, figures))
     record = {"meta": meta, "checkpoints": [{"label": x.label, "path": x.path.as_posix(), "sha256": x.sha256,
                                              "epoch": x.state.get("epoch")} for x in loaded],
