@@ -152,7 +152,8 @@ class _Match:
         if self.kind in ("gaussian", "laplace"):
             gn = sum(g[nm].pow(2).flatten(1).sum(1) for nm in self.targets).sqrt()
             factor = torch.clamp(self.clip / gn.clamp_min(1e-30), max=1.0)  # clip_C(g) = factor g
-            res = [(t - factor.reshape(-1, *([1] * (t.dim() - 1))) * g[nm]).flatten(1) for nm, t in self.targets.items()]
+            res = [(t - factor.reshape(-1, *([1] * (t.dim() - 1))) * g[nm]).flatten(1)
+                   for nm, t in self.targets.items()]
             if self.kind == "gaussian":
                 return cos + sum(r.pow(2).sum(1) for r in res) / (self.noise.pow(2) * self.count) - 1
             return cos + sum(r.abs().sum(1) for r in res) / (self.noise * self.count) - 1

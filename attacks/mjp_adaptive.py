@@ -626,7 +626,8 @@ class MJPAdaptive(Attack):
                     prior_weight=self.prior_weight, span_iterations=self.span_iterations, starts=self.starts,
                     probe_iterations=self.probe_iterations, rcond=self.rcond, dal_weight=self.dal_weight,
                     joint_prior=self.joint_prior, tv_prior=self.tv_prior,
-                    fallback_iterations=self.fallback_iterations, seed=self.seed)
+                    fallback_iterations=self.fallback_iterations, seed=self.seed,
+                    budget=(SPAN_ITERATIONS, SPAN_BUDGET, SPAN_MIN_ITERATIONS))  # the default's iterations
 
     def _reconstruct(self, model: nn.Module, update: Update, meta: AttackMetadata) -> AttackResult:
         t0, c0 = time.perf_counter(), time.process_time()

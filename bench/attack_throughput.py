@@ -19,6 +19,16 @@ is timed apart and printed, not counted in its per-image loop.
    fast; ``span``/``match`` take seconds to a minute per image on a CPU).
 4. The first-layer attacks (``april_analytic``, ``pe_closed_form``, ``april_robust``) at 32 and
    224 px: seconds per image on float64 clean and 8-bit quantised updates (``--only closed``).
+5. Every attack of the defence presets at 32 px (the presets' CIFAR model: design A, depth 4,
+   D = 192) and 224 px (DeiT-S/16, design A): CPU seconds per image (``time.process_time``: one
+   core's work with ``--threads 1``, meaningful on a loaded machine where wall time is not), each
+   on the update where it does its full work: the closed forms and ``ig_closed_start`` on an 8-bit
+   quantised update of the plain model (the clean update costs ig_closed_start one check: its exact
+   start takes no steps), ``mjp_adaptive`` and ``ig_closed_start`` on a clean update of the MJP model
+   with gamma 0.27 shuffled (setting b/c; ig_closed_start reuses mjp_adaptive's estimate as in a
+   benchmark round, where mjp_adaptive runs first). ``ig_closed_start`` at 224 px runs ``--ig-224-steps``
+   steps (its default cap is 2000); the table gives CPU seconds per step and what the cap would
+   cost. An attack that refuses prints its reason (``--only table``).
 
     python bench/attack_throughput.py                     # short run (~1-2 min on 2 idle cores)
     python bench/attack_throughput.py --ig-iterations 50 --ig-depth 6 --ig-dim 192 --threads 2
@@ -254,6 +264,77 @@ def bench_closed(args: argparse.Namespace) -> None:
                   f"failed {len(res) - len(ok)} ({res[0].reason or ''})"[:160], flush=True)
 
 
+def _table_cases(size: int, n: int, data: Path) -> list[tuple[str, torch.nn.Module, list, list, list]]:
+    """(case, model, updates, metadata, truths) at one size: the plain model's 8-bit quantised
+    updates and the MJP model's shuffled clean updates (float64 clients, design-A block 0)."""
+    from defences import quantize_update
+
+    arch = "mjp_vit_cifar_patch4_32" if size == 32 else "mjp_deit_small_patch16_224"
+    kwargs = {"depth": 4} if size == 32 else {}
+    x = load_images(data, n, size).double()
+    cases = []
+    for variant in ("plain", "mjp"):
+        torch.manual_seed(0)
+        model = timm.create_model(arch, variant=variant, first_block="april", **kwargs).eval().double()
+        ups, mds, truths = [], [], []
+        for i in range(n):
+            y = torch.tensor([i % 10])
+            md = dict(mean=MEAN, std=STD, num_images=1, image_size=(3, size, size), labels=y)
+            if variant == "plain":
+                u = attacks.compute_update(model, normalize(x[i:i + 1], MEAN, STD), y)
+                ups.append(quantize_update(u, 8))
+                mds.append({**md, "defence": {"name": "quantize", "bits": 8, "stochastic": False}})
+                truths.append(x[i:i + 1])
+            else:
+                plan = model.draw_plan(1, gamma=0.27, seed=100 + i)
+                x_t = model.shuffle_images(x[i:i + 1], plan)
+                ups.append(attacks.compute_update(model, normalize(x_t, MEAN, STD), y, unk_mask=plan.mask))
+                mds.append(md)
+                truths.append(x[i:i + 1])
+        cases.append(("8-bit quantised, plain" if variant == "plain" else "MJP shuffled (c)", model.float(), ups,
+                      mds, truths))
+    return cases
+
+
+def bench_table(args: argparse.Namespace) -> None:
+    """CPU seconds per image of every attack of the defence presets at 32 and 224 px (docstring, 5)."""
+    names = ("april_analytic", "pe_closed_form", "april_robust", "mjp_adaptive", "ig_closed_start")
+    print(f"[attack table] CPU seconds per image (time.process_time), threads {torch.get_num_threads()}, "
+          "float64 clients, design-A block 0; PSNR against x (setting c: the attack's unshuffled estimate)")
+    print(f"  {'px':>3s}  {'attack':16s} {'update':24s} {'CPU s/image':>11s}  {'PSNR dB':>7s}  note")
+    for size in (32, 224):
+        n = args.table_images if size == 32 else 1
+        for case, model, ups, mds, truths in _table_cases(size, n, args.data):
+            for name in names:
+                if name == "mjp_adaptive" and case.startswith("8-bit"):
+                    continue  # on a plain model it is april_analytic (no E_unk to undo)
+                opts = {}
+                note = ""
+                if name == "ig_closed_start" and size == 224:
+                    opts = dict(iterations=args.ig_224_steps, restarts=1)
+                    note = f"{args.ig_224_steps} steps, 1 restart"
+                attack = attacks.create_attack(name, **opts)
+                if name == "mjp_adaptive":
+                    # its full cost; ig_closed_start after it reuses its x~ estimate, as in a benchmark
+                    attacks.mjp_adaptive.ESTIMATES.clear()
+                t0 = time.process_time()
+                res = attack.reconstruct_many(model, ups, mds)
+                dt = (time.process_time() - t0) / len(ups)
+                ok = [(r, t) for r, t in zip(res, truths) if not r.failed]
+                est = [(r.unshuffled if r.unshuffled is not None else r.images).double() for r, _ in ok]
+                psnr = np.mean([float(-10 * torch.log10((e - t).pow(2).mean().clamp_min(1e-10)))
+                                for e, (_, t) in zip(est, ok)]) if ok else float("nan")
+                if name == "ig_closed_start" and ok:
+                    steps = [r.stats[0].get("iterations", 0) for r, _ in ok]
+                    per_step = dt / max(np.mean(steps), 1)
+                    note = (note + "; " if note else "") + f"{np.mean(steps):.0f} steps, {per_step:.3f} s/step"
+                    if size == 224:
+                        note += f"; the 2000-step cap: {2000 * per_step:.0f} s"
+                if len(ok) < len(res):
+                    note = (note + "; " if note else "") + f"refused/failed: {res[0].reason or ''}"[:120]
+                print(f"  {size:3d}  {name:16s} {case:24s} {dt:11.2f}  {psnr:7.1f}  {note}", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", type=Path, default=Path(os.environ.get("FEDMJP_DATA", "")) / "imagenet-sample",
@@ -270,7 +351,9 @@ def main() -> None:
     p.add_argument("--mjp-images", type=int, default=4)
     p.add_argument("--mjp-refine", default="prior", help="mjp_adaptive's refine option")
     p.add_argument("--closed-images", type=int, default=2, help="images per size for --only closed")
-    p.add_argument("--only", choices=("april", "ig", "mjp", "closed"), default=None)
+    p.add_argument("--table-images", type=int, default=2, help="images at 32 px for --only table (224 px: 1)")
+    p.add_argument("--ig-224-steps", type=int, default=5, help="ig_closed_start steps at 224 px (--only table)")
+    p.add_argument("--only", choices=("april", "ig", "mjp", "closed", "table"), default=None)
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -282,6 +365,8 @@ def main() -> None:
         bench_mjp(args)
     if args.only in (None, "closed"):
         bench_closed(args)
+    if args.only == "table":  # minutes of CPU: only when asked for
+        bench_table(args)
 
 
 if __name__ == "__main__":

@@ -373,3 +373,37 @@ def test_default_span_fit_is_skipped_where_it_does_not_fit_the_budget(monkeypatc
     prior = attacks.create_attack("mjp_adaptive", refine="prior", unshuffle=False).reconstruct(model, update, MD)
     assert not res.failed and "skipped" in res.stats[0]["span_note"]
     assert torch.equal(res.images, prior.images)
+
+
+def test_estimate_is_reused_for_the_same_update_only():
+    """A second call on the same model, update and options (ig_closed_start's start after the
+    benchmark's mjp_adaptive row) reuses the x~ estimate instead of recomputing it; another update,
+    other options or reuse=False compute their own."""
+    import time
+
+    from attacks.mjp_adaptive import ESTIMATES
+
+    ESTIMATES.clear()
+    model = mjp_model()
+    _, _, _, update = client_update(model)
+    opts = dict(span_iterations=60, starts=2, probe_iterations=5)
+    t0 = time.process_time()
+    first = attacks.create_attack("mjp_adaptive", **opts).reconstruct(model, update, MD)
+    t_first = time.process_time() - t0
+    t0 = time.process_time()
+    again = attacks.create_attack("mjp_adaptive", unshuffle=False, **opts).reconstruct(model, update, MD)
+    t_again = time.process_time() - t0
+    assert not first.failed and not again.failed
+    assert torch.equal(first.images, again.images)
+    assert any("reused" in n for n in again.stats[0]["notes"])
+    assert not any("reused" in n for n in first.stats[0]["notes"])
+    assert t_again < 0.5 * t_first, (t_again, t_first)
+    fresh = attacks.create_attack("mjp_adaptive", reuse=False, unshuffle=False, **opts).reconstruct(model, update, MD)
+    assert torch.equal(fresh.images, first.images)  # deterministic: reuse returns what a fresh run gives
+    assert not any("reused" in n for n in fresh.stats[0]["notes"])
+    other = attacks.create_attack("mjp_adaptive", unshuffle=False, **{**opts, "seed": 1}).reconstruct(model, update, MD)
+    assert not any("reused" in n for n in other.stats[0]["notes"])
+    _, _, _, update2 = client_update(model, index=1, seed=4)
+    res2 = attacks.create_attack("mjp_adaptive", unshuffle=False, **opts).reconstruct(model, update2, MD)
+    assert not any("reused" in n for n in res2.stats[0]["notes"])
+    assert not torch.equal(res2.images, first.images)
