@@ -410,10 +410,13 @@ class AprilRobust(Attack):
         lam, edge = self.prior_weight, None
         history, it, cg_its = [], 0, 0
         cells = None
-        if noise.quant is not None and noise.quant[0] > 1 and not noise.quant[1] and self.quant_cells:
+        if (noise.quant is not None and noise.quant[0] > 1 and not noise.quant[1] and self.quant_cells
+                and prior_term is not None):
             # nearest-level quantisation: the true entry lies in its level's cell [q - h, q + h], h half
             # the tensor's step; the Gaussian data terms become dead-zone ones (zero inside the cell),
-            # minimised by majorisation: each solve fits the current prediction projected onto the cells
+            # minimised by majorisation: each solve fits the current prediction projected onto the cells.
+            # With the Gaussian patch prior only: with the smoothness prior's self-chosen weight they
+            # lost 0.3-1.3 dB (bench/closed_forms.py and validation images), with the patch prior they gain 0.6.
             half = {k: float(t.abs().max()) / (2 ** noise.quant[0] - 1) for k, t in
                     (("P", grads[info.prefix + "pos_embed"]), ("We", dW))}
             cells = dict(P=half["P"], We=half["We"], bias=[float(t.abs().max()) / (2 ** noise.quant[0] - 1)
