@@ -27,7 +27,7 @@ SHIPPED = {"cifar_deit.safetensors": "plain", "cifar_deit_mjp.safetensors": "mjp
 DOCS = (ROOT / "checkpoints" / "README.md", ROOT / "docs" / "checkpoints.md")
 #: Loose lower bounds of top-1 (percent) on 500 validation images, well below the measured accuracy
 #: on the full 10k (docs/checkpoints.md): they catch a broken file, loader or transform, not noise.
-MIN_TOP1 = {"cifar_deit.safetensors": 38.0, "cifar_deit_mjp.safetensors": 38.0}
+MIN_TOP1 = {"cifar_deit.safetensors": 64.0, "cifar_deit_mjp.safetensors": 62.0}
 
 
 def _sha256(path: Path) -> str:
