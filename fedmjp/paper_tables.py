@@ -98,6 +98,10 @@ def bootstrap_interval(stat: Stat, n: int, seed: int = 0, n_resamples: int = 999
                               rng=np.random.default_rng(seed))
     low, high = float(res.confidence_interval.low), float(res.confidence_interval.high)
     dist = np.asarray(res.bootstrap_distribution)
+    if np.ptp(dist) <= 1e-9 * max(1.0, abs(point)):
+        # every resample gives the point value up to float64 rounding (e.g. a ratio of equal sums):
+        # BCa's acceleration divides rounding noise by rounding noise, so the interval is the point
+        return point, point, point
     if not (math.isfinite(low) and math.isfinite(high)):
         # BCa is undefined where every resample gives the point value: the interval is that point
         low, high = (point, point) if np.ptp(dist) == 0 else (float(np.percentile(dist, 2.5)),
@@ -359,11 +363,15 @@ def corruption_part(loaded: Sequence[Loaded], data_path: str, split: str, n: int
                          "mce": interval(ec.mean(axis=(1, 2)) - eb.mean(axis=(1, 2)), **boot)}
     sb, sc = eb.sum(axis=2), ec.sum(axis=2)  # [N, C]: errors summed over severities
 
+    def ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
+        # a resample where neither model erred has equal errors (100), not 0 / 0
+        return np.where((num == 0) & (den == 0), 100.0, 100.0 * num / np.maximum(den, 1e-12))
+
     def rel_ce(ci: int) -> Stat:
-        return lambda idx: 100.0 * sc[idx, ci].sum(-1) / np.maximum(sb[idx, ci].sum(-1), 1e-12)
+        return lambda idx: ratio(sc[idx, ci].sum(-1), sb[idx, ci].sum(-1))
 
     def rel_mce(idx: np.ndarray) -> np.ndarray:
-        return 100.0 * (sc[idx].sum(-2) / np.maximum(sb[idx].sum(-2), 1e-12)).mean(-1)
+        return ratio(sc[idx].sum(-2), sb[idx].sum(-2)).mean(-1)
 
     n_img = len(images)
     for ci, nm in enumerate(names):
