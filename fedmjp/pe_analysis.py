@@ -287,11 +287,8 @@ def plot_projections(results: Sequence[PEResult], path: str | Path, seed: int = 
 
 # ----------------------------------------------------------------------------------- report
 def _sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def machine_description() -> str:

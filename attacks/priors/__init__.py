@@ -108,11 +108,8 @@ def save_patch_prior(prior: PatchPrior, out: str | Path, note: dict) -> Path:
 
 
 def sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def iter_train_images(data_path: Path, split: str = "train") -> Iterator[np.ndarray]:
