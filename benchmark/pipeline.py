@@ -641,8 +641,8 @@ class GroupAttacker:
         ``keep`` rounds are left in flight)."""
         while self.pending:
             oldest = self.pending[0]
-            if not (block and len(self.pending) > keep) and not all(self.runner.ready(j) for _, j, _ in oldest.jobs):
-                ready = [r for r in self.pending if all(self.runner.ready(j) for _, j, _ in r.jobs)]
+            if not (block and len(self.pending) > keep) and not all(j.done() for _, j, _ in oldest.jobs):
+                ready = [r for r in self.pending if all(j.done() for _, j, _ in r.jobs)]
                 if not ready:
                     return
                 oldest = ready[0]
@@ -654,7 +654,7 @@ class GroupAttacker:
         store the grid images."""
         scored: list[scoring.ScoredImage] = []
         for attacker, job, mine in r.jobs:
-            results, seconds = self.runner.result(job)
+            results, seconds = job.result()
             n_images = sum(len(r.batches[i].image_ids) for i in mine)
             for i, result in zip(mine, results):
                 if result.error is not None:

@@ -2,7 +2,8 @@
 
 The pipeline hands every round's updates to a runner as one call per attacker
 (``attack.reconstruct_many``: the batched attacks solve them together) and scores the results when
-they are ready. :class:`LocalRunner` attacks at once, in this process. :class:`RayRunner` sends the
+they are ready. A runner (:class:`Runner`) returns each call as a ``concurrent.futures.Future``.
+:class:`LocalRunner` attacks at once, in this process. :class:`RayRunner` sends the
 call to one of ``workers`` Ray actors (a local Ray instance of that many CPUs, or a running cluster
 at ``address``) and returns at once, so the federation's next round and other workers' attacks go
 on meanwhile; the attacks are deterministic functions of (model, update, metadata), so the rows are
@@ -15,9 +16,9 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from .errors import ConfigError
 
@@ -38,19 +39,31 @@ def run_attack(attack: Any, model: Any, updates: Sequence[dict], metadatas: Sequ
     return results, time.perf_counter() - t0
 
 
-@dataclass
-class _Done:
-    """A finished local job."""
+#: What a runner's job gives: the attack's results (one per update) and the seconds the call took.
+JobResult = tuple[list, float]
 
-    value: tuple[list, float]
+
+class Runner(Protocol):
+    """Where the pipeline's attack calls run: ``slots`` (attacks that run at the same time),
+    :meth:`share` (the model as jobs take it), :meth:`submit` (a Future per call), :meth:`close`."""
+
+    @property
+    def slots(self) -> int: ...
+
+    def share(self, model: Any) -> Any: ...
+
+    def submit(self, index: int, model: Any, updates: Sequence[dict], metadatas: Sequence[dict],
+               batched: bool = True) -> Future[JobResult]: ...
+
+    def close(self) -> None: ...
 
 
 class LocalRunner:
-    """Attacks in this process, at submission.
+    """Attacks in this process, at submission: :meth:`submit` returns a Future already done.
 
-    A runner's interface (what the pipeline uses): ``slots`` (attacks that run at the same time),
-    :meth:`share` (the model as jobs take it), :meth:`submit`, :meth:`ready`, :meth:`result`,
-    :meth:`close`.
+    Not a ``ThreadPoolExecutor``: :meth:`share` hands jobs the server's model itself, which the attack
+    thread loads the next round's weights into right after submitting, so a job must be finished by
+    then; a completed Future keeps the runners' one interface.
     """
 
     #: Attacks that run at the same time.
@@ -64,14 +77,11 @@ class LocalRunner:
         return model
 
     def submit(self, index: int, model: Any, updates: Sequence[dict], metadatas: Sequence[dict],
-               batched: bool = True) -> _Done:
-        return _Done(run_attack(self.attacks[index], model, updates, metadatas, batched))
-
-    def ready(self, job: Any) -> bool:
-        return True
-
-    def result(self, job: Any) -> tuple[list, float]:
-        return job.value
+               batched: bool = True) -> Future[JobResult]:
+        """Run the attack now (an error of it is raised here) and return its done Future."""
+        job: Future[JobResult] = Future()
+        job.set_result(run_attack(self.attacks[index], model, updates, metadatas, batched))
+        return job
 
     def close(self) -> None:
         pass
@@ -123,8 +133,7 @@ class RayRunner:
         actor = ray.remote(num_cpus=1)(_AttackWorker)
         shared = ray.put(list(attacks))
         self.actors = [actor.remote(shared) for _ in range(int(workers))]
-        self.in_flight = [0] * len(self.actors)
-        self.owner: dict[Any, int] = {}
+        self.jobs: list[list[Future]] = [[] for _ in self.actors]  # per actor, the jobs sent to it
         _logger.info("attacks run on %d Ray worker(s)%s", len(self.actors), f" at {address}" if address else "")
 
     @property
@@ -137,23 +146,18 @@ class RayRunner:
         return self.ray.put(model)
 
     def submit(self, index: int, model: Any, updates: Sequence[dict], metadatas: Sequence[dict],
-               batched: bool = True) -> Any:
-        k = min(range(len(self.actors)), key=self.in_flight.__getitem__)  # the least busy actor
-        ref = self.actors[k].run.remote(index, model, list(updates), list(metadatas), batched)
-        self.in_flight[k] += 1
-        self.owner[ref] = k
-        return ref
+               batched: bool = True) -> Future[JobResult]:
+        """Queue the call on the actor with the fewest unfinished jobs; its ObjectRef as a Future.
 
-    def ready(self, job: Any) -> bool:
-        done, _ = self.ray.wait([job], timeout=0)
-        return bool(done)
-
-    def result(self, job: Any) -> tuple[list, float]:
-        value = self.ray.get(job)
-        k = self.owner.pop(job, None)
-        if k is not None:
-            self.in_flight[k] -= 1
-        return value
+        Not ``ray.util.ActorPool``: it holds one job per actor and queues the rest in this process
+        until its results are fetched (``get_next``) in submission order, and hands out no per-job
+        handle, while the pipeline keeps several rounds in flight and asks each round's jobs whether
+        they are done."""
+        self.jobs = [[j for j in jobs if not j.done()] for jobs in self.jobs]
+        k = min(range(len(self.actors)), key=lambda i: len(self.jobs[i]))  # the least busy actor
+        job = self.actors[k].run.remote(index, model, list(updates), list(metadatas), batched).future()
+        self.jobs[k].append(job)
+        return job
 
     def close(self) -> None:
         """Stop the actors; shut Ray down if this runner started it."""
@@ -198,7 +202,7 @@ def check_ray_address(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
                           "this machine") from err
 
 
-def make_runner(attacks: Sequence[Any], workers: int, address: str | None = None) -> Any:
+def make_runner(attacks: Sequence[Any], workers: int, address: str | None = None) -> Runner:
     """:class:`RayRunner` for ``workers`` >= 1 or a cluster address, else :class:`LocalRunner`."""
     if workers >= 1 or address:
         return RayRunner(attacks, max(int(workers), 1), address)
