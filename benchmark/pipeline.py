@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -48,6 +48,9 @@ from .errors import (
 from .report import Tables, write_distributions, write_grids, write_tables
 from .rows import RowContext, RowKey, client_failure_rows
 from .store import RunFolder, slug
+
+if TYPE_CHECKING:
+    from .workers import Runner
 
 _logger = logging.getLogger(__name__)
 
@@ -482,22 +485,25 @@ class GroupAttacker:
     (on 2 CPU cores the two overlap; the rows do not depend on it: the attack thread alone touches
     the server's model copy, the scorer and the results file). Once a round is complete, each
     attacker gets all of its updates in one ``reconstruct_many`` call on the runner (batched attacks
-    solve them together; on Ray workers, the federation goes on meanwhile), and the results are
-    scored per round and setting and appended. ``batched=False`` attacks one update per
+    solve them together; on Ray workers, the federation goes on meanwhile); the round waits in
+    :class:`benchmark.workers.RoundDispatch` until its attacks are done, then (:meth:`finish_round`)
+    the results are scored per round and setting and appended. ``batched=False`` attacks one update per
     ``reconstruct`` call (the reference path; the rows are the same).
     """
 
     def __init__(self, prepared: Prepared, run: RunFolder, row: ModelRow, group: str, settings: list[str],
-                 done: set[tuple], progress: bool, runner: Any = None, batched: bool = True) -> None:
+                 done: set[tuple], progress: bool, runner: Runner | None = None, batched: bool = True) -> None:
         from clients.runconfig import resolve_config
 
-        from .workers import LocalRunner
+        from .workers import LocalRunner, RoundDispatch
 
         self.p, self.run_folder, self.row, self.group, self.settings = prepared, run, row, group, settings
         self.cfg = prepared.cfg
         self.done = done
-        self.runner = runner if runner is not None else LocalRunner([a.attack for a in prepared.attackers])
-        self.batched = batched
+        # the rounds on the runner; each comes back to finish_round once its attacks are done
+        self.dispatch: RoundDispatch[_Round] = RoundDispatch(
+            runner if runner is not None else LocalRunner([a.attack for a in prepared.attackers]),
+            self.finish_round, batched)
         self.run_config = client_run_config(self.cfg, row, group)
         self.resolved = resolve_config(self.run_config)
         self.ctx = row_context(self.cfg, row, group, self.run_config, prepared.image_names)
@@ -516,9 +522,6 @@ class GroupAttacker:
         self.pristine = {k: v.detach().clone() for k, v in row.model.state_dict().items()}
         self.grid_ids = grid_image_ids(self.cfg, self.run_config)
         self.new_rows = self.failed_rows = self.error_rows = 0
-        self.pending: list[_Round] = []  # rounds submitted to the runner, not scored yet
-        # Rounds allowed in flight before the tap waits: keeps the updates held in memory bounded.
-        self.max_pending = 2 * max(int(self.runner.slots), 1)
         self.error: BaseException | None = None
         self.aborted = False
         # Updates on their way from the server's tap to the attack thread; a round and a half of
@@ -586,12 +589,12 @@ class GroupAttacker:
                     last = self.rounds.close()
                     if last:
                         self.submit_round(last)
-                    self.drain(block=True)
+                    self.dispatch.drain(keep=0)
                     return
                 if not self.aborted:
                     for updates in self.rounds.add(update):
                         self.submit_round(updates)
-                    self.drain(block=False)
+                    self.dispatch.drain()
         except BaseException as err:  # noqa: BLE001  (re-raised by tap() and run(); never swallowed)
             self.error = err
             while self.inbox.get() not in (_END, _ABORT):  # let tap() return; run() sends the marker
@@ -600,7 +603,7 @@ class GroupAttacker:
     # ---------------------------------------------------------------------------------- a round
     def submit_round(self, updates: list) -> None:
         """Top-1 of the round's images, then one runner job per attacker over the updates that
-        still miss rows of that attacker."""
+        still miss rows of that attacker; the round goes to :attr:`dispatch` until they are done."""
         from clients.partition import private_batch
 
         rnd = int(updates[0].server_round)
@@ -622,7 +625,7 @@ class GroupAttacker:
                                             self.gradient_readout)
         self.forward_top1 += forwards
         round_ = _Round(rnd, updates, batches, keys, top1)
-        model = self.runner.share(self.model)  # e.g. shipped to Ray's object store once per round
+        model = self.dispatch.share(self.model)  # e.g. shipped to Ray's object store once per round
         for index, attacker in enumerate(self.p.attackers):
             mine = [i for i, (batch, k) in enumerate(zip(batches, keys))
                     if not all(k[(attacker.label, s, b)] in self.done for s in self.settings
@@ -630,24 +633,9 @@ class GroupAttacker:
             if not mine:
                 continue
             metadata = [attack_metadata(self.cfg, self.resolved, self.model, batches[i]) for i in mine]
-            job = self.runner.submit(index, model, [updates[i].arrays for i in mine], metadata, self.batched)
+            job = self.dispatch.submit(index, model, [updates[i].arrays for i in mine], metadata)
             round_.jobs.append((attacker, job, mine))
-        self.pending.append(round_)
-        if len(self.pending) > self.max_pending:
-            self.drain(block=True, keep=self.max_pending)
-
-    def drain(self, block: bool, keep: int = 0) -> None:
-        """Score and append the rounds whose attacks are done (``block``: wait until at most
-        ``keep`` rounds are left in flight)."""
-        while self.pending:
-            oldest = self.pending[0]
-            if not (block and len(self.pending) > keep) and not all(j.done() for _, j, _ in oldest.jobs):
-                ready = [r for r in self.pending if all(j.done() for _, j, _ in r.jobs)]
-                if not ready:
-                    return
-                oldest = ready[0]
-            self.pending.remove(oldest)
-            self.finish_round(oldest)
+        self.dispatch.add(round_, [job for _, job, _ in round_.jobs])
 
     def finish_round(self, r: _Round) -> None:
         """Score every attacker's results of the round under each setting; append the rows and

@@ -2,7 +2,8 @@
 
 The pipeline hands every round's updates to a runner as one call per attacker
 (``attack.reconstruct_many``: the batched attacks solve them together) and scores the results when
-they are ready. A runner (:class:`Runner`) returns each call as a ``concurrent.futures.Future``.
+they are ready. A runner (:class:`Runner`) returns each call as a ``concurrent.futures.Future``;
+:class:`RoundDispatch` keeps the rounds in flight and hands each back once its jobs are done.
 :class:`LocalRunner` attacks at once, in this process. :class:`RayRunner` sends the
 call to one of ``workers`` Ray actors (a local Ray instance of that many CPUs, or a running cluster
 at ``address``) and returns at once, so the federation's next round and other workers' attacks go
@@ -15,10 +16,10 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
-from concurrent.futures import Future
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, wait
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 from .errors import ConfigError
 
@@ -166,6 +167,62 @@ class RayRunner:
         self.actors = []
         if self.started and self.ray.is_initialized():
             self.ray.shutdown()
+
+
+Round = TypeVar("Round")
+
+
+class RoundDispatch(Generic[Round]):
+    """A federation's rounds whose attack jobs are on a runner, oldest first, until they are scored.
+
+    :meth:`submit` sends one attack call to the runner; :meth:`add` queues a round with its jobs;
+    :meth:`drain` hands the rounds whose jobs are all done to ``finish``: the oldest first, a later
+    one first where an older one still runs (on Ray workers). At most :attr:`limit` rounds stay in
+    flight: :meth:`add` beyond that waits for the oldest, so the updates held in memory stay bounded.
+    A round is whatever the caller keeps beside its jobs (the pipeline's ``_Round``).
+
+    Args:
+        runner: where the attacks run (:func:`make_runner`).
+        finish: called once per round, in the attack thread, when its jobs are done.
+        batched: one ``reconstruct_many`` call per job (False: one ``reconstruct`` per update).
+    """
+
+    def __init__(self, runner: Runner, finish: Callable[[Round], None], batched: bool = True) -> None:
+        self.runner, self.finish, self.batched = runner, finish, batched
+        #: Rounds allowed in flight before :meth:`add` waits: two per attack that runs at once.
+        self.limit = 2 * max(int(runner.slots), 1)
+        self.pending: list[tuple[Round, list[Future[JobResult]]]] = []  # submitted, not finished yet
+
+    def share(self, model: Any) -> Any:
+        """The model as the round's jobs take it (:meth:`Runner.share`, e.g. put in Ray's object store once)."""
+        return self.runner.share(model)
+
+    def submit(self, index: int, model: Any, updates: Sequence[dict], metadatas: Sequence[dict]) -> Future[JobResult]:
+        """Attacker ``index`` on ``updates``: the runner's job."""
+        return self.runner.submit(index, model, updates, metadatas, self.batched)
+
+    def add(self, item: Round, jobs: Sequence[Future[JobResult]]) -> None:
+        """Queue a round whose jobs were submitted; beyond :attr:`limit` rounds, finish the oldest."""
+        self.pending.append((item, list(jobs)))
+        if len(self.pending) > self.limit:
+            self.drain(keep=self.limit)
+
+    def drain(self, keep: int | None = None) -> None:
+        """Finish the rounds whose jobs are done; with ``keep``, first wait (oldest first) until at most
+        ``keep`` rounds are left in flight (``keep=0``: every round, at the federation's end)."""
+        while self.pending:
+            i = 0  # the oldest round
+            if not (keep is not None and len(self.pending) > keep) and not _done(self.pending[0][1]):
+                i = next((k for k, (_, jobs) in enumerate(self.pending) if _done(jobs)), -1)
+                if i < 0:
+                    return
+            item, jobs = self.pending.pop(i)
+            wait(jobs)  # the oldest round may still run on Ray workers: its results are needed now
+            self.finish(item)
+
+
+def _done(jobs: Sequence[Future]) -> bool:
+    return all(j.done() for j in jobs)
 
 
 #: Seconds to wait for a TCP connection to a Ray cluster's address before giving up (Ray's own
