@@ -33,6 +33,8 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import attacks  # noqa: E402
 import fedmjp  # noqa: E402,F401  (registers the models)
+from attacks.mjp_adaptive import SpanResidual, input_spans  # noqa: E402
+from fedmjp.checkpoint import load_checkpoint  # noqa: E402
 from fedmjp.factory import normalize  # noqa: E402
 from metrics.regions import region_scores  # noqa: E402
 
@@ -60,9 +62,11 @@ def load_images(folder: Path | None, n: int, size: int) -> list[tuple[str, torch
     return [(f.name, square(Image.open(f), size)) for f in files]
 
 
-def make_model(qk_scale: float, depth: int) -> torch.nn.Module:
+def make_model(qk_scale: float, depth: int, checkpoint: Path | None = None) -> torch.nn.Module:
     torch.manual_seed(0)
     model = timm.create_model("mjp_vit_cifar_patch4_32", variant="mjp", first_block="april", depth=depth)
+    if checkpoint is not None:  # the shipped checkpoint's block-0 norm1 is dropped: APRIL's surgery
+        load_checkpoint(model, checkpoint)
     model = model.eval().double()
     if qk_scale != 1.0:
         with torch.no_grad():
@@ -74,12 +78,31 @@ def make_model(qk_scale: float, depth: int) -> torch.nn.Module:
     return model
 
 
+def _residuals(model: torch.nn.Module, update: dict, mask: torch.Tensor, x_t: torch.Tensor, res) -> str:
+    """The span residual (mean relative squared distance of every layer's inputs from the span its
+    weight gradient gives) of the client's x~ and of the attack's estimate, the same normalised input."""
+    _, grads, _ = attacks.create_attack("mjp_adaptive").read_update(model, dict(update))  # DAL term removed
+    T = int(mask.numel()) + int(getattr(model, "num_prefix_tokens", 1))
+    spans = input_spans(model, grads, T)
+    residual = SpanResidual(model, spans, mask)
+    with torch.no_grad():
+        truth = float(residual.value(normalize(x_t, MEAN, STD))[0])
+        est = float(residual.value(normalize(res.images.double().clamp(0, 1), MEAN, STD))[0])
+    return f"residual truth {truth:.1e} estimate {est:.1e} ({len(spans)} layers)"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--images", type=Path, default=None, help="folder of images (default: scikit-image's)")
     p.add_argument("--num-images", type=int, default=4)
     p.add_argument("--first", type=int, default=0, help="skip this many images")
-    p.add_argument("--weights", default="fresh,qk", help="comma-separated: fresh, qk (the --qk-scale model)")
+    p.add_argument("--weights", default="fresh,qk",
+                   help="comma-separated: fresh, qk (the --qk-scale model), trained (--checkpoint)")
+    p.add_argument("--checkpoint", type=Path, default=Path(__file__).resolve().parents[1] / "checkpoints"
+                   / "cifar_deit_mjp.safetensors", help="weights of 'trained' (the shipped CIFAR-10 DeiT+MJP)")
+    p.add_argument("--residual", action="store_true",
+                   help="also print the span residual of the truth x~ and of span's estimate (is the fit "
+                        "stuck above the truth's residual, or does another image fit the spans as well?)")
     p.add_argument("--depth", type=int, default=4)
     p.add_argument("--qk-scale", type=float, default=4.0)
     p.add_argument("--attacks", default="april,prior,span", help="comma-separated: april, prior, span, match")
@@ -95,9 +118,10 @@ def main() -> None:
     names = args.attacks.split(",")
     print(f"mjp_vit_cifar_patch4_32 depth {args.depth}, design A, float64, gamma 0.27, "
           f"threads {torch.get_num_threads()}; PSNR dB: unshuffled region / shuffled set / setting (c)")
-    weights = {"fresh": ("fresh", 1.0), "qk": (f"qk x{args.qk_scale:g}", args.qk_scale)}
-    for label, qk in (weights[w] for w in args.weights.split(",")):
-        model = make_model(qk, args.depth)
+    weights = {"fresh": ("fresh", 1.0, None), "qk": (f"qk x{args.qk_scale:g}", args.qk_scale, None),
+               "trained": ("trained", 1.0, args.checkpoint)}
+    for label, qk, ckpt in (weights[w] for w in args.weights.split(",")):
+        model = make_model(qk, args.depth, ckpt)
         table: dict[str, list[tuple[float, float, float, float]]] = {n: [] for n in names}
         for i, (name, x) in enumerate(images):
             x = x[None]
@@ -116,6 +140,8 @@ def main() -> None:
                 row = (float(sc["psnr_unshuffled"][0]), float(sc["psnr_shuffled"][0]), pc, dt)
                 table[n].append(row)
                 line.append(f"{n} {row[0]:5.1f} / {row[1]:5.1f} / {row[2]:5.1f} ({dt:5.1f} s)")
+                if args.residual and n == "span":
+                    line.append(_residuals(model, update, plan.mask[0], x_t, res))
             print("  ".join(line), flush=True)
         for n in names:
             cols = list(zip(*table[n]))
