@@ -4,7 +4,8 @@ For one model row and its defence, :func:`defence_utility` runs a separate feder
 in-process or simulation engine, no tap, no attack) of ``utility.rounds`` FedAvg rounds on the
 ``utility.source`` images (a dataset archive such as ``$FEDMJP_DATA/cifar10.tar.gz``, a folder, or
 ``embedded``), starting from the row's checkpoint or, when it has none, from its seeded fresh
-weights (``start`` in the result says which), and measures top-1 of the final global model on
+weights (``start`` in the result says which), on the model as deployed (a row's ``april: surgery``
+is the attacker's view of the model and is left out here), and measures top-1 of the final global model on
 ``utility.num_eval`` held-out images of the same source (the images after the ``num_train`` that
 the clients train on; the loader takes them round-robin over classes). Clients train on the
 setting's input: x~ (MJP-shuffled, gamma) when the run's settings include b or c, else x.
@@ -46,6 +47,8 @@ def defence_utility(cfg: dict, row: Any, federate: Callable[..., Any] | None = N
     u = cfg["utility"]
     group = "shuffled" if set(cfg["settings"]) & {"b", "c"} else "clean"
     run_config = client_run_config(cfg, row, group)
+    if row.acc_model is not None:  # ``april: surgery`` is the attacker's view: train the model as deployed
+        run_config["model-april"] = ""
     run_config.update({
         "num-server-rounds": int(u["rounds"]), "mode": "fedavg", "local-steps": int(u["local_steps"]),
         "batch-size": int(u["batch_size"]), "lr": float(u["lr"]), "images": str(u["source"]),
@@ -62,7 +65,7 @@ def defence_utility(cfg: dict, row: Any, federate: Callable[..., Any] | None = N
     if held_out.start >= len(data):
         raise ValueError(f"utility.source {u['source']} holds {len(data)} images, none left after num_train="
                          f"{u['num_train']} for evaluation; lower utility.num_train")
-    model = copy.deepcopy(row.model).float().cpu()
+    model = copy.deepcopy(row.model if row.acc_model is None else row.acc_model).float().cpu()
     _, top1_start = loss_and_top1(model, data.images[held_out], data.labels[held_out])
     runner = federate or run_federation
     result = runner(resolved, engine=cfg["federation"]["engine"])

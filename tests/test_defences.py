@@ -305,3 +305,34 @@ def test_utility_measures_held_out_top1_after_fedavg(tmp_path):
     cfg["utility"]["num_train"] = 1000
     with pytest.raises(ValueError, match="none left"):
         defence_utility(cfg, row)
+
+
+def test_utility_trains_and_scores_the_model_as_deployed_not_the_attackers_surgery_copy(tmp_path, monkeypatch):
+    """``april: surgery`` is the attacker's view: a utility federation whose clients trained (and
+    whose score read) the design-A copy would measure a model nobody deploys (on a trained
+    checkpoint that copy is near chance)."""
+    from benchmark import utility
+    from benchmark.pipeline import build_rows
+    from fedmjp import evaluate
+    from fedmjp.models import is_april_model
+    from server.federation import run_federation
+
+    cfg = _bench_cfg(tmp_path, utility={"rounds": 1, "source": "embedded", "num_train": 4, "num_eval": 4,
+                                        "clients": 2, "local_steps": 1, "batch_size": 2, "lr": 0.01})
+    row = build_rows(cfg, torch.device("cpu"))[0]
+    assert is_april_model(row.model) and row.acc_model is not None and not is_april_model(row.acc_model)
+    seen = {"scored": [], "april": []}
+    real_top1 = evaluate.loss_and_top1
+
+    def top1(model, *args, **kwargs):
+        seen["scored"].append(is_april_model(model))
+        return real_top1(model, *args, **kwargs)
+
+    def federate(resolved, **kwargs):
+        seen["april"].append(resolved["model-april"])
+        return run_federation(resolved, **kwargs)
+
+    monkeypatch.setattr(evaluate, "loss_and_top1", top1)
+    out = utility.defence_utility(cfg, row, federate=federate)
+    assert seen == {"scored": [False, False], "april": [""]}
+    assert 0.0 <= out["utility_top1"] <= 1.0
