@@ -18,6 +18,7 @@ Two kinds of failure are told apart, so that a bug cannot make a row look privat
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import time
@@ -29,9 +30,10 @@ from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
+from pydantic import create_model
 
+from fedmjp import config as core
 from fedmjp import plugins
-from fedmjp.config import check_value
 from fedmjp.factory import normalize
 
 _logger = logging.getLogger(__name__)
@@ -437,7 +439,7 @@ def option_types(factory: Callable[..., Any]) -> dict[str, Any]:
 
 def attack_options(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
     """The options of attack ``name`` checked against its ``__init__``: unknown ones refused (the
-    valid ones listed), number options converted and type-checked (:func:`create_attack`).
+    valid ones listed), number options converted and type-checked (:func:`_number_options`).
 
     Raises:
         ValueError: an unknown name or option, or a number option of the wrong type.
@@ -448,22 +450,29 @@ def attack_options(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
     if unknown:
         valid = ", ".join(k for k in known if k != "name") or "none"
         raise ValueError(f"bad options for attack {name!r}: unknown option(s) {unknown}; valid: {valid}")
-    types = option_types(factory)
-    out = dict(options)
-    for key, value in out.items():  # a number option: converted and type-checked, the option named
-        if key in types and any(m in (int, float) for m in typing.get_args(types[key]) or (types[key],)):
-            try:
-                out[key] = check_value(types[key], value, f"options.{key}")
-            except ValueError as err:
-                raise ValueError(f"bad options for attack {name!r}: {err}") from err
-    return out
+    schema = _number_options(factory)
+    try:
+        numbers = core.conform(schema, {k: v for k, v in options.items() if k in schema.model_fields}, "options.")
+    except core.ConfigError as err:
+        raise ValueError(f"bad options for attack {name!r}: {err}") from err
+    return {key: numbers[key] if key in schema.model_fields else value for key, value in options.items()}
+
+
+@functools.cache
+def _number_options(factory: Callable[..., Any]) -> type[core.Schema]:
+    """A schema of the options an attack's ``__init__`` annotates as numbers (int, float, Optional
+    of one), checked like config keys; the attack checks its other options itself."""
+    numbers = {k: tp for k, tp in option_types(factory).items()
+               if any(m in (int, float) for m in typing.get_args(tp) or (tp,))}
+    return create_model(f"{getattr(factory, '__name__', 'Attack')}Options", __base__=core.Schema,
+                        **{k: (core.number_type(tp), None) for k, tp in numbers.items()})
 
 
 def create_attack(name: str, **options: Any) -> Attack:
     """Build an attack by name (built-in, entry point or ``package.module:Name``). An option annotated
     as a number is checked like a config key: written another way (``"1e-4"``, ``1e3`` for an
     ``int`` argument) it becomes the number its annotation asks for, a bool or text is refused
-    (:func:`fedmjp.config.check_value`).
+    (:func:`attack_options`).
 
     Raises:
         ValueError: unknown name (the message lists the valid ones), a plug-in that cannot be

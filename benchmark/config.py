@@ -16,18 +16,16 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import itertools
 import logging
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Literal, Mapping, Optional, Sequence, Union, get_args
+from typing import Any, Iterable, Iterator, Literal, Mapping, Optional, Sequence, get_args
 
 from clients.runconfig import Mode, Partitioner, Precision, RunConfig
 from fedmjp import config as core
 from fedmjp import datadir
-from fedmjp.config import option
+from fedmjp.config import Float, Int, Schema, either, option
 from fedmjp.settings import SETTINGS, Setting
 
 from .errors import ConfigError
@@ -46,37 +44,36 @@ Engine = Literal["inprocess", "simulation"]
 LabelMode = Literal["known", "none"]
 ENGINES: tuple[str, ...] = get_args(Engine)
 LABEL_MODES: tuple[str, ...] = get_args(LabelMode)
+Settings = either(list[Setting], Literal[Setting, "all"])
+Sweep = either(dict, list)
 # Choices are Literal types defined once, by the code that uses them (Mode by the clients' run
 # config, Setting by fedmjp.settings); a tuple of the values is ``get_args`` of the type.
 
 
-@dataclass
-class Data:
+class Data(Schema):
     source: str = option("embedded", client="images")  # "embedded" (scikit-image's bundled images) or a folder
-    image_size: int = option(32, minimum=1, client="image-size")
+    image_size: Int = option(32, ge=1, client="image-size")
     # None: all images of the source (the run config has no null: 0 there means all)
-    num_images: Optional[int] = option(None, minimum=1, client="num-images", client_null=0)
-    num_classes: int = option(10, minimum=1, client="num-classes")  # labels are (sorted index) % num_classes
+    num_images: Optional[Int] = option(None, ge=1, client="num-images", client_null=0)
+    num_classes: Int = option(10, ge=1, client="num-classes")  # labels are (sorted index) % num_classes
     on_corrupt: Literal["skip", "fail"] = "skip"
 
 
-@dataclass
-class Federation:
+class Federation(Schema):
     engine: Engine = "inprocess"  # inprocess | simulation (Flower's Ray simulation)
-    rounds: int = option(2, minimum=1, client="num-server-rounds")
-    clients: int = option(4, minimum=1, client=("num-partitions", "min-nodes"))
+    rounds: Int = option(2, ge=1, client="num-server-rounds")
+    clients: Int = option(4, ge=1, client=("num-partitions", "min-nodes"))
     # fedsgd (one batch's gradient) | fedavg (weight delta of local steps)
     algorithm: Mode = option("fedsgd", client="mode")
-    batch_size: int = option(1, minimum=1, client="batch-size")
-    local_steps: int = option(1, minimum=1, client="local-steps")
-    lr: float = option(0.01, minimum=0.0, client="lr")
+    batch_size: Int = option(1, ge=1, client="batch-size")
+    local_steps: Int = option(1, ge=1, client="local-steps")
+    lr: Float = option(0.01, ge=0.0, client="lr")
     partition: Partitioner = option("iid", client="partitioner")
     precision: Precision = option("float32", client="precision")  # client forward/backward dtype
-    options: dict[str, Any] = field(default_factory=dict)  # run-config keys on top (RunConfig's schema)
+    options: dict = {}  # run-config keys on top (RunConfig's schema)
 
 
-@dataclass(kw_only=True)
-class ModelRowConfig:
+class ModelRowConfig(Schema):
     """A model row as the config writes it: the factory spec (:func:`fedmjp.factory.build_model`)
     and its weights (the built row of a run is :class:`benchmark.pipeline.ModelRow`)."""
 
@@ -84,84 +81,78 @@ class ModelRowConfig:
     label: Optional[str] = None  # table label (default: name)
     arch: str
     variant: str = "plain"
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    kwargs: dict = {}
     checkpoint: Optional[str] = None  # None: seeded fresh weights, marked "untrained"
     april: Optional[str] = None  # surgery | trained | None
-    seed: Optional[int] = option(None, minimum=0, maximum=SEED_MAX)  # None: the config's seed + row index
+    seed: Optional[Int] = option(None, ge=0, le=SEED_MAX)  # None: the config's seed + row index
     recipe: Optional[str] = None  # training recipe of --train-missing (configs/train/...)
-    defence: Optional[dict[str, Any]] = None  # replaces the top-level defence for this row
+    defence: Optional[dict] = None  # replaces the top-level defence for this row
 
 
-@dataclass
-class Attack:
+class Attack(Schema):
     name: str = "april_analytic"
     labels: LabelMode = "known"  # the threat model grants the server the labels (known) or not
-    options: dict[str, Any] = field(default_factory=dict)
+    options: dict = {}
 
 
-@dataclass(kw_only=True)
-class AttackEntry:
+class AttackEntry(Schema):
     name: str
-    options: dict[str, Any] = field(default_factory=dict)
+    options: dict = {}
     label: Optional[str] = None  # the ``attack`` column (default: name); unique
 
 
-@dataclass
-class Metrics:
+class Metrics(Schema):
     lpips_backbone: Optional[str] = None  # AlexNet features file; None: $FEDMJP_LPIPS_BACKBONE or torchvision
     lpips: bool = True
 
 
-@dataclass
-class Report:
-    grid_images: int = option(4, minimum=0)  # the first N images attacked (by round, client) appear in the grids
-    tile: int = option(96, minimum=8)  # grid tile side in pixels
+class Report(Schema):
+    grid_images: Int = option(4, ge=0)  # the first N images attacked (by round, client) appear in the grids
+    tile: Int = option(96, ge=8)  # grid tile side in pixels
 
 
-@dataclass
-class Utility:
+class Utility(Schema):
     """Utility of each sweep point: top-1 after ``rounds`` FedAvg rounds with the defence on (0: off);
     meaning: benchmark/utility.py."""
 
-    rounds: int = option(0, minimum=0)
+    rounds: Int = option(0, ge=0)
     source: str = "$FEDMJP_DATA/cifar10.tar.gz"
-    num_train: int = option(64, minimum=0)
-    num_eval: int = option(200, minimum=1)
-    clients: int = option(2, minimum=1)
-    local_steps: int = option(2, minimum=1)
-    batch_size: int = option(8, minimum=1)
-    lr: float = option(0.05, minimum=0.0)
+    num_train: Int = option(64, ge=0)
+    num_eval: Int = option(200, ge=1)
+    clients: Int = option(2, ge=1)
+    local_steps: Int = option(2, ge=1)
+    batch_size: Int = option(8, ge=1)
+    lr: Float = option(0.05, ge=0.0)
 
 
-@dataclass
-class BenchmarkConfig:
+class BenchmarkConfig(Schema):
     name: str = "benchmark"
-    seed: int = option(0, minimum=0, maximum=SEED_MAX, client="seed")
+    seed: Int = option(0, ge=0, le=SEED_MAX, client="seed")
     device: str = option("auto", client="device")  # auto | cpu | cuda | cuda:N
     # "all" is a, b, c; validate() turns either form into the list in SETTINGS order
-    settings: Union[list[Setting], Literal[Setting, "all"]] = option(["c"])
+    settings: Settings = ["c"]
     # share of patches the client's MJP shuffle selects in settings (b)/(c)
-    gamma: float = option(0.27, minimum=0.0, maximum=1.0, client="gamma")
+    gamma: Float = option(0.27, ge=0.0, le=1.0, client="gamma")
     dry_run: bool = False
     output: Optional[str] = None  # output folder (--output); None: runs/<time>-setting-<s>
     train_data: Optional[str] = None  # training data of the model rows' recipes (--train-missing)
     # client-side defence of every model row (a row's own ``defence:`` replaces it); keys: defences/spec.py
-    defence: dict[str, Any] = option({"name": "none"})
+    defence: dict = {"name": "none"}
     # strength sweep: dotted key -> list of values, or a list of points; see sweep.py
-    sweep: Union[dict[str, Any], list[Any]] = option({})
-    utility: Utility = field(default_factory=Utility)
-    data: Data = field(default_factory=Data)
-    federation: Federation = field(default_factory=Federation)
-    models: list[ModelRowConfig] = option([])
-    attack: Attack = field(default_factory=Attack)
+    sweep: Sweep = {}
+    utility: Utility = Utility()
+    data: Data = Data()
+    federation: Federation = Federation()
+    models: list[ModelRowConfig] = []
+    attack: Attack = Attack()
     # Several attackers per model row; empty: the one attack above
-    attacks: list[AttackEntry] = option([])
-    metrics: Metrics = field(default_factory=Metrics)
+    attacks: list[AttackEntry] = []
+    metrics: Metrics = Metrics()
     # Attacks on N Ray workers (0: in this process); on one machine N <= its CPUs. ray_address: a
     # running Ray cluster (e.g. ray://head:10001) to spread them over many machines (None: local).
-    attack_workers: int = option(0, minimum=0)
+    attack_workers: Int = option(0, ge=0)
     ray_address: Optional[str] = None
-    report: Report = field(default_factory=Report)
+    report: Report = Report()
 
 
 #: Every key a config may hold, with its default. ``models`` has no default rows.
@@ -242,16 +233,17 @@ def with_values(cfg: dict, changes: Iterable[tuple[list[str], Any]]) -> dict:
     return _resolve_paths(conform(cfg), PROJECT_ROOT)
 
 
-def client_values(cfg: Mapping[str, Any], schema: type = BenchmarkConfig) -> dict[str, Any]:
+def client_values(cfg: Mapping[str, Any], schema: type[Schema] = BenchmarkConfig) -> dict[str, Any]:
     """The Flower run-config values (clients/runconfig.py keys) of every benchmark key whose schema
     field names the run-config key(s) it feeds (``client=``)."""
     out: dict[str, Any] = {}
-    for key, (tp, f) in core.fields(schema).items():
-        if dataclasses.is_dataclass(tp):
-            out.update(client_values(cfg[key], tp))
-        targets = f.metadata.get("client", ())
+    for key, info in core.keys(schema).items():
+        if isinstance(info.annotation, type) and issubclass(info.annotation, Schema):
+            out.update(client_values(cfg[key], info.annotation))
+        meta: Any = info.json_schema_extra or {}
+        targets = meta.get("client", ())
         for target in (targets,) if isinstance(targets, str) else targets:
-            out[target] = f.metadata.get("client_null") if cfg[key] is None else cfg[key]
+            out[target] = meta.get("client_null") if cfg[key] is None else cfg[key]
     return out
 
 

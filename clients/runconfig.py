@@ -34,10 +34,11 @@ defence            JSON of a :mod:`defences` spec, e.g. '{"name": "local_dp", "c
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, Mapping, Union, get_args
+from typing import Any, Literal, Mapping, get_args
 
-from fedmjp.config import conform, defaults, fields, option
+from pydantic import ConfigDict
+
+from fedmjp.config import Float, Int, Schema, conform, defaults, either, keys, option
 from fedmjp.settings import Setting
 
 Mode = Literal["fedsgd", "fedavg"]
@@ -46,57 +47,57 @@ Precision = Literal["float32", "float64"]
 MODES: tuple[str, ...] = get_args(Mode)
 PARTITIONERS: tuple[str, ...] = get_args(Partitioner)
 PRECISIONS: tuple[str, ...] = get_args(Precision)
+JsonOrMapping = either(str, dict)  # JSON (a TOML value cannot nest) or, in Python, a dict
 
-@dataclass
-class RunConfig:
+class RunConfig(Schema):
     """Every run-config key with its type and default. pyproject.toml's ``[tool.flwr.app.config]``
     holds the same keys and defaults in the same TOML types (tests/test_config.py checks it);
     ``round=True`` marks the keys the server sends to the clients each round."""
 
-    HYPHENATED: ClassVar[bool] = True  # Flower's keys: field batch_size is key batch-size
+    model_config = ConfigDict(alias_generator=lambda name: name.replace("_", "-"))  # Flower's keys: batch-size
 
-    num_server_rounds: int = option(2, minimum=1)
+    num_server_rounds: Int = option(2, ge=1)
     mode: Mode = option("fedsgd", round=True)
     setting: Setting = option("a", round=True)
-    gamma: float = option(0.27, minimum=0.0, maximum=1.0, round=True)
+    gamma: Float = option(0.27, ge=0.0, le=1.0, round=True)
     per_sample: bool = option(False, round=True)
-    batch_size: int = option(1, minimum=1, round=True)
-    local_steps: int = option(1, minimum=1, round=True)
-    lr: float = option(0.1, round=True)
-    dal_weight: float = option(0.0, round=True)
-    seed: int = 0
+    batch_size: Int = option(1, ge=1, round=True)
+    local_steps: Int = option(1, ge=1, round=True)
+    lr: Float = option(0.1, round=True)
+    dal_weight: Float = option(0.0, round=True)
+    seed: Int = 0
     images: str = "embedded"
-    image_size: int = 32
-    num_images: int = 16  # 0: all images of the source
-    num_classes: int = 10
-    num_partitions: int = option(2, minimum=1)
+    image_size: Int = 32
+    num_images: Int = 16  # 0: all images of the source
+    num_classes: Int = 10
+    num_partitions: Int = option(2, ge=1)
     partitioner: Partitioner = "iid"
-    dirichlet_alpha: float = 0.5
+    dirichlet_alpha: Float = 0.5
     model_name: str = "ViT+MJP"
     model_arch: str = "mjp_vit_cifar_patch4_32"
     model_variant: str = "mjp"
-    model_kwargs: Union[str, dict[str, Any]] = "{}"  # JSON (a TOML value cannot nest) or, in Python, a dict
+    model_kwargs: JsonOrMapping = "{}"
     model_checkpoint: str = ""
     model_april: str = ""
-    model_seed: int = 0
+    model_seed: Int = 0
     precision: Precision = "float32"
-    fraction_train: float = 1.0
-    min_nodes: int = 2
-    round_timeout: float = 600.0
+    fraction_train: Float = 1.0
+    min_nodes: Int = 2
+    round_timeout: Float = 600.0
     server_eval: bool = False
     device: str = "auto"
     out_dir: str = ""
-    fail_partition: int = option(-1, round=True)
-    slow_partition: int = option(-1, round=True)
-    slow_seconds: float = option(0.0, round=True)
-    defence: Union[str, dict[str, Any]] = option('{"name": "none"}', round=True)  # JSON or a dict
+    fail_partition: Int = option(-1, round=True)
+    slow_partition: Int = option(-1, round=True)
+    slow_seconds: Float = option(0.0, round=True)
+    defence: JsonOrMapping = option('{"name": "none"}', round=True)
 
 
 #: Every run-config key with its default (pyproject.toml's [tool.flwr.app.config]).
 DEFAULTS: dict[str, Any] = defaults(RunConfig)
 
 #: Keys the server sends to clients each round (the rest comes from the client's run config).
-ROUND_KEYS = tuple(key for key, (_, f) in fields(RunConfig).items() if f.metadata.get("round"))
+ROUND_KEYS = tuple(key for key, info in keys(RunConfig).items() if (info.json_schema_extra or {}).get("round"))
 
 
 def resolve_config(run_config: Mapping[str, Any]) -> dict[str, Any]:

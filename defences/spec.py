@@ -38,14 +38,14 @@ docs/plugins.md); its ``defaults`` are its keys, checked like the built-ins' her
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Mapping, Optional, get_args
+
+from pydantic import create_model
 
 from fedmjp import config as core
 from fedmjp import plugins
-from fedmjp.config import option
+from fedmjp.config import Float, Int, Schema, option
 
 if TYPE_CHECKING:  # the spec stays plain data; only a plug-in's apply() sees tensors
     import torch
@@ -96,64 +96,56 @@ Noise = Literal["gaussian", "laplace"]
 NOISES: tuple[str, ...] = get_args(Noise)
 
 
-# One schema per defence (checked by fedmjp.config, like every other config): keys, types, defaults, ranges.
-@dataclass
-class NoDefence:
+# One schema per defence (fedmjp.config, like every other config): keys, types, defaults, ranges.
+class NoDefence(Schema):
     pass
 
 
-@dataclass
-class LocalDp:
-    clip: float = option(1.0, above=0.0)
-    sigma: float = option(0.1, minimum=0.0)
+class LocalDp(Schema):
+    clip: Float = option(1.0, gt=0.0)
+    sigma: Float = option(0.1, ge=0.0)
     noise: Noise = "gaussian"
 
 
-@dataclass
-class DpSgd:
-    clip: float = option(1.0, above=0.0)
-    sigma: float = option(1.0, minimum=0.0)
-    delta: float = option(1e-5, above=0.0, maximum=1.0)
+class DpSgd(Schema):
+    clip: Float = option(1.0, gt=0.0)
+    sigma: Float = option(1.0, ge=0.0)
+    delta: Float = option(1e-5, gt=0.0, le=1.0)
 
 
-@dataclass
-class CentralDp:
-    clip: float = option(1.0, above=0.0)
-    sigma: float = option(0.1, minimum=0.0)
+class CentralDp(Schema):
+    clip: Float = option(1.0, gt=0.0)
+    sigma: Float = option(0.1, ge=0.0)
 
 
-@dataclass
-class Prune:
-    keep: float = option(0.1, above=0.0, maximum=1.0)
+class Prune(Schema):
+    keep: Float = option(0.1, gt=0.0, le=1.0)
 
 
-@dataclass
-class Quantize:
-    bits: int = option(1, minimum=1, maximum=16)
+class Quantize(Schema):
+    bits: Int = option(1, ge=1, le=16)
     stochastic: bool = False
 
 
-@dataclass
-class Mixup:
-    k: int = option(2, minimum=1)
-    alpha: float = option(1.0, above=0.0)
+class Mixup(Schema):
+    k: Int = option(2, ge=1)
+    alpha: Float = option(1.0, gt=0.0)
     sign_flip: bool = False
 
 
-@dataclass
-class FedAvg:
-    steps: int = option(5, minimum=1)
+class FedAvg(Schema):
+    steps: Int = option(5, ge=1)
 
 
-SCHEMAS: dict[str, type] = {"none": NoDefence, "local_dp": LocalDp, "dp_sgd": DpSgd, "central_dp": CentralDp,
-                            "prune": Prune, "quantize": Quantize, "mixup": Mixup, "fedavg": FedAvg}
+SCHEMAS: dict[str, type[Schema]] = {"none": NoDefence, "local_dp": LocalDp, "dp_sgd": DpSgd, "central_dp": CentralDp,
+                                    "prune": Prune, "quantize": Quantize, "mixup": Mixup, "fedavg": FedAvg}
 #: Every defence with its keys and their defaults.
 DEFENCES: dict[str, dict[str, Any]] = {name: core.defaults(schema) for name, schema in SCHEMAS.items()}
 #: Defences applied to the finished update (the rest change local training or the server).
 UPDATE_TRANSFORMS = ("local_dp", "prune", "quantize")
 #: The number keys of the defences and their type.
-NUMBER_KEYS: dict[str, type] = {key: tp for schema in SCHEMAS.values() for key, (tp, _) in core.fields(schema).items()
-                                if tp in (int, float)}
+NUMBER_KEYS: dict[str, type] = {key: info.annotation for schema in SCHEMAS.values()
+                                for key, info in core.keys(schema).items() if info.annotation in (int, float)}
 
 
 def validate_defence(spec: Any) -> dict[str, Any]:
@@ -174,11 +166,11 @@ def validate_defence(spec: Any) -> dict[str, Any]:
     return _conform(name, SCHEMAS[name], spec)
 
 
-def _conform(name: Any, schema: type, spec: Mapping[str, Any]) -> dict[str, Any]:
+def _conform(name: Any, schema: type[Schema], spec: Mapping[str, Any]) -> dict[str, Any]:
     """``{name, **keys}`` with the schema's defaults, every value checked (fedmjp.config)."""
-    keys = core.fields(schema)
+    keys = core.keys(schema)
     unknown = sorted(set(spec) - set(keys) - {"name"}, key=str)
-    if unknown:
+    if unknown:  # every unknown key at once, with ``name`` among the valid ones
         raise ValueError(f"defence {name!r}: unknown key(s) {unknown}; valid: {', '.join(['name', *keys])}")
     try:
         return {"name": name, **core.conform(schema, {k: v for k, v in spec.items() if k != "name"})}
@@ -201,14 +193,14 @@ def _validate_plugin(name: Any, spec: Mapping[str, Any]) -> dict[str, Any]:
 
 
 @functools.cache
-def _plugin_schema(cls: type) -> type:
+def _plugin_schema(cls: type) -> type[Schema]:
     """A schema of a plug-in's ``defaults``: each key typed by its default (an int default makes an
     integer key, a float one a number key; a number written ``1e-3`` is a number)."""
     def kind(value: Any) -> Any:
-        return type(value) if isinstance(value, (bool, int, float, str)) else Any
+        return core.number_type(type(value)) if isinstance(value, (bool, int, float, str)) else Any
 
-    return dataclasses.make_dataclass(f"{cls.__name__}Spec", [
-        (key, kind(value), option(value)) for key, value in cls.defaults.items()])
+    return create_model(f"{cls.__name__}Spec", __base__=Schema,
+                        **{key: (kind(value), value) for key, value in cls.defaults.items()})
 
 
 def defence_label(spec: Mapping[str, Any]) -> str:

@@ -1,45 +1,38 @@
 """One configuration mechanism for the benchmark, central training, the Flower run config, defence
-specs and attack options.
+specs and attack options: pydantic v2 models read from YAML, with errors that name the key.
 
-A schema is a dataclass holding every key's type and default: sections are nested dataclasses, a
-choice is ``Literal[...]``, a nullable key ``Optional[...]``, a free-form mapping that its own code
-validates ``dict[str, Any]``, a range ``option(default, minimum=..., maximum=..., above=...)``. Each
-schema lives with its owner (fedmjp/trainconfig.py, clients/runconfig.py, benchmark/config.py,
-defences/spec.py; an attack's options are its ``__init__`` arguments, attacks/base.py); this module
-loads and checks, and knows none of them. :func:`conform` gives the defaults with the data on top, every
-value checked: an unknown key is named with the valid keys, a wrong value with what the key takes.
-Types are YAML's: a bool is no number, an int is a valid float (and becomes one), null only where
-Optional.
+A schema is a :class:`Schema` (a strict pydantic ``BaseModel`` refusing unknown keys) with every
+key's type and default: a section is a nested schema, a choice ``Literal[...]``, a nullable key
+``Optional[...]``, a free-form mapping its own code checks ``dict``, a number :data:`Int` or
+:data:`Float`, a range ``option(default, ge=..., le=..., gt=...)`` (bounded numbers are finite), a key
+of several shapes :func:`either`. Schemas live with their owners (fedmjp/trainconfig.py,
+clients/runconfig.py, benchmark/config.py, defences/spec.py; attack options: attacks/base.py).
+:func:`parse` gives the model with defaults filled in, :func:`conform` the same as plain data; a
+``ValidationError`` becomes a :class:`ConfigError` naming the key: an unknown key with the valid
+keys, a wrong value with what the key takes. Types are YAML's: a bool is no number, an int is a
+valid float (and becomes one), null only where Optional.
 
-Numbers parse as numbers wherever a user types them (YAML files, ``--set``, ``--sweep``, training's
-``--key value``): YAML is read with :class:`ConfigLoader`, which reads floats the YAML 1.2 way
-(``1e-4``, ``5E-05``, ``.5``, ``-.5``, ``1.``; YAML 1.1, PyYAML's default, reads ``1e-4`` as a
-string). At the schema boundary a string holding a Python number literal (``"1e-4"``, ``"1_000"``)
-is taken as that number for a number key, and an integer key takes a float with an integral value
-(``1e3`` -> 1000; ``2.5`` is refused). A bool is never a number; anything else that is not a number
-(``1e-4x``) is refused with the key named.
-
-Not OmegaConf (2.3, installed with breaching): its bool field takes 3 and its str field takes 5 (as
-True, '5'), merging deep-merges a free-form mapping (a new ``defence`` would keep the old one's
-keys), ``Union[list, str]`` is refused, and an unknown-key error does not list the valid keys.
-Pydantic 2's ``BaseModel`` (``strict=True, extra="forbid"``; a number type ``Annotated[int,
-BeforeValidator(as_number), Strict()]``) takes every semantic here (its dataclasses in strict mode
-refuse a mapping for a nested section; ``BaseModel`` takes one); moving to it means ``BaseModel``
-schemas plus a formatter over ``ValidationError.errors()`` that keeps these messages (the key, what
-it takes, the valid keys), and typed objects for the code that reads a config.
+Numbers parse as numbers wherever a user types them: YAML is read with :class:`ConfigLoader`, which
+reads floats the YAML 1.2 way (``1e-4``, ``5E-05``, ``.5``, ``1.``; YAML 1.1, PyYAML's default, reads
+``1e-4`` as a string); a number key takes a string holding a Python number literal (``"1e-4"``,
+``"1_000"``) as that number and an integer key an integral float (``1e3`` -> 1000, not ``2.5``).
 """
 from __future__ import annotations
 
 import copy
-import dataclasses
 import functools
 import math
 import re
-import typing
 from pathlib import Path
-from typing import Any, Literal, Mapping, Optional, Union
+from typing import Annotated, Any, Literal, Mapping, Optional, TypeVar, Union, get_args, get_origin
 
 import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Strict, Tag, ValidationError
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
+
+
+M = TypeVar("M", bound=BaseModel)
 
 
 class ConfigError(ValueError):
@@ -88,164 +81,157 @@ def dump_yaml(data: Any, **kwargs: Any) -> str:
     return yaml.dump(data, Dumper=ConfigDumper, **kwargs)
 
 
-#: A Python number literal in decimal (``1e-4``, ``5E-05``, ``.5``, ``1_000``, ``-3``); what a string
-#: value of a number key may hold.
+#: A Python number literal in decimal (``1e-4``, ``.5``, ``1_000``, ``-3``): what a number key's string may hold.
 _NUMBER_TEXT = re.compile(r"[-+]?(?:\d(?:_?\d)*(?:\.(?:\d(?:_?\d)*)?)?|\.\d(?:_?\d)*)(?:[eE][-+]?\d(?:_?\d)*)?")
 
 
-def _members(tp: Any) -> tuple[Any, ...]:
-    return typing.get_args(tp) if typing.get_origin(tp) is Union else (tp,)
-
-
-def as_number(tp: Any, value: Any) -> Any:
-    """``value`` as the number a number type ``tp`` (int, float, or a Union holding one) takes, when
-    it is one written another way: a str holding a number literal (``"1e-4"`` -> 1e-4, ``"1_000"``
-    -> 1000) unless ``tp`` also takes str, and an integral float for an int-only key (1e3 -> 1000).
-    Anything else (a bool, ``"1e-4x"``, 2.5 for an int) is returned unchanged for the type check to
-    refuse."""
-    members = _members(tp)
-    numeric = [m for m in members if m in (int, float)]
-    if not numeric or isinstance(value, bool):
-        return value
-    if isinstance(value, str) and str not in members and Any not in members:
-        text = value.strip()
-        if not _NUMBER_TEXT.fullmatch(text):
-            return value
-        number = float(text) if any(c in text for c in ".eE") else int(text)
-        if float not in numeric and isinstance(number, float) and not number.is_integer():
-            return value  # "2.5" or "1e999" for an integer key: refused as the user wrote it
-        value = number
-    if isinstance(value, float) and float not in numeric and math.isfinite(value) and value.is_integer():
-        value = int(value)
+def as_number(kind: type, value: Any) -> Any:
+    """``value`` as the number ``kind`` (int or float) when it is one written another way (``"1e-4"``,
+    ``"1_000"``, 1e3 for an int, 3 for a float); anything else unchanged, for the type check to refuse."""
+    if isinstance(value, str) and _NUMBER_TEXT.fullmatch(value.strip()):
+        number = float(value) if any(c in value for c in ".eE") else int(value)
+        value = number if kind is float or isinstance(number, int) or number.is_integer() else value
+    if kind is int and isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    if kind is float and type(value) is int and abs(value) < 2**1023:  # bool is no number; a huge int stays
+        return float(value)
     return value
 
 
-def option(default: Any, minimum: Optional[float] = None, maximum: Optional[float] = None,
-           above: Optional[float] = None, **metadata: Any) -> Any:
-    """A schema field with a range that :func:`conform` checks (``minimum``/``maximum`` inclusive,
-    ``above`` an exclusive lower bound), and owner metadata (e.g. the Flower run-config key a
-    benchmark key feeds). Mutable defaults are copied per instance."""
-    bounds = (("min", minimum), ("max", maximum), ("above", above))
-    meta = {**metadata, **{k: v for k, v in bounds if v is not None}}
-    if isinstance(default, (list, dict)):
-        return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
-    return dataclasses.field(default=default, metadata=meta)
+Int = Annotated[int, BeforeValidator(functools.partial(as_number, int)), Strict()]
+Float = Annotated[float, BeforeValidator(functools.partial(as_number, float)), Strict()]
 
 
-@functools.cache
-def fields(schema: type) -> dict[str, tuple[Any, dataclasses.Field]]:
-    """Config key -> (type, dataclass field). A schema with ``HYPHENATED = True`` (Flower's run
-    config) spells its keys with hyphens: field ``batch_size`` is key ``batch-size``."""
-    hints = typing.get_type_hints(schema)
-    hyphens = getattr(schema, "HYPHENATED", False)
-    return {(f.name.replace("_", "-") if hyphens else f.name): (hints[f.name], f) for f in dataclasses.fields(schema)}
+class Schema(BaseModel):
+    """Base of every config schema: strict types, unknown keys refused."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
-def conform(schema: type, data: Any, where: str = "") -> dict[str, Any]:
-    """The schema's defaults with ``data`` on top, every value checked; new plain data.
+def option(default: Any = PydanticUndefined, *, ge: Optional[float] = None, le: Optional[float] = None,
+           gt: Optional[float] = None, **extra: Any) -> Any:
+    """A field with a range (``ge``/``le`` inclusive, ``gt`` exclusive; bounded means finite) and owner
+    metadata (``client=``: the run-config key a benchmark key feeds), ``json_schema_extra``."""
+    finite = False if (ge, le, gt) != (None, None, None) else None
+    return Field(default, ge=ge, le=le, gt=gt, allow_inf_nan=finite, json_schema_extra=extra or None)
+
+
+def _shape(value: Any) -> Optional[str]:
+    """The YAML shape of a value or a type: bool, number, text, list or mapping."""
+    tp = get_origin(value) or value
+    tp = type(get_args(value)[0]) if tp is Literal else tp
+    kinds = {"bool": bool, "number": (int, float), "text": str, "list": list, "mapping": (Mapping, BaseModel)}
+    return next((k for k, t in kinds.items() if isinstance(value, t) or isinstance(tp, type) and issubclass(tp, t)),
+                None)
+
+
+def either(*members: Any) -> Any:
+    """A key of several shapes (``either(list[Setting], Literal["all"])``): a union discriminated by the
+    value's shape, so that an error is the chosen shape's own."""
+    return Annotated[Union[tuple(Annotated[m, Tag(_shape(m))] for m in members)], Discriminator(_shape)]
+
+
+def keys(schema: type[BaseModel]) -> dict[str, FieldInfo]:
+    """Config key (the field's alias where it has one: Flower's hyphenated keys) -> field."""
+    return {info.alias or name: info for name, info in schema.model_fields.items()}
+
+
+def parse(schema: type[M], data: Any, where: str = "") -> M:
+    """The ``schema`` model of ``data``, defaults filled in; ``where`` prefixes the keys named in errors.
 
     Raises:
-        ConfigError: an unknown key (the valid keys listed), a missing required key, or a value
-            of the wrong type or outside its range (the key and what it takes named).
+        ConfigError: an unknown key (the valid keys listed), a missing key, or a value of the wrong
+            type or out of range (the key and what it takes named).
     """
     if not isinstance(data, Mapping):
         raise ConfigError(f"config key {where.rstrip('.')!r} must be a mapping, got {data!r}")
-    schema_fields = fields(schema)
-    for key in data:
-        if key not in schema_fields:
-            # "here": inside a section the valid keys are that section's
-            valid = f"{'valid keys here' if where else 'valid'}: {', '.join(sorted(schema_fields))}"
-            raise ConfigError(f"unknown config key {where + str(key)!r}; {valid}")
-    out = {}
-    for key, (tp, f) in schema_fields.items():
-        if key in data:
-            out[key] = _check(tp, data[key], where + key, f.metadata)
-        elif dataclasses.is_dataclass(tp):
-            out[key] = conform(tp, {}, f"{where}{key}.")
-        elif f.default is not dataclasses.MISSING:
-            out[key] = copy.deepcopy(f.default)
-        elif f.default_factory is not dataclasses.MISSING:
-            out[key] = f.default_factory()
-        else:
-            raise ConfigError(f"config key {where + key!r} is required ({describe(tp)})")
-    return out
+    try:
+        return schema.model_validate(data)
+    except ValidationError as err:
+        errors = err.errors(include_url=False)
+        raise ConfigError(_message(schema, next((e for e in errors if e["type"] == "extra_forbidden"), errors[0]),
+                                   where)) from None
 
 
-def defaults(schema: type) -> dict[str, Any]:
-    """The schema's defaults as plain data (sections as dicts)."""
+def conform(schema: type[BaseModel], data: Any, where: str = "") -> dict[str, Any]:
+    """:func:`parse` as plain data (sections as dicts, keys spelled as in the config)."""
+    return parse(schema, data, where).model_dump(by_alias=True)
+
+
+def defaults(schema: type[BaseModel]) -> dict[str, Any]:
     return conform(schema, {})
+
+
+def _bare(tp: Any) -> Any:
+    """``tp`` without ``Annotated`` metadata and, for an Optional of one type, without the null."""
+    tp = get_args(tp)[0] if get_origin(tp) is Annotated else tp
+    args = [a for a in get_args(tp) if a is not type(None)] if get_origin(tp) is Union else []
+    return _bare(args[0]) if len(args) == 1 else tp
+
+
+# Hand-written: pydantic's error location holds field aliases, list indices and union tags, not the
+# type there, which the message describes.
+def _at(schema: Any, loc: tuple) -> tuple[str, Any, Optional[FieldInfo]]:
+    """The dotted config key, declared type and field of an error location."""
+    parts: list[str] = []
+    tp, info = schema, None
+    for seg in loc:
+        node = _bare(tp)
+        tags = {_shape(_bare(m)): m for m in get_args(node)} if get_origin(node) is Union else {}
+        if isinstance(node, type) and issubclass(node, BaseModel) and seg in keys(node):
+            info = keys(node)[seg]
+            tp = info.annotation
+        elif seg in tags:
+            tp = tags[seg]
+            continue
+        elif (get_origin(node) or node) in (list, dict):
+            tp, info = (get_args(node) or (Any,))[-1], None
+        else:  # a mapping's key or an untagged union's member: the key so far
+            break
+        parts.append(str(seg))
+    return ".".join(parts), tp, info
+
+
+def _message(schema: type[BaseModel], error: Mapping[str, Any], where: str) -> str:
+    """A pydantic error as the key, what it takes and what it got."""
+    loc, kind, value = tuple(error["loc"]), error["type"], error.get("input")
+    if kind == "extra_forbidden":  # inside a section the valid keys are that section's
+        key, tp, _ = _at(schema, loc[:-1])
+        here = "valid keys here" if where or len(loc) > 1 else "valid"
+        return (f"unknown config key {where + '.'.join(filter(None, [key, str(loc[-1])]))!r}; "
+                f"{here}: {', '.join(sorted(keys(_bare(tp))))}")
+    key, tp, info = _at(schema, loc)
+    key = where + key
+    if kind == "missing":
+        return f"config key {key!r} is required ({describe(tp)})"
+    if kind == "literal_error" and get_origin(_bare(tp)) is Literal:
+        return f"config key {key!r}: unknown value {value!r}; valid: {', '.join(map(str, get_args(_bare(tp))))}"
+    got = {k: getattr(m, k) for m in (info.metadata if info else ()) for k in ("ge", "gt", "le") if hasattr(m, k)}
+    lo = got.get("gt", got.get("ge"))
+    bounds = (f"in {'(' if 'gt' in got else '['}{lo}, {got['le']}]" if lo is not None and "le" in got
+              else f"{'>' if 'gt' in got else '>='} {lo}" if lo is not None else f"<= {got['le']}" if got else "")
+    if bounds and kind in ("greater_than_equal", "greater_than", "less_than_equal", "finite_number"):
+        return f"config key {key!r} must be {describe(_bare(tp))} {bounds}, got {value!r}"
+    return f"config key {key!r} must be {describe(tp)}, got {value!r}"
 
 
 def describe(tp: Any) -> str:
     """What a type takes, in YAML words (``an integer``, ``one of a, b``, ``a string or null``)."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is Union:
-        return " or ".join("null" if a is type(None) else describe(a) for a in args)
-    if origin is Literal:
-        return "one of " + ", ".join(map(str, args))
-    if origin is list or tp is list:
-        return "a list"
-    if origin is dict or tp is dict or dataclasses.is_dataclass(tp):
-        return "a mapping"
-    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
+    tp = get_args(tp)[0] if get_origin(tp) is Annotated else tp
+    if get_origin(tp) is Union:
+        return " or ".join("null" if a is type(None) else describe(a) for a in get_args(tp))
+    if get_origin(tp) is Literal:
+        return "one of " + ", ".join(map(str, get_args(tp)))
+    words = {"list": "a list", "mapping": "a mapping", "bool": "true or false", "text": "a string"}
+    return words.get(_shape(tp)) or {int: "an integer", float: "a number"}.get(tp, str(tp))
 
 
-def _matches(tp: Any, value: Any) -> Any:
-    """The member of ``tp`` that ``value`` is an instance of (``tp`` itself unless a Union), or None."""
-    origin = typing.get_origin(tp)
-    if origin is Union:
-        return next((a for a in typing.get_args(tp) if _matches(a, value) is not None), None)
-    if tp is Any or (tp is type(None) and value is None):
-        return tp
-    if origin is Literal:
-        return tp if any(value == a and type(value) is type(a) for a in typing.get_args(tp)) else None
-    if dataclasses.is_dataclass(tp):
-        return tp if isinstance(value, Mapping) else None
-    if isinstance(value, bool):  # YAML's true is no number
-        return tp if tp is bool else None
-    if tp is float:
-        return tp if isinstance(value, (int, float)) else None
-    base = origin or tp
-    return tp if isinstance(base, type) and isinstance(value, base) else None
-
-
-def check_value(tp: Any, value: Any, key: str) -> Any:
-    """``value`` checked against type ``tp`` the way :func:`conform` checks a key (numbers written
-    another way converted, :func:`as_number`); for typed values outside a schema (attack options).
-
-    Raises:
-        ConfigError: the value is not of the type (``key`` and what it takes named).
-    """
-    return _check(tp, value, key, {})
-
-
-def _check(tp: Any, value: Any, key: str, meta: Mapping[str, Any]) -> Any:
-    value = as_number(tp, value)
-    member = _matches(tp, value)
-    if member is None and typing.get_origin(tp) is Literal:
-        choices = ", ".join(map(str, typing.get_args(tp)))
-        raise ConfigError(f"config key {key!r}: unknown value {value!r}; valid: {choices}")
-    if member is None:
-        raise ConfigError(f"config key {key!r} must be {describe(tp)}, got {value!r}")
-    if dataclasses.is_dataclass(member):
-        return conform(member, value, f"{key}.")
-    args = typing.get_args(member)
-    item = args[-1] if args and typing.get_origin(member) in (list, dict) else Any
-    if item is not Any:  # typed items (rows of a list, values of a mapping): each checked
-        if isinstance(value, list):
-            return [_check(item, v, f"{key}.{i}", {}) for i, v in enumerate(value)]
-        return {k: _check(item, v, f"{key}.{k}", {}) for k, v in value.items()}
-    if member is float:
-        value = float(value)
-    if value is not None and ("min" in meta or "max" in meta or "above" in meta):
-        open_ = "above" in meta
-        lo, hi = meta.get("above", meta.get("min", -math.inf)), meta.get("max", math.inf)
-        if not (math.isfinite(value) and (lo < value if open_ else lo <= value) and value <= hi):
-            low = "min" in meta or open_
-            bounds = (f"in {'(' if open_ else '['}{lo}, {hi}]" if low and "max" in meta
-                      else f"{'>' if open_ else '>='} {lo}" if low else f"<= {hi}")
-            raise ConfigError(f"config key {key!r} must be {describe(member)} {bounds}, got {value!r}")
-    return copy.deepcopy(value)
+def number_type(tp: Any) -> Any:
+    """An annotation with its int and float members as :data:`Int` and :data:`Float` (a schema built
+    from a signature or from defaults)."""
+    if get_origin(tp) is Union:
+        return Union[tuple(number_type(a) for a in get_args(tp))]
+    return {int: Int, float: Float}.get(tp, tp)
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:

@@ -7,7 +7,6 @@ message and exit status without touching finished work.
 """
 from __future__ import annotations
 
-import dataclasses
 import re
 import shutil
 import subprocess
@@ -23,11 +22,12 @@ import torch
 import yaml
 from helpers import assert_same_scores, metric_rows, run, tiny_config, write_config
 from PIL import Image
+from pydantic import BaseModel
 
 from benchmark import config as C
 from benchmark.report import GridLayout, grid_columns, to_latex
 from benchmark.store import read_jsonl
-from fedmjp.config import fields
+from fedmjp.config import keys
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -279,8 +279,10 @@ def test_failed_client_becomes_failed_rows(tmp_path: Path) -> None:
 def _leaf_keys(schema: type = C.BenchmarkConfig, where: str = "") -> list[tuple[str, object]]:
     """Every key of the schema with its type (sections walked; free-form mappings are leaves)."""
     out = []
-    for key, (tp, _) in fields(schema).items():
-        out += _leaf_keys(tp, f"{where}{key}.") if dataclasses.is_dataclass(tp) else [(f"{where}{key}", tp)]
+    for key, info in keys(schema).items():
+        tp = info.annotation
+        section = isinstance(tp, type) and issubclass(tp, BaseModel)
+        out += _leaf_keys(tp, f"{where}{key}.") if section else [(f"{where}{key}", tp)]
     return out
 
 
@@ -291,6 +293,7 @@ def _wrong_values(tp: object) -> list[str]:
         if type(None) in args:
             return ["[1, 2]", "{a: 1}"]
         tp = args[0]  # settings: a list (or "all"); sweep: a mapping (or a list of points)
+        tp = typing.get_args(tp)[0] if typing.get_origin(tp) is typing.Annotated else tp
     if tp is bool:
         return ["abc", "3"]
     if tp in (int, float):

@@ -1,65 +1,64 @@
 """The one configuration mechanism (fedmjp/config.py) and the three schemas built on it."""
 from __future__ import annotations
 
-import dataclasses
 import tomllib
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Optional, Union
+from typing import Literal, Optional
 
 import pytest
+from pydantic import ConfigDict
 
-from fedmjp.config import ConfigError, conform, defaults, option, parse_override, read_yaml, set_dotted
+from fedmjp.config import (ConfigError, Float, Int, Schema, conform, defaults, either, option, parse_override,
+                           read_yaml, set_dotted)
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@dataclass
-class Section:
-    rounds: int = option(2, minimum=1)
-    lr: float = option(0.1, minimum=0.0)
+class Section(Schema):
+    rounds: Int = option(2, ge=1)
+    lr: Float = option(0.1, ge=0.0)
     mode: Literal["a", "b"] = "a"
-    limit: Optional[int] = None
+    limit: Optional[Int] = None
 
 
-@dataclass(kw_only=True)
-class Row:
+class Row(Schema):
     name: str
-    seed: Optional[int] = None
+    seed: Optional[Int] = None
 
 
-@dataclass
-class Schema:
+ListOrAll = either(list[str], Literal["all"])
+
+
+class Top(Schema):
     flag: bool = False
     title: str = "x"
-    section: Section = field(default_factory=Section)
-    rows: list[Row] = option([])
-    free: dict[str, Any] = option({"name": "none", "clip": 1.0})
-    either: Union[list[str], Literal["all"]] = option(["c"])
+    section: Section = Section()
+    rows: list[Row] = []
+    free: dict = {"name": "none", "clip": 1.0}
+    either: ListOrAll = ["c"]
 
 
-@dataclass
-class Hyphenated:
-    HYPHENATED: ClassVar[bool] = True
-    batch_size: int = 1
+class Hyphenated(Schema):
+    model_config = ConfigDict(alias_generator=lambda name: name.replace("_", "-"))
+    batch_size: Int = 1
 
 
 def test_defaults_are_plain_data_with_sections_as_mappings() -> None:
-    assert defaults(Schema) == {"flag": False, "title": "x", "section": {"rounds": 2, "lr": 0.1, "mode": "a",
+    assert defaults(Top) == {"flag": False, "title": "x", "section": {"rounds": 2, "lr": 0.1, "mode": "a",
                                                                          "limit": None},
                                 "rows": [], "free": {"name": "none", "clip": 1.0}, "either": ["c"]}
-    assert defaults(Schema)["free"] is not defaults(Schema)["free"]  # a copy per call
+    assert defaults(Top)["free"] is not defaults(Top)["free"]  # a copy per call
     assert defaults(Hyphenated) == {"batch-size": 1}
 
 
 def test_conform_fills_defaults_and_replaces_free_mappings() -> None:
-    cfg = conform(Schema, {"section": {"rounds": 5, "lr": 1}, "free": {"name": "prune"}, "either": "all",
+    cfg = conform(Top, {"section": {"rounds": 5, "lr": 1}, "free": {"name": "prune"}, "either": "all",
                            "rows": [{"name": "r"}]})
     assert cfg["section"] == {"rounds": 5, "lr": 1.0, "mode": "a", "limit": None}
     assert isinstance(cfg["section"]["lr"], float)  # an int is a valid float and becomes one
     assert cfg["free"] == {"name": "prune"}  # replaced, not merged with the default's clip
     assert cfg["rows"] == [{"name": "r", "seed": None}] and cfg["either"] == "all"
-    assert conform(Schema, cfg) == cfg  # conforming a conformed config changes nothing
+    assert conform(Top, cfg) == cfg  # conforming a conformed config changes nothing
 
 
 @pytest.mark.parametrize("data, message", [
@@ -69,7 +68,7 @@ def test_conform_fills_defaults_and_replaces_free_mappings() -> None:
 ])
 def test_an_unknown_key_is_named_with_the_valid_ones(data, message) -> None:
     with pytest.raises(ConfigError) as err:
-        conform(Schema, data)
+        conform(Top, data)
     assert str(err.value) == message
 
 
@@ -94,7 +93,7 @@ def test_an_unknown_key_is_named_with_the_valid_ones(data, message) -> None:
 ])
 def test_a_wrong_value_names_the_key_and_what_it_takes(data, message) -> None:
     with pytest.raises(ConfigError) as err:
-        conform(Schema, data)
+        conform(Top, data)
     assert str(err.value) == message
 
 
@@ -112,7 +111,7 @@ def test_overrides_are_yaml_data_never_code() -> None:
     for bad in ("a", "a..b=1", "=1", "a=[1"):
         with pytest.raises(ConfigError):
             parse_override(bad)
-    cfg = defaults(Schema)
+    cfg = defaults(Top)
     cfg["rows"] = [{"name": "r"}]
     set_dotted(cfg, ["rows", "0", "seed"], 3)
     set_dotted(cfg, ["free", "deep", "key"], 1)  # missing mappings are created; the schema check decides
@@ -138,7 +137,7 @@ def test_read_yaml(tmp_path) -> None:
 def test_training_config_checks_types_of_recipes_and_overrides(tmp_path) -> None:
     from fedmjp.trainconfig import TrainConfig, load_config, parse_overrides
 
-    assert dataclasses.asdict(load_config()) == dataclasses.asdict(TrainConfig())
+    assert load_config() == TrainConfig()
     with pytest.raises(ValueError, match="config key 'epochs' must be an integer, got 'abc'"):
         parse_overrides(["--epochs", "abc"])
     (tmp_path / "c.yaml").write_text("per_sample: 3\n")

@@ -9,7 +9,6 @@ with the key named.
 """
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import json
 import tomllib
@@ -18,6 +17,8 @@ from pathlib import Path
 from typing import Any, Iterator, Union
 
 import pytest
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
 
 import attacks
 from attacks import base as attack_base
@@ -34,26 +35,33 @@ from fedmjp.trainconfig import TrainConfig, config_from_dict, load_config as loa
 
 
 def _number_type(tp: Any) -> type | None:
-    """int or float when ``tp`` (possibly Optional) is a number type, else None."""
-    members = [m for m in (typing.get_args(tp) if typing.get_origin(tp) is Union else (tp,)) if m is not type(None)]
+    """int or float when ``tp`` (possibly Optional, possibly fedmjp.config.Int/Float) is a number type, else None."""
+    members = [typing.get_args(m)[0] if typing.get_origin(m) is typing.Annotated else m
+               for m in (typing.get_args(tp) if typing.get_origin(tp) is Union else (tp,)) if m is not type(None)]
     return members[0] if len(members) == 1 and members[0] in (int, float) else None
 
 
-def schema_number_keys(schema: type, prefix: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], type, Any]]:
-    """(key parts, int or float, dataclass field) of every number key of ``schema``, sections and
+def _is_schema(tp: Any) -> bool:
+    return isinstance(tp, type) and issubclass(tp, BaseModel)
+
+
+def schema_number_keys(schema: type, prefix: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], type, FieldInfo]]:
+    """(key parts, int or float, pydantic field) of every number key of ``schema``, sections and
     rows of lists of sections included (a list row as index 0)."""
-    for key, (tp, f) in core.fields(schema).items():
+    for key, info in core.keys(schema).items():
+        tp = info.annotation
         args = typing.get_args(tp)
-        if dataclasses.is_dataclass(tp):
+        if _is_schema(tp):
             yield from schema_number_keys(tp, prefix + (key,))
-        elif typing.get_origin(tp) is list and args and dataclasses.is_dataclass(args[0]):
+        elif typing.get_origin(tp) is list and args and _is_schema(args[0]):
             yield from schema_number_keys(args[0], prefix + (key, "0"))
         elif _number_type(tp) is not None:
-            yield prefix + (key,), _number_type(tp), f
+            yield prefix + (key,), _number_type(tp), info
 
 
-def _default(f: dataclasses.Field) -> Any:
-    return f.default if f.default is not dataclasses.MISSING else None
+def _bound(info: FieldInfo, *names: str) -> Any:
+    """The first of the field's range bounds ``names`` (ge, gt, le) that it has, or None."""
+    return next((getattr(m, n) for n in names for m in info.metadata if hasattr(m, n)), None)
 
 
 def pick(kind: type, default: Any, low: float | None = None, high: float | None = None) -> int | float:
@@ -77,9 +85,9 @@ def sci(value: int | float, upper: bool = False) -> str:
 
 def _schema_cases(schema: type) -> list[tuple[str, type, Any]]:
     cases = []
-    for parts, kind, f in schema_number_keys(schema):
-        meta = f.metadata
-        cases.append((".".join(parts), kind, pick(kind, _default(f), meta.get("min"), meta.get("max"))))
+    for parts, kind, info in schema_number_keys(schema):
+        default = None if info.is_required() else info.default
+        cases.append((".".join(parts), kind, pick(kind, default, _bound(info, "ge", "gt"), _bound(info, "le"))))
     return cases
 
 
