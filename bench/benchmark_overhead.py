@@ -86,11 +86,11 @@ def bare_work(cfg: dict) -> list[Victims]:
     for row in rows:
         for group in groups:
             resolved = resolve_config(client_run_config(cfg, row, group))
-            model = load_global_model(resolved).to(getattr(torch, resolved["precision"]))
+            model = load_global_model(resolved).to(getattr(torch, resolved.precision))
             batches = [private_batch(resolved, p, r, clients)
                        for r in range(1, rounds + 1) for p in range(clients)]
             work.append(Victims(row, [s for s in cfg["settings"] if C.SETTING_GROUPS[s] == group], resolved,
-                                model, batches, float(resolved["dal-weight"])))
+                                model, batches, resolved.dal_weight))
     for v in work:  # warm-up: one gradient per model
         fedsgd_gradients(v.model, v.batches[0], v.dal)
     return work

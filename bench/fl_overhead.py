@@ -30,12 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from flwr.common.config import parse_config_args  # noqa: E402
 
-from clients.runconfig import resolve_config  # noqa: E402
+from clients.runconfig import RunConfig, resolve_config  # noqa: E402
 from clients.update import clone_state, load_global_model, local_update  # noqa: E402
 from server.federation import run_federation  # noqa: E402
 
 
-def run_direct(cfg: dict, rounds: int, clients: int) -> tuple[float, list[float]]:
+def run_direct(cfg: RunConfig, rounds: int, clients: int) -> tuple[float, list[float]]:
     """(wall time, per-round times) of the rounds without Flower."""
     start = time.perf_counter()
     state = clone_state(load_global_model(cfg).state_dict())
@@ -43,7 +43,7 @@ def run_direct(cfg: dict, rounds: int, clients: int) -> tuple[float, list[float]
     for r in range(1, rounds + 1):
         t0 = time.perf_counter()
         updates = [local_update(cfg, state, pid, r, clients)[0] for pid in range(clients)]
-        sign = -float(cfg["lr"]) if cfg["mode"] == "fedsgd" else 1.0
+        sign = -cfg.lr if cfg.mode == "fedsgd" else 1.0
         for name in updates[0]:
             mean = sum(u[name].double() for u in updates) / len(updates)
             state[name] = (state[name].double() + sign * mean).to(state[name].dtype)
@@ -88,15 +88,15 @@ def main() -> None:
     rows.append(summarize("simulation", res.seconds, [h["seconds"] for h in res.history]))
 
     base = rows[0]["steady_round_s"]
-    print(f"{args.clients} clients x {args.rounds} rounds, {cfg['mode']}, setting {cfg['setting']}, "
-          f"model {cfg['model-arch']} {cfg['model-kwargs']}, Ray CPUs {args.num_cpus}, per client {args.client_cpus}")
+    print(f"{args.clients} clients x {args.rounds} rounds, {cfg.mode}, setting {cfg.setting}, "
+          f"model {cfg.model_arch} {cfg.model_kwargs}, Ray CPUs {args.num_cpus}, per client {args.client_cpus}")
     print(f"{'engine':<11} {'wall s':>8} {'round s (median 2..R)':>22} {'x direct':>9} {'start-up s':>11}")
     for row in rows:
         row["ratio_vs_direct"] = row["steady_round_s"] / base
         print(f"{row['engine']:<11} {row['wall_s']:8.2f} {row['steady_round_s']:22.3f} "
               f"{row['ratio_vs_direct']:9.2f} {row['startup_s']:11.2f}")
     if args.json:
-        args.json.write_text(json.dumps({"config": cfg, "rows": rows}, indent=2))
+        args.json.write_text(json.dumps({"config": cfg.wire(), "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

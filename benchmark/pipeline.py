@@ -50,6 +50,8 @@ from .rows import RowContext, RowKey, client_failure_rows
 from .store import RunFolder, slug
 
 if TYPE_CHECKING:
+    from clients.runconfig import RunConfig
+
     from .workers import Runner
 
 _logger = logging.getLogger(__name__)
@@ -352,7 +354,7 @@ def _run_locked(cfg: dict, run: RunFolder, prepared: Prepared, federate: Callabl
                       tables, [str(g) for g in grids])
 
 
-def attack_metadata(cfg: dict, resolved: dict, model: nn.Module, batch: Any) -> dict:
+def attack_metadata(cfg: dict, resolved: RunConfig, model: nn.Module, batch: Any) -> dict:
     """What the server knows besides an update: batch size, input normalisation, image size, the
     update type, the defence the clients run (its spec with parameters: Kerckhoffs, the server
     configures the protocol) and, when the threat model grants them, the labels.
@@ -369,9 +371,9 @@ def attack_metadata(cfg: dict, resolved: dict, model: nn.Module, batch: Any) -> 
           "image_size": (3, cfg["data"]["image_size"], cfg["data"]["image_size"]),
           "update_type": "gradient" if fed["algorithm"] == "fedsgd" else "delta",
           "lr": float(fed["lr"]), "local_steps": fed["local_steps"],
-          "defence": json.loads(resolved["defence"])}
-    if resolved["mode"] != fed["algorithm"]:  # the fedavg defence turns FedSGD into FedAvg
-        md.update(update_type="delta", local_steps=int(resolved["local-steps"]))
+          "defence": resolved.defence_spec()}
+    if resolved.mode != fed["algorithm"]:  # the fedavg defence turns FedSGD into FedAvg
+        md.update(update_type="delta", local_steps=resolved.local_steps)
     if cfg["attack"]["labels"] == "known":
         md["labels"] = batch.labels.clone()
     return md
@@ -509,7 +511,7 @@ class GroupAttacker:
         self.ctx = row_context(self.cfg, row, group, self.run_config, prepared.image_names)
         # The classifier-bias gradient carries the attacked model's prediction when the update is a
         # plain FedSGD gradient (no defence transforms it); see scoring.round_top1.
-        plain = self.resolved["mode"] == "fedsgd" and json.loads(self.resolved["defence"])["name"] == "none"
+        plain = self.resolved.mode == "fedsgd" and self.resolved.defence_spec()["name"] == "none"
         self.gradient_readout = scoring.classifier_bias_name(row.model) if plain else None
         self.forward_top1 = 0  # updates whose attacked-model top-1 needed a forward pass
         self.rounds = RoundCollector(set(expected_updates(self.cfg)))

@@ -17,7 +17,6 @@ the top-1 differences between defences are meaningful only from a trained checkp
 from __future__ import annotations
 
 import copy
-import json
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -68,11 +67,11 @@ def defence_utility(cfg: dict, row: Any, federate: Callable[..., Any] | None = N
     model = copy.deepcopy(row.model if row.acc_model is None else row.acc_model).float().cpu()
     _, top1_start = loss_and_top1(model, data.images[held_out], data.labels[held_out])
     runner = federate or run_federation
-    result = runner(resolved, engine=cfg["federation"]["engine"])
+    result = runner(resolved.wire(), engine=cfg["federation"]["engine"])
     model.load_state_dict({k: v.float() for k, v in result.final_state.items()}, strict=True)
     _, top1 = loss_and_top1(model, data.images[held_out], data.labels[held_out])
     _logger.info("%s / %s: top-1 %.3f -> %.3f after %d FedAvg rounds", row.name,
-                 json.loads(resolved["defence"])["name"], top1_start, top1, u["rounds"])
+                 resolved.defence_spec()["name"], top1_start, top1, u["rounds"])
     return {"utility_top1": top1, "utility_top1_start": top1_start, "utility_rounds": int(u["rounds"]),
             "utility_start": "checkpoint" if row.trained else "fresh",
             "utility_num_eval": len(data) - held_out.start, "utility_source": str(u["source"])}

@@ -56,10 +56,10 @@ def make_client_app(run_config: Optional[Mapping[str, Any]] = None) -> ClientApp
         cfg = resolve_config({**dict(context.run_config), **overrides, **round_config})
         partition_id = int(context.node_config["partition-id"])
         num_partitions = int(context.node_config["num-partitions"])
-        if partition_id == int(cfg["fail-partition"]):
+        if partition_id == cfg.fail_partition:
             raise InjectedClientFailure(f"injected failure in partition {partition_id}, round {server_round}")
-        if partition_id == int(cfg["slow-partition"]):
-            time.sleep(float(cfg["slow-seconds"]))
+        if partition_id == cfg.slow_partition:
+            time.sleep(cfg.slow_seconds)
         state = global_state(msg.content["arrays"])
         update, loss, batch, info = defended_local_update(cfg, state, partition_id, server_round, num_partitions)
         metrics = MetricRecord({

@@ -17,7 +17,6 @@ Randomness is seeded by (seed, partition, round), so a defended update is reprod
 """
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from typing import Any, Mapping, Optional
 
@@ -29,7 +28,7 @@ from defences import apply_update_defence, cosine_similarity, dp_sgd_epsilon, mi
 from fedmjp.devices import resolve_device
 
 from .partition import PrivateBatch, partition_indices, private_image_set, stable_seed
-from .runconfig import resolve_config
+from .runconfig import RunConfig, resolve_config
 from .update import client_loss, gradients, local_sgd, local_update, model_logits, round_model
 
 
@@ -49,44 +48,44 @@ def _sample_loss(model: torch.nn.Module, batch: PrivateBatch, i: int, dal_weight
     return client_loss(model, sub, dal_weight, device)
 
 
-def _dp_sgd_update(model: torch.nn.Module, batch: PrivateBatch, cfg: Mapping[str, Any], spec: Mapping[str, Any],
+def _dp_sgd_update(model: torch.nn.Module, batch: PrivateBatch, cfg: RunConfig, spec: Mapping[str, Any],
                    gen: torch.Generator, device: torch.device) -> tuple[dict[str, torch.Tensor], float]:
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
-    B, dal = int(batch.labels.numel()), float(cfg["dal-weight"])
+    B, dal = int(batch.labels.numel()), cfg.dal_weight
     clip, sigma = float(spec["clip"]), float(spec["sigma"])
     model.eval()
-    if cfg["mode"] == "fedsgd":
+    if cfg.mode == "fedsgd":
         grads, loss = private_gradient(lambda i: _sample_loss(model, batch, i, dal, device), params, B, clip, sigma, gen)
         return {n: g.detach().cpu().clone() for (n, _), g in zip(named, grads)}, loss
     before = [p.detach().clone() for p in params]
     losses = []
-    for _ in range(int(cfg["local-steps"])):
+    for _ in range(cfg.local_steps):
         grads, loss = private_gradient(lambda i: _sample_loss(model, batch, i, dal, device), params, B, clip, sigma, gen)
         with torch.no_grad():
             for p, g in zip(params, grads):
-                p -= float(cfg["lr"]) * g
+                p -= cfg.lr * g
         losses.append(loss)
     delta = {n: (p.detach() - b).cpu() for (n, p), b in zip(named, before)}
     return delta, sum(losses) / len(losses)
 
 
-def _mixup_update(model: torch.nn.Module, batch: PrivateBatch, cfg: Mapping[str, Any], spec: Mapping[str, Any],
+def _mixup_update(model: torch.nn.Module, batch: PrivateBatch, cfg: RunConfig, spec: Mapping[str, Any],
                   partition_id: int, num_partitions: Optional[int], gen: torch.Generator,
                   device: torch.device) -> tuple[dict[str, torch.Tensor], float]:
     data = private_image_set(cfg)
     pool = torch.tensor(partition_indices(cfg, partition_id, num_partitions), dtype=torch.long)
-    mixed = mix_batch(batch.model_input, batch.labels, data.images[pool], data.labels[pool], int(cfg["num-classes"]),
+    mixed = mix_batch(batch.model_input, batch.labels, data.images[pool], data.labels[pool], cfg.num_classes,
                       int(spec["k"]), float(spec["alpha"]), bool(spec["sign_flip"]), gen)
     def loss() -> torch.Tensor:
         return _soft_loss(model, mixed.images, mixed.targets, batch.unk_mask, device)
 
-    if cfg["mode"] == "fedsgd":
+    if cfg.mode == "fedsgd":
         return gradients(model, loss)
-    return local_sgd(model, loss, int(cfg["local-steps"]), float(cfg["lr"]))
+    return local_sgd(model, loss, cfg.local_steps, cfg.lr)
 
 
-def defended_local_update(cfg: Mapping[str, Any], state: Mapping[str, torch.Tensor], partition_id: int,
+def defended_local_update(cfg: Mapping[str, Any] | RunConfig, state: Mapping[str, torch.Tensor], partition_id: int,
                           server_round: int, num_partitions: Optional[int] = None,
                           device: Optional[torch.device] = None
                           ) -> tuple[dict[str, torch.Tensor], float, PrivateBatch, dict[str, float]]:
@@ -101,20 +100,20 @@ def defended_local_update(cfg: Mapping[str, Any], state: Mapping[str, torch.Tens
     from defences import update_norm
 
     cfg = resolve_config(cfg)
-    spec = json.loads(cfg["defence"])
-    device = device or resolve_device(str(cfg["device"]))
+    spec = cfg.defence_spec()
+    device = device or resolve_device(cfg.device)
     clean, loss, batch = local_update(cfg, state, partition_id, server_round, num_partitions, device)
     if spec["name"] in ("none", "central_dp", "fedavg"):
         return clean, loss, batch, {"defence-cos": 1.0, "defence-norm-ratio": 1.0}
-    gen = torch.Generator().manual_seed(stable_seed(cfg["seed"], "defence", partition_id, server_round))
+    gen = torch.Generator().manual_seed(stable_seed(cfg.seed, "defence", partition_id, server_round))
     info: dict[str, float] = {}
     if spec["name"] in ("dp_sgd", "mixup"):
         model = round_model(cfg, state, device)
         if spec["name"] == "dp_sgd":
             sent, loss = _dp_sgd_update(model, batch, cfg, spec, gen, device)
             n_owned = len(partition_indices(cfg, partition_id, num_partitions))
-            q = min(1.0, int(cfg["batch-size"]) / n_owned)
-            steps = server_round * (1 if cfg["mode"] == "fedsgd" else int(cfg["local-steps"]))
+            q = min(1.0, cfg.batch_size / n_owned)
+            steps = server_round * (1 if cfg.mode == "fedsgd" else cfg.local_steps)
             info["dp-epsilon"] = dp_sgd_epsilon(q, float(spec["sigma"]), steps, float(spec["delta"]))
         else:
             sent, loss = _mixup_update(model, batch, cfg, spec, partition_id, num_partitions, gen, device)

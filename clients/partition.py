@@ -21,7 +21,7 @@ from fedmjp.data import ImageSet, load_images
 from fedmjp.factory import create_model, spec_kwargs
 from fedmjp.jigsaw import JigsawPlan
 
-from .runconfig import model_spec, resolve_config
+from .runconfig import RunConfig, model_spec, resolve_config
 
 
 @dataclass
@@ -70,13 +70,13 @@ def _image_set(source: str, size: int, num_images: int, num_classes: int) -> Ima
     return load_images(source, size, num_images or None, num_classes)
 
 
-def private_image_set(run_config: Mapping[str, Any]) -> ImageSet:
+def private_image_set(run_config: Mapping[str, Any] | RunConfig) -> ImageSet:
     """The whole private image set the clients' partitions are cut from (cached per process)."""
     cfg = resolve_config(run_config)
-    return _image_set(str(cfg["images"]), int(cfg["image-size"]), int(cfg["num-images"]), int(cfg["num-classes"]))
+    return _image_set(cfg.images, cfg.image_size, cfg.num_images, cfg.num_classes)
 
 
-def public_eval_set(run_config: Mapping[str, Any]) -> ImageSet:
+def public_eval_set(run_config: Mapping[str, Any] | RunConfig) -> ImageSet:
     """The server's evaluation images: the images of the source after the first ``num-images``
     (the private set), which no client owns; labels as the private set's ((sorted index) %
     num-classes).
@@ -86,11 +86,11 @@ def public_eval_set(run_config: Mapping[str, Any]) -> ImageSet:
             large), so no public split is left.
     """
     cfg = resolve_config(run_config)
-    n_private = int(cfg["num-images"])
-    full = load_images(str(cfg["images"]), int(cfg["image-size"]), None, int(cfg["num-classes"]))
+    n_private = cfg.num_images
+    full = load_images(cfg.images, cfg.image_size, None, cfg.num_classes)
     if n_private <= 0 or n_private >= len(full):
         raise ValueError(f"server-eval needs a public split, but the private set (num-images={n_private or 'all'}) "
-                         f"takes all {len(full)} images of {cfg['images']!r}; lower num-images or set "
+                         f"takes all {len(full)} images of {cfg.images!r}; lower num-images or set "
                          "server-eval=false")
     keep = torch.arange(n_private, len(full))
     return ImageSet(full.images[keep], full.labels[keep], [full.names[i] for i in keep.tolist()])
@@ -122,7 +122,7 @@ def _partitions(labels: tuple[int, ...], num_partitions: int, partitioner: str, 
                          "raise num-images or dirichlet-alpha, or use partitioner='iid'") from err
 
 
-def partition_indices(run_config: Mapping[str, Any], partition_id: int,
+def partition_indices(run_config: Mapping[str, Any] | RunConfig, partition_id: int,
                       num_partitions: Optional[int] = None) -> list[int]:
     """Positions in the private image set owned by ``partition_id`` (IID or Dirichlet by label).
 
@@ -130,14 +130,14 @@ def partition_indices(run_config: Mapping[str, Any], partition_id: int,
         ValueError: bad partition id, or more partitions than images.
     """
     cfg = resolve_config(run_config)
-    n_parts = int(num_partitions or cfg["num-partitions"])
+    n_parts = int(num_partitions or cfg.num_partitions)
     if not 0 <= partition_id < n_parts:
         raise ValueError(f"partition id {partition_id} outside [0, {n_parts})")
     labels = tuple(private_image_set(cfg).labels.tolist())
     if len(labels) < n_parts:
         raise ValueError(f"{len(labels)} private images cannot be split into {n_parts} partitions; "
                          "raise num-images or lower the number of clients")
-    parts = _partitions(labels, n_parts, cfg["partitioner"], float(cfg["dirichlet-alpha"]), int(cfg["seed"]))
+    parts = _partitions(labels, n_parts, cfg.partitioner, cfg.dirichlet_alpha, cfg.seed)
     return list(parts[partition_id])
 
 
@@ -150,7 +150,7 @@ def _shape_model(spec_json: str) -> nn.Module:
         return create_model(spec["arch"], **spec_kwargs(spec))
 
 
-def private_batch(run_config: Mapping[str, Any], partition_id: int, server_round: int,
+def private_batch(run_config: Mapping[str, Any] | RunConfig, partition_id: int, server_round: int,
                   num_partitions: Optional[int] = None) -> PrivateBatch:
     """The batch client ``partition_id`` trains on in ``server_round`` (1-based), and its shuffle.
 
@@ -165,7 +165,7 @@ def private_batch(run_config: Mapping[str, Any], partition_id: int, server_round
     if server_round < 1:
         raise ValueError(f"server rounds start at 1, got {server_round}")
     owned = partition_indices(cfg, partition_id, num_partitions)
-    seed, B, n = int(cfg["seed"]), int(cfg["batch-size"]), len(owned)
+    seed, B, n = cfg.seed, cfg.batch_size, len(owned)
     picks = []
     for k in range(B):
         pos = (server_round - 1) * B + k
@@ -176,10 +176,10 @@ def private_batch(run_config: Mapping[str, Any], partition_id: int, server_round
     index = torch.tensor(picks, dtype=torch.long)
     images, labels = data.images[index], data.labels[index]
     names = [data.names[i] for i in picks]
-    if cfg["setting"] == "a":
+    if cfg.setting == "a":
         return PrivateBatch(images, labels, names, index, None, None, 0.0)
     shape = _shape_model(json.dumps(model_spec(cfg), sort_keys=True))
-    gamma = float(cfg["gamma"])
+    gamma = cfg.gamma
     plan = shape.draw_plan(B, gamma=gamma, seed=stable_seed(seed, "shuffle", partition_id, server_round),
-                           per_sample=bool(cfg["per-sample"]))
+                           per_sample=cfg.per_sample)
     return PrivateBatch(images, labels, names, index, plan, shape.shuffle_images(images, plan), gamma)

@@ -2,7 +2,9 @@
 
 Run-config keys (Flower style, flat, hyphenated; types and defaults in :class:`RunConfig`, checked by
 :mod:`fedmjp.config`; ``[tool.flwr.app.config]`` in pyproject.toml holds the same, a test keeps them
-equal):
+equal). Flower carries them as a flat mapping (``context.run_config``, the round's ConfigRecord);
+:func:`resolve_config` turns one into a typed :class:`RunConfig` (field ``batch_size`` is key
+``batch-size``), which the client and server code reads, and :meth:`RunConfig.wire` back:
 
 =================  ==========================================================================
 key                meaning
@@ -38,7 +40,7 @@ from typing import Any, Literal, Mapping, get_args
 
 from pydantic import ConfigDict
 
-from fedmjp.config import Float, Int, Schema, conform, defaults, either, keys, option
+from fedmjp.config import Float, Int, Schema, defaults, either, keys, option, parse
 from fedmjp.settings import Setting
 
 Mode = Literal["fedsgd", "fedavg"]
@@ -92,6 +94,14 @@ class RunConfig(Schema):
     slow_seconds: Float = option(0.0, round=True)
     defence: JsonOrMapping = option('{"name": "none"}', round=True)
 
+    def wire(self) -> dict[str, Any]:
+        """The keys and values as Flower carries them (flat, hyphenated, scalars)."""
+        return self.model_dump(by_alias=True)
+
+    def defence_spec(self) -> dict[str, Any]:
+        """The checked defence spec of a resolved config (:func:`resolve_config`)."""
+        return json.loads(self.defence) if isinstance(self.defence, str) else dict(self.defence)
+
 
 #: Every run-config key with its default (pyproject.toml's [tool.flwr.app.config]).
 DEFAULTS: dict[str, Any] = defaults(RunConfig)
@@ -100,24 +110,26 @@ DEFAULTS: dict[str, Any] = defaults(RunConfig)
 ROUND_KEYS = tuple(key for key, info in keys(RunConfig).items() if (info.json_schema_extra or {}).get("round"))
 
 
-def resolve_config(run_config: Mapping[str, Any]) -> dict[str, Any]:
+def resolve_config(run_config: Mapping[str, Any] | RunConfig) -> RunConfig:
     """Defaults overlaid with ``run_config``, checked against :class:`RunConfig`; ``model-kwargs``
-    and ``defence`` become canonical JSON.
+    and ``defence`` become canonical JSON (a :class:`RunConfig` is returned as it is: resolved).
 
     Raises:
         ValueError (:class:`fedmjp.config.ConfigError`): an unknown key (the valid ones listed), a
             value of the wrong type or out of range, a bad defence spec.
     """
-    cfg = conform(RunConfig, run_config)
-    if isinstance(cfg["model-kwargs"], Mapping):
-        cfg["model-kwargs"] = json.dumps(dict(cfg["model-kwargs"]), sort_keys=True)
-    cfg["defence"] = _resolve_defence(cfg)
+    if isinstance(run_config, RunConfig):
+        return run_config
+    cfg = parse(RunConfig, run_config)
+    if isinstance(cfg.model_kwargs, Mapping):
+        cfg.model_kwargs = json.dumps(dict(cfg.model_kwargs), sort_keys=True)
+    cfg.defence = _resolve_defence(cfg)
     return cfg
 
 
-def _resolve_defence(cfg: dict[str, Any]) -> str:
+def _resolve_defence(cfg: RunConfig) -> str:
     """The checked defence spec as canonical JSON; ``fedavg`` rewrites mode and local-steps."""
-    raw = cfg["defence"]
+    raw = cfg.defence
     if isinstance(raw, str):
         try:
             raw = json.loads(raw) if raw.strip() else None
@@ -129,19 +141,16 @@ def _resolve_defence(cfg: dict[str, Any]) -> str:
 
     spec = validate_defence(raw)
     if spec["name"] == "fedavg":
-        cfg["mode"], cfg["local-steps"] = "fedavg", int(spec["steps"])
+        cfg.mode, cfg.local_steps = "fedavg", int(spec["steps"])
     return json.dumps(spec, sort_keys=True)
 
 
-def model_spec(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """The :func:`fedmjp.factory.build_model` spec a resolved run config describes."""
-    kwargs = cfg["model-kwargs"]
-    kwargs = json.loads(kwargs) if isinstance(kwargs, str) else dict(kwargs)
-    return {
-        "name": cfg["model-name"], "arch": cfg["model-arch"], "variant": cfg["model-variant"],
-        "kwargs": kwargs, "checkpoint": cfg["model-checkpoint"] or None,
-        "april": cfg["model-april"] or None, "seed": int(cfg["model-seed"]),
-    }
+def model_spec(cfg: Mapping[str, Any] | RunConfig) -> dict[str, Any]:
+    """The :func:`fedmjp.factory.build_model` spec a run config describes."""
+    cfg = resolve_config(cfg)
+    return {"name": cfg.model_name, "arch": cfg.model_arch, "variant": cfg.model_variant,
+            "kwargs": json.loads(cfg.model_kwargs), "checkpoint": cfg.model_checkpoint or None,
+            "april": cfg.model_april or None, "seed": cfg.model_seed}
 
 
 def model_keys(spec: Mapping[str, Any]) -> dict[str, Any]:

@@ -19,10 +19,10 @@ from fedmjp.devices import resolve_device
 from fedmjp.factory import build_model, model_input
 
 from .partition import PrivateBatch, private_batch
-from .runconfig import model_spec, resolve_config
+from .runconfig import RunConfig, model_spec, resolve_config
 
 
-def load_global_model(cfg: Mapping[str, Any], state: Optional[Mapping[str, torch.Tensor]] = None,
+def load_global_model(cfg: Mapping[str, Any] | RunConfig, state: Optional[Mapping[str, torch.Tensor]] = None,
                       device: Optional[torch.device] = None) -> nn.Module:
     """Build the run's model (seeded fresh weights or its checkpoint) and load ``state`` into it."""
     model = build_model(model_spec(cfg), device=device or "cpu")
@@ -113,7 +113,7 @@ def fedavg_update(model: nn.Module, batch: PrivateBatch, local_steps: int, lr: f
     return local_sgd(model, lambda: client_loss(model, batch, dal_weight, device), local_steps, lr)
 
 
-def local_update(cfg: Mapping[str, Any], state: Mapping[str, torch.Tensor], partition_id: int,
+def local_update(cfg: Mapping[str, Any] | RunConfig, state: Mapping[str, torch.Tensor], partition_id: int,
                  server_round: int, num_partitions: Optional[int] = None,
                  device: Optional[torch.device] = None) -> tuple[dict[str, torch.Tensor], float, PrivateBatch]:
     """A client's whole round: batch, model at ``state``, FedSGD gradients or FedAvg delta.
@@ -122,27 +122,28 @@ def local_update(cfg: Mapping[str, Any], state: Mapping[str, torch.Tensor], part
         (update, loss, batch).
     """
     cfg = resolve_config(cfg)
-    device = device or resolve_device(str(cfg["device"]))
+    device = device or resolve_device(cfg.device)
     batch = private_batch(cfg, partition_id, server_round, num_partitions)
     model = round_model(cfg, state, device)
-    if cfg["mode"] == "fedsgd":
-        update, loss = fedsgd_gradients(model, batch, float(cfg["dal-weight"]), device)
+    if cfg.mode == "fedsgd":
+        update, loss = fedsgd_gradients(model, batch, cfg.dal_weight, device)
     else:
-        update, loss = fedavg_update(model, batch, int(cfg["local-steps"]), float(cfg["lr"]),
-                                     float(cfg["dal-weight"]), device)
+        update, loss = fedavg_update(model, batch, cfg.local_steps, cfg.lr, cfg.dal_weight, device)
     return update, loss, batch
 
 
 _models = threading.local()
 
 
-def round_model(cfg: Mapping[str, Any], state: Mapping[str, torch.Tensor], device: torch.device) -> nn.Module:
+def round_model(cfg: Mapping[str, Any] | RunConfig, state: Mapping[str, torch.Tensor],
+                device: torch.device) -> nn.Module:
     """The run's model at the global ``state``, on ``device`` in the config's precision.
 
     One model object per thread and spec is reused (clients of the in-process engine run in
     threads): its weights are always overwritten by ``state``, so only the architecture carries over.
     """
-    key = (json.dumps(model_spec(cfg), sort_keys=True), str(device), cfg["precision"])
+    cfg = resolve_config(cfg)
+    key = (json.dumps(model_spec(cfg), sort_keys=True), str(device), cfg.precision)
     cache = getattr(_models, "cache", None)
     if cache is None or cache[0] != key:
         model = build_model(json.loads(key[0]), device=device).to(getattr(torch, key[2]))

@@ -31,7 +31,6 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Fiel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-
 M = TypeVar("M", bound=BaseModel)
 
 

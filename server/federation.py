@@ -40,7 +40,7 @@ from flwr.serverapp import Grid  # noqa: E402
 from flwr.supercore.run import Run  # noqa: E402
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
-from clients.runconfig import DEFAULTS, resolve_config  # noqa: E402
+from clients.runconfig import DEFAULTS, RunConfig, resolve_config  # noqa: E402
 from clients.client_app import make_client_app  # noqa: E402
 
 from .rounds import ServerOutcome  # noqa: E402
@@ -64,7 +64,7 @@ class FederationResult(ServerOutcome):
         seconds: wall time of the whole run, start-up included.
     """
 
-    run_config: dict[str, Any] = field(default_factory=dict)
+    run_config: RunConfig = field(default_factory=RunConfig)
     engine: str = "inprocess"
     seconds: float = 0.0
 
@@ -178,7 +178,7 @@ def simulation_backend_config(client_cpus: float = 1.0, num_cpus: Optional[int] 
     return {"client_resources": {"num_cpus": client_cpus, "num_gpus": float(client_gpus)}, "init_args": init_args}
 
 
-def run_federation(run_config: Mapping[str, Any], tap: Optional[Tap] = None, engine: str = "simulation",
+def run_federation(run_config: Mapping[str, Any] | RunConfig, tap: Optional[Tap] = None, engine: str = "simulation",
                    num_supernodes: Optional[int] = None, client_cpus: float = 1.0, num_cpus: Optional[int] = None,
                    client_gpus: Optional[float] = None, keep_ray: bool = False) -> FederationResult:
     """Run ``num-server-rounds`` federated rounds and return the outcome.
@@ -199,14 +199,14 @@ def run_federation(run_config: Mapping[str, Any], tap: Optional[Tap] = None, eng
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; valid: {', '.join(ENGINES)}")
     keep_flower_offline()
-    given = dict(run_config)
+    given = run_config.wire() if isinstance(run_config, RunConfig) else dict(run_config)
     n = int(num_supernodes or given.get("num-partitions", DEFAULTS["num-partitions"]))
     given["num-partitions"] = n
     given.setdefault("min-nodes", n)
     cfg = resolve_config(given)
     outcomes: list[ServerOutcome] = []
-    server_app = make_server_app(cfg, tap=tap, on_finish=outcomes.append)
-    client_app = make_client_app(cfg)
+    server_app = make_server_app(cfg.wire(), tap=tap, on_finish=outcomes.append)
+    client_app = make_client_app(cfg.wire())
     start = time.perf_counter()
     if engine == "simulation":
         _run_simulation(server_app, client_app, n, simulation_backend_config(client_cpus, num_cpus, client_gpus, n),
@@ -224,13 +224,13 @@ def run_federation(run_config: Mapping[str, Any], tap: Optional[Tap] = None, eng
     return result
 
 
-def _run_inprocess(server_app: Any, client_app: ClientApp, num_nodes: int, cfg: Mapping[str, Any]) -> None:
-    grid = LocalGrid(client_app, num_nodes, cfg, seed=int(cfg["seed"]))
-    run = Run.create_empty(run_id=random.Random(int(cfg["seed"])).getrandbits(63))
+def _run_inprocess(server_app: Any, client_app: ClientApp, num_nodes: int, cfg: RunConfig) -> None:
+    grid = LocalGrid(client_app, num_nodes, cfg.wire(), seed=cfg.seed)
+    run = Run.create_empty(run_id=random.Random(cfg.seed).getrandbits(63))
     grid.set_run(run)
     # Messages take their run and source ids from this process-wide identity (as run_simulation sets it).
     TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, run.run_id, SUPERLINK_NODE_ID
-    context = Context(run_id=run.run_id, node_id=0, node_config={}, state=RecordDict(), run_config=dict(cfg))
+    context = Context(run_id=run.run_id, node_id=0, node_config={}, state=RecordDict(), run_config=cfg.wire())
     try:
         server_app(grid=grid, context=context)
     finally:

@@ -17,7 +17,7 @@ from flwr.serverapp import Grid
 
 from clients.partition import public_eval_set
 from clients.records import decode_state, encode_state
-from clients.runconfig import ROUND_KEYS, model_spec, resolve_config
+from clients.runconfig import ROUND_KEYS, RunConfig, model_spec, resolve_config
 from clients.update import clone_state, load_global_model
 from fedmjp.evaluate import loss_and_top1
 from fedmjp.factory import model_input_stats
@@ -85,23 +85,24 @@ def _json_default(value: Any) -> Any:
     return str(value)
 
 
-def server_metadata(cfg: Mapping[str, Any], model: torch.nn.Module) -> dict[str, Any]:
+def server_metadata(cfg: RunConfig, model: torch.nn.Module) -> dict[str, Any]:
     """What the server knows about every update: its own round config and the model."""
     mean, std = model_input_stats(model)
-    meta = {k: cfg[k] for k in ("mode", "setting", "gamma", "per-sample", "batch-size", "local-steps", "lr",
+    wire = cfg.wire()
+    meta = {k: wire[k] for k in ("mode", "setting", "gamma", "per-sample", "batch-size", "local-steps", "lr",
                                 "dal-weight", "image-size")}
     meta.update({"input-mean": list(mean), "input-std": list(std), "model-spec": model_spec(cfg)})
     return meta
 
 
-def _with_central_dp(strategy: Any, cfg: Mapping[str, Any]) -> Any:
+def _with_central_dp(strategy: Any, cfg: RunConfig) -> Any:
     """Flower's server-side DP wrapper around ``strategy`` when the defence is central_dp."""
-    spec = json.loads(cfg["defence"])
+    spec = cfg.defence_spec()
     if spec["name"] != "central_dp":
         return strategy
     from .central_dp import TappedCentralDp
 
-    num_sampled = max(1, int(float(cfg["fraction-train"]) * int(cfg["min-nodes"])))
+    num_sampled = max(1, int(cfg.fraction_train * cfg.min_nodes))
     return TappedCentralDp(strategy, float(spec["sigma"]), float(spec["clip"]), num_sampled)
 
 
@@ -113,7 +114,7 @@ def run_rounds(grid: Grid, run_config: Mapping[str, Any], tap: Optional[Tap] = N
     """
     cfg = resolve_config(run_config)
     model = load_global_model(cfg)
-    taps = [t for t in (tap, FolderTap(Path(cfg["out-dir"]) / "updates") if cfg["out-dir"] else None) if t]
+    taps = [t for t in (tap, FolderTap(Path(cfg.out_dir) / "updates") if cfg.out_dir else None) if t]
 
     def tap_all(update: Any) -> None:
         for t in taps:
@@ -121,14 +122,14 @@ def run_rounds(grid: Grid, run_config: Mapping[str, Any], tap: Optional[Tap] = N
 
     common = dict(
         tap=tap_all if taps else None, metadata=server_metadata(cfg, model),
-        fraction_train=float(cfg["fraction-train"]), fraction_evaluate=0.0,
-        min_train_nodes=1, min_available_nodes=int(cfg["min-nodes"]),
+        fraction_train=cfg.fraction_train, fraction_evaluate=0.0,
+        min_train_nodes=1, min_available_nodes=cfg.min_nodes,
     )
-    tapped = FedSGD(lr=float(cfg["lr"]), **common) if cfg["mode"] == "fedsgd" else TappedFedAvg(**common)
+    tapped = FedSGD(lr=cfg.lr, **common) if cfg.mode == "fedsgd" else TappedFedAvg(**common)
     strategy = _with_central_dp(tapped, cfg)
-    train_config = ConfigRecord({k: cfg[k] for k in ROUND_KEYS})
+    train_config = ConfigRecord({k: v for k, v in cfg.wire().items() if k in ROUND_KEYS})
     # The public split (images of the source no client owns), never the clients' private images.
-    eval_data = public_eval_set(cfg) if cfg["server-eval"] else None
+    eval_data = public_eval_set(cfg) if cfg.server_eval else None
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> Optional[MetricRecord]:
         model.load_state_dict(decode_state(arrays), strict=True)
@@ -136,20 +137,20 @@ def run_rounds(grid: Grid, run_config: Mapping[str, Any], tap: Optional[Tap] = N
         return MetricRecord({"eval-loss": loss, "eval-acc": acc})
 
     result = strategy.start(
-        grid=grid, initial_arrays=encode_state(model.state_dict()), num_rounds=int(cfg["num-server-rounds"]),
-        timeout=float(cfg["round-timeout"]), train_config=train_config,
+        grid=grid, initial_arrays=encode_state(model.state_dict()), num_rounds=cfg.num_server_rounds,
+        timeout=cfg.round_timeout, train_config=train_config,
         evaluate_fn=evaluate_fn if eval_data is not None else None,
     )
     history = []
-    for r in range(1, int(cfg["num-server-rounds"]) + 1):
+    for r in range(1, cfg.num_server_rounds + 1):
         row = dict(tapped.rounds.get(r, {"round": r, "sampled": 0, "replies": 0, "failures": 0}))
         if r in result.evaluate_metrics_serverapp:
             row.update({k: float(v) for k, v in result.evaluate_metrics_serverapp[r].items()})
         history.append(row)
     final = decode_state(result.arrays) if result.arrays is not None else clone_state(model.state_dict())
     outcome = ServerOutcome(history, list(tapped.failures), final, dict(tapped.node_partitions))
-    if cfg["out-dir"]:
-        outcome.save(cfg["out-dir"])
+    if cfg.out_dir:
+        outcome.save(cfg.out_dir)
     for row in history:
         _logger.info("round %d: %d/%d replies, train-loss %.4f", row["round"], row["replies"], row["sampled"],
                      row.get("train-loss", float("nan")))

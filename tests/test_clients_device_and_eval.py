@@ -26,7 +26,7 @@ def test_benchmark_device_reaches_the_clients() -> None:
     cfg = C.validate(C.apply_overrides(C.load_config(), ["device=cpu"]))
     row = ModelRow(0, "x", "x", C.model_spec(cfg, 0), torch.nn.Identity(), False)
     run_config = client_run_config(cfg, row, "shuffled")
-    assert run_config["device"] == "cpu" and runconfig.resolve_config(run_config)["device"] == "cpu"
+    assert run_config["device"] == "cpu" and runconfig.resolve_config(run_config).device == "cpu"
     with pytest.raises(ValueError, match="cuda"):
         resolve_device("cuda:99" if torch.cuda.is_available() else "cuda")
 

@@ -156,14 +156,16 @@ def test_pyproject_run_config_is_the_run_config_schema() -> None:
     assert list(toml) == list(DEFAULTS) and toml == DEFAULTS
     assert {k: type(v) for k, v in toml.items()} == {k: type(v) for k, v in DEFAULTS.items()}
     assert conform(RunConfig, toml) == toml
-    assert resolve_config(toml)["defence"] == '{"name": "none"}'
+    assert resolve_config(toml).defence == '{"name": "none"}' and resolve_config(toml).wire() == toml
 
 
 def test_run_config_errors_name_the_key() -> None:
     from clients.runconfig import ROUND_KEYS, resolve_config
 
     assert ROUND_KEYS[:3] == ("mode", "setting", "gamma") and "defence" in ROUND_KEYS and "seed" not in ROUND_KEYS
-    assert resolve_config({"lr": 1, "model-kwargs": {"depth": 2}})["lr"] == 1.0
+    resolved = resolve_config({"lr": 1, "model-kwargs": {"depth": 2}})
+    assert resolved.lr == 1.0 and isinstance(resolved.lr, float) and resolved.model_kwargs == '{"depth": 2}'
+    assert resolve_config(resolved) is resolved  # a resolved config is typed: resolving it again is a no-op
     for bad, message in (({"batch_size": 2}, "unknown config key 'batch_size'; valid: batch-size, "),
                          ({"mode": "fedprox"}, "config key 'mode': unknown value 'fedprox'; valid: fedsgd, fedavg"),
                          ({"gamma": 2.0}, r"config key 'gamma' must be a number in \[0.0, 1.0\], got 2.0"),
@@ -192,4 +194,4 @@ def test_benchmark_keys_feed_the_run_config_from_the_schema() -> None:
     run_config = client_run_config(cfg, row, "shuffled")
     assert run_config["num-server-rounds"] == 1 and run_config["setting"] == "c" and run_config["round-timeout"] == 30.0
     assert (run_config["model-name"], run_config["model-variant"], run_config["model-seed"]) == ("DeiT+MJP", "mjp", 3)
-    assert resolve_config(run_config)["model-kwargs"] == '{"depth": 4}'
+    assert resolve_config(run_config).model_kwargs == '{"depth": 4}'

@@ -52,7 +52,7 @@ def test_spec_defaults_and_errors_name_the_valid_choices():
             D.validate_defence(bad)
     with pytest.raises(ValueError, match="defence"):
         runconfig.resolve_config({"defence": '{"name": "nope"}'})
-    assert runconfig.resolve_config({"defence": {"name": "fedavg", "steps": 3}})["local-steps"] == 3
+    assert runconfig.resolve_config({"defence": {"name": "fedavg", "steps": 3}}).local_steps == 3
 
 
 # ------------------------------------------------------------------------------------- transforms

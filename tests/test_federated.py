@@ -56,7 +56,7 @@ def test_tap_sees_every_update_with_round_and_node(fedsgd_run):
     result, taps, _ = fedsgd_run
     assert len(taps) == 4
     assert [u.server_round for u in taps] == [1, 1, 2, 2]
-    node_ids = LocalGrid(None, 2, {}, seed=int(result.run_config["seed"])).node_ids
+    node_ids = LocalGrid(None, 2, {}, seed=result.run_config.seed).node_ids
     for r in (1, 2):
         this_round = [u for u in taps if u.server_round == r]
         assert sorted(u.node_id for u in this_round) == sorted(node_ids)
@@ -71,7 +71,7 @@ def test_tap_sees_every_update_with_round_and_node(fedsgd_run):
 
 def test_fedsgd_step_is_minus_lr_times_mean_gradient(fedsgd_run):
     result, taps, _ = fedsgd_run
-    lr = float(result.run_config["lr"])
+    lr = result.run_config.lr
     round1 = [u for u in taps if u.server_round == 1]
     round2 = [u for u in taps if u.server_round == 2]
     expected_after_1 = {k: v - lr * _weighted_mean(round1, k).float() if k in round1[0].arrays else v

@@ -264,8 +264,8 @@ def test_training_key_in_scientific_notation(tmp_path: Path, key: str, kind: typ
 @pytest.mark.parametrize("key, kind, value", RUN_KEYS, ids=[k for k, _, _ in RUN_KEYS])
 def test_run_config_key_in_scientific_notation(tmp_path: Path, key: str, kind: type, value: Any) -> None:
     toml = tomllib.loads(f"{key} = {sci(value)}")  # Flower's run config is TOML (pyproject, --run-config)
-    _same(resolve_config(toml)[key], kind, value)
-    _same(resolve_config({key: sci(value)})[key], kind, value)  # a string holding a number
+    _same(resolve_config(toml).wire()[key], kind, value)
+    _same(resolve_config({key: sci(value)}).wire()[key], kind, value)  # a string holding a number
     dotted = f"federation.options.{key}"
     _same(_dig(C.validate(C.load_config(_preset_with(tmp_path, {dotted: sci(value)}))), dotted), kind, value)
     _same(_dig(C.validate(C.apply_overrides(C.load_config(), [f"{dotted}={sci(value)}"])), dotted), kind, value)
@@ -287,7 +287,7 @@ def test_defence_key_in_scientific_notation(tmp_path: Path, name: str, key: str,
     point = point_config(swept, grid_points(swept)[0])  # what the sweep point runs
     _same(point["defence"][key], kind, value)
     run_config = resolve_config({"defence": json.dumps({"name": name, key: sci(value)})})  # a string in JSON
-    _same(json.loads(run_config["defence"])[key], kind, value)
+    _same(run_config.defence_spec()[key], kind, value)
     for bad, shown in ((True, "True"), ("1e-4x", "'1e-4x'")):
         with pytest.raises(ValueError, match=f"defence '{name}': config key '{key}' must be .*got {shown}"):
             validate_defence({"name": name, key: bad})
