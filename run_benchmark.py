@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from benchmark.cli import setup_logging, build_parser, default_output, resolve
-from benchmark.config import PROJECT_ROOT
+from benchmark.config import PROJECT_ROOT, BenchmarkConfig
 from benchmark.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, BenchmarkError, OutputWriteError
 from fedmjp.allocator import tune_malloc
 from server.offline import keep_flower_offline
@@ -56,15 +56,15 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def output_folder(args: argparse.Namespace, cfg: dict) -> Path:
+def output_folder(args: argparse.Namespace, cfg: BenchmarkConfig) -> Path:
     """``--output`` (relative to the working directory), else the config's ``output:`` (relative to
     the project root, like every path in a config file), else ``runs/<time>-setting-<s>``."""
     # made absolute without resolving links: an output folder that is a symbolic link is refused
     # (benchmark/store.py), never followed
     if args.output:
         return Path(os.path.abspath(Path(args.output).expanduser()))
-    if cfg["output"]:
-        return Path(os.path.abspath(PROJECT_ROOT / Path(str(cfg["output"])).expanduser()))
+    if cfg.output:
+        return Path(os.path.abspath(PROJECT_ROOT / Path(str(cfg.output)).expanduser()))
     return Path(default_output(cfg))
 
 
@@ -95,11 +95,11 @@ def _main(args: argparse.Namespace) -> int:
     try:
         cfg = resolve(args)
         output = str(output_folder(args, cfg))
-        cfg["output"] = output
+        cfg.output = output
         from benchmark.pipeline import raise_for_errors, run_benchmark
         from benchmark.training import train_missing
 
-        if cfg["sweep"]:
+        if cfg.sweep:
             from benchmark.sweep import run_sweep
 
             with logging_redirect_tqdm():

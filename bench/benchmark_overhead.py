@@ -72,7 +72,7 @@ class Victims:
     dal: float
 
 
-def bare_work(cfg: dict) -> list[Victims]:
+def bare_work(cfg: C.BenchmarkConfig) -> list[Victims]:
     """The victims per model row and gradient group (x for setting a, x~ for b/c), one warm-up
     gradient per model done."""
     from clients.partition import private_batch
@@ -80,8 +80,8 @@ def bare_work(cfg: dict) -> list[Victims]:
     from clients.update import fedsgd_gradients, load_global_model
 
     rows = build_rows(cfg, torch.device("cpu"))
-    groups = sorted({C.SETTING_GROUPS[s] for s in cfg["settings"]})
-    clients, rounds = cfg["federation"]["clients"], cfg["federation"]["rounds"]
+    groups = sorted({C.SETTING_GROUPS[s] for s in cfg.settings})
+    clients, rounds = cfg.federation.clients, cfg.federation.rounds
     work = []
     for row in rows:
         for group in groups:
@@ -89,7 +89,7 @@ def bare_work(cfg: dict) -> list[Victims]:
             model = load_global_model(resolved).to(getattr(torch, resolved.precision))
             batches = [private_batch(resolved, p, r, clients)
                        for r in range(1, rounds + 1) for p in range(clients)]
-            work.append(Victims(row, [s for s in cfg["settings"] if C.SETTING_GROUPS[s] == group], resolved,
+            work.append(Victims(row, [s for s in cfg.settings if C.SETTING_GROUPS[s] == group], resolved,
                                 model, batches, resolved.dal_weight))
     for v in work:  # warm-up: one gradient per model
         fedsgd_gradients(v.model, v.batches[0], v.dal)
@@ -109,7 +109,7 @@ def bare_gradients(work: list[Victims]) -> tuple[float, int]:
     return time.perf_counter() - t0, n
 
 
-def bare_parts(cfg: dict, work: list[Victims]) -> tuple[dict[str, float], int]:
+def bare_parts(cfg: C.BenchmarkConfig, work: list[Victims]) -> tuple[dict[str, float], int]:
     """Seconds of each part of the benchmark's work on these updates, bare and one after the other
     (see the module docstring), and the number of updates."""
     import attacks
@@ -120,9 +120,9 @@ def bare_parts(cfg: dict, work: list[Victims]) -> tuple[dict[str, float], int]:
     from metrics.regions import region_scores
 
     device = torch.device("cpu")
-    scorer = scoring.Scorer(device, cfg["metrics"])
-    attack = [attacks.create_attack(e["name"], **e["options"]) for e in attack_entries(cfg)]
-    clients = cfg["federation"]["clients"]
+    scorer = scoring.Scorer(device, cfg.metrics.model_dump())
+    attack = [attacks.create_attack(e.name, **e.options) for e in attack_entries(cfg)]
+    clients = cfg.federation.clients
     parts = dict.fromkeys(("victim gradients", "Acc. forward", "attack", "metrics"), 0.0)
     n = 0
     for v in work:

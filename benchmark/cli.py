@@ -68,8 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def resolve(args: argparse.Namespace) -> dict:
-    """The validated config the flags describe (file < flags < --set)."""
+def resolve(args: argparse.Namespace) -> C.BenchmarkConfig:
+    """The validated, typed config the flags describe (file < flags < --set; edited as plain data)."""
     cfg = C.load_config(args.config)
     # flag values go in as the Python values argparse made (a text round trip would read 5e-05 as a string)
     flags: list[tuple[list[str], object]] = []
@@ -115,10 +115,10 @@ def catalog_text() -> str:
     return "\n".join(lines)
 
 
-def default_output(cfg: dict) -> str:
-    settings = "".join(cfg["settings"])
+def default_output(cfg: C.BenchmarkConfig) -> str:
+    settings = "".join(cfg.settings)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    suffix = "-dry-run" if cfg["dry_run"] else ""
+    suffix = "-dry-run" if cfg.dry_run else ""
     return str(C.PROJECT_ROOT / "runs" / f"{stamp}-setting-{settings}{suffix}")
 
 

@@ -1,9 +1,12 @@
 """Benchmark configuration: the schema, YAML presets, dotted ``key=value`` overrides, validation.
 
 :class:`BenchmarkConfig` and its sections hold every key, its type and default; :mod:`fedmjp.config`
-loads and checks (an unknown key lists the valid ones, so a typo never silently does nothing). A
-resolved config is plain data. Presets live in ``configs/`` (``default.yaml`` quick, ``paper.yaml``
-the paper's protocol). Overrides are YAML data (``--set data.num_images=null`` -> None), never code.
+loads and checks (an unknown key lists the valid ones, so a typo never silently does nothing).
+Presets, flags and overrides are merged as plain data (:func:`load_config`, :func:`apply_overrides`,
+:func:`with_values`); :func:`validate` turns the result into the typed :class:`BenchmarkConfig` the
+run reads (``cfg.federation.rounds``), and :func:`plain` back into data for ``config.yaml`` and the
+resume check. Presets live in ``configs/`` (``default.yaml`` quick, ``paper.yaml`` the paper's
+protocol). Overrides are YAML data (``--set data.num_images=null`` -> None), never code.
 A field's ``client=`` names the clients' run-config key(s) it feeds (:func:`client_values`).
 
 Relative paths in a config file (image folder, checkpoints, LPIPS backbone) are resolved against the
@@ -216,34 +219,35 @@ def _resolve_paths(cfg: dict, base: Path) -> dict:
     return cfg
 
 
-def apply_overrides(cfg: dict, overrides: Iterable[str]) -> dict:
+def apply_overrides(cfg: Mapping[str, Any] | BenchmarkConfig, overrides: Iterable[str]) -> dict:
     """Apply ``key=value`` overrides (dotted keys; ``models.0.checkpoint=...`` indexes model rows),
     then check the whole config against the schema, which names an unknown key and the valid ones."""
     with _as_benchmark_error():
         return with_values(cfg, [core.parse_override(text) for text in overrides])
 
 
-def with_values(cfg: dict, changes: Iterable[tuple[list[str], Any]]) -> dict:
-    """A copy of ``cfg`` with each (dotted key parts, Python value) set, checked against the schema,
-    paths resolved."""
-    cfg = copy.deepcopy(cfg)
+def with_values(cfg: Mapping[str, Any] | BenchmarkConfig, changes: Iterable[tuple[list[str], Any]]) -> dict:
+    """A copy of ``cfg`` as plain data with each (dotted key parts, Python value) set, checked against
+    the schema, paths resolved."""
+    cfg = plain(cfg)
     with _as_benchmark_error():
         for parts, value in changes:
             core.set_dotted(cfg, parts, copy.deepcopy(value))
     return _resolve_paths(conform(cfg), PROJECT_ROOT)
 
 
-def client_values(cfg: Mapping[str, Any], schema: type[Schema] = BenchmarkConfig) -> dict[str, Any]:
+def client_values(cfg: Schema) -> dict[str, Any]:
     """The Flower run-config values (clients/runconfig.py keys) of every benchmark key whose schema
     field names the run-config key(s) it feeds (``client=``)."""
     out: dict[str, Any] = {}
-    for key, info in core.keys(schema).items():
-        if isinstance(info.annotation, type) and issubclass(info.annotation, Schema):
-            out.update(client_values(cfg[key], info.annotation))
+    for key, info in type(cfg).model_fields.items():
+        value = getattr(cfg, key)
+        if isinstance(value, Schema):
+            out.update(client_values(value))
         meta: Any = info.json_schema_extra or {}
         targets = meta.get("client", ())
         for target in (targets,) if isinstance(targets, str) else targets:
-            out[target] = meta.get("client_null") if cfg[key] is None else cfg[key]
+            out[target] = meta.get("client_null") if value is None else value
     return out
 
 
@@ -261,49 +265,56 @@ def select_models(cfg: dict, names: Optional[Sequence[str]]) -> dict:
     return cfg
 
 
-def validate(cfg: dict) -> dict:
-    """Check keys, types, names and values; normalises ``settings`` (``all`` -> a, b, c). Returns the config.
+def plain(cfg: Mapping[str, Any] | BenchmarkConfig) -> dict:
+    """A config as plain data (a deep copy): what overrides edit and ``config.yaml`` holds."""
+    return cfg.model_dump() if isinstance(cfg, BenchmarkConfig) else copy.deepcopy(dict(cfg))
+
+
+def validate(cfg: Mapping[str, Any] | BenchmarkConfig) -> BenchmarkConfig:
+    """The checked, typed config: keys, types, names and values; ``settings`` normalised (``all`` ->
+    a, b, c).
 
     Every value a user can type is checked here, before anything is written: keys, types and ranges
     against the schema, names against their registries (model factory, attacks, defences), and
     ``federation.options`` against the clients' run-config schema.
     """
-    cfg = conform(cfg)
-    settings = cfg["settings"]
+    with _as_benchmark_error():
+        cfg = core.parse(BenchmarkConfig, plain(cfg))
+    settings = cfg.settings
     settings = list(SETTINGS) if settings == "all" else [settings] if isinstance(settings, str) else settings
     if not settings:
         raise ConfigError(f"settings must be a non-empty list of {', '.join(SETTINGS)}, got {settings!r}")
-    cfg["settings"] = [s for s in SETTINGS if s in settings]
+    cfg.settings = [s for s in SETTINGS if s in settings]
     with _as_benchmark_error():  # the keys given, their values as the clients read them ("1e-4" -> 1e-4)
-        options = core.conform(RunConfig, cfg["federation"]["options"], "federation.options.")
-    cfg["federation"]["options"] = {k: options[k] for k in cfg["federation"]["options"]}
-    if not cfg["device"].strip():
+        options = core.conform(RunConfig, cfg.federation.options, "federation.options.")
+    cfg.federation.options = {k: options[k] for k in cfg.federation.options}
+    if not cfg.device.strip():
         raise ConfigError("device must be auto, cpu, cuda or cuda:N, got an empty string")
     cores = os.cpu_count() or 1
-    if not cfg["ray_address"] and cfg["attack_workers"] > cores:  # Ray would wait for CPUs that never come
+    if not cfg.ray_address and cfg.attack_workers > cores:  # Ray would wait for CPUs that never come
         raise ConfigError(f"attack_workers must be <= {cores} (this machine's CPUs) without a ray_address, "
-                          f"got {cfg['attack_workers']}")
+                          f"got {cfg.attack_workers}")
     _validate_models(cfg)
-    _validate_attack(cfg["attack"])
+    _validate_attack(cfg.attack)
     _validate_attack_list(cfg)
     _validate_defences(cfg)
     return cfg
 
 
-def _validate_defences(cfg: dict) -> None:
+def _validate_defences(cfg: BenchmarkConfig) -> None:
     """The top-level defence, every row's own (defences/spec.py), and the sweep grid."""
-    cfg["defence"] = _checked_defence(cfg["defence"], "defence")
-    for row in cfg["models"]:
-        if row.get("defence") is not None:
-            row["defence"] = _checked_defence(row["defence"], f"model row {row['name']!r}: defence")
+    cfg.defence = _checked_defence(cfg.defence, "defence")
+    for row in cfg.models:
+        if row.defence is not None:
+            row.defence = _checked_defence(row.defence, f"model row {row.name!r}: defence")
     validate_sweep(cfg)
 
 
-def grid_points(cfg: dict) -> list[dict[str, Any]]:
+def grid_points(cfg: BenchmarkConfig) -> list[dict[str, Any]]:
     """The sweep grid as a list of {dotted key: value}: the Cartesian product in the order given for
     a mapping, the points themselves for a list of mappings (an explicit grid, e.g. several defences
     and an MJP gamma series side by side). Running it: benchmark/sweep.py."""
-    sweep = cfg.get("sweep") or {}
+    sweep = cfg.sweep or {}
     if isinstance(sweep, list):
         return [dict(point) for point in sweep]
     keys = list(sweep)
@@ -314,7 +325,7 @@ def point_label(point: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in point.items())
 
 
-def point_config(cfg: dict, point: dict[str, Any]) -> dict:
+def point_config(cfg: BenchmarkConfig, point: dict[str, Any]) -> BenchmarkConfig:
     """The validated config of one grid point (no sweep; the point's values set)."""
     # the values are set as the Python objects themselves (a text round trip would turn 1e-06 into a
     # YAML string); the schema check names an unknown key and the valid ones
@@ -322,10 +333,10 @@ def point_config(cfg: dict, point: dict[str, Any]) -> dict:
     return validate(with_values(cfg, changes))
 
 
-def validate_sweep(cfg: dict) -> None:
+def validate_sweep(cfg: BenchmarkConfig) -> None:
     """Every swept key must be a list of values and every grid point a valid config (names, ranges,
     defence keys), checked before anything is written. Raises ConfigError."""
-    sweep = cfg.get("sweep") or {}
+    sweep = cfg.sweep or {}
     if isinstance(sweep, list):
         if not all(isinstance(p, dict) and p for p in sweep):
             raise ConfigError(f"a sweep list must hold non-empty mappings of dotted key -> value, got {sweep!r}")
@@ -357,28 +368,27 @@ def _checked_defence(spec: Any, where: str) -> dict:
         raise ConfigError(f"{where}: {err}") from err
 
 
-def row_defence(cfg: dict, index: int) -> dict:
+def row_defence(cfg: BenchmarkConfig, index: int) -> dict:
     """The defence of model row ``index``: its own ``defence:`` or else the top-level one."""
-    row = cfg["models"][index]
-    return _checked_defence(row.get("defence") if row.get("defence") is not None else cfg["defence"],
-                            f"model row {row['name']!r}: defence")
+    row = cfg.models[index]
+    return _checked_defence(row.defence if row.defence is not None else cfg.defence,
+                            f"model row {row.name!r}: defence")
 
 
-def _validate_models(cfg: dict) -> None:
+def _validate_models(cfg: BenchmarkConfig) -> None:
     """Rows (types checked by the schema): at least one, unique names, recipes exist, specs build."""
     from fedmjp.factory import validate_spec
 
-    rows = cfg["models"]
-    if not rows:
+    if not cfg.models:
         raise ConfigError("the config names no model rows (models: [...])")
-    for index, row in enumerate(rows):
-        if row["recipe"] and not Path(row["recipe"]).is_file():
-            raise ConfigError(f"model row {row['name']!r}: training recipe {row['recipe']} does not exist")
+    for index, row in enumerate(cfg.models):
+        if row.recipe and not Path(row.recipe).is_file():
+            raise ConfigError(f"model row {row.name!r}: training recipe {row.recipe} does not exist")
         try:
             validate_spec(model_spec(cfg, index))
         except ValueError as err:
-            raise ConfigError(f"model row {row['name']!r}: {err}") from err
-    _check_unique([row["name"] for row in rows], "model row names must be unique")
+            raise ConfigError(f"model row {row.name!r}: {err}") from err
+    _check_unique([row.name for row in cfg.models], "model row names must be unique")
 
 
 def _check_unique(names: list[str], what: str) -> None:
@@ -387,7 +397,7 @@ def _check_unique(names: list[str], what: str) -> None:
         raise ConfigError(f"{what}; repeated: {', '.join(duplicates)}")
 
 
-def _validate_attack(entry: dict) -> None:
+def _validate_attack(entry: Attack | AttackEntry) -> None:
     """An attacker ``{name, options}``: a built-in, an installed plug-in's entry point or a
     ``package.module:Name`` reference that loads as an Attack subclass (a plug-in is imported here,
     so a bad one fails before any work), and options its class takes (number options converted in
@@ -395,24 +405,23 @@ def _validate_attack(entry: dict) -> None:
     from attacks.base import attack_options
 
     try:
-        entry["options"] = attack_options(entry["name"], entry["options"])
+        entry.options = attack_options(entry.name, entry.options)
     except ValueError as err:
         raise ConfigError(str(err)) from err
 
 
-def _validate_attack_list(cfg: dict) -> None:
-    for entry in cfg["attacks"]:
+def _validate_attack_list(cfg: BenchmarkConfig) -> None:
+    for entry in cfg.attacks:
         _validate_attack(entry)
-    _check_unique([a["label"] for a in attack_entries(cfg)],
+    _check_unique([a.label for a in attack_entries(cfg)],
                   "attack labels must be unique (give each entry of attacks a label)")
 
 
-def attack_entries(cfg: Mapping[str, Any]) -> list[dict]:
-    """The attackers of a run, each ``{label, name, options}``: the ``attacks`` list when it is not
-    empty, else the single ``attack`` section."""
-    entries = cfg.get("attacks") or [{"name": cfg["attack"]["name"], "options": cfg["attack"]["options"]}]
-    return [{"label": str(e.get("label") or e["name"]), "name": str(e["name"]),
-             "options": dict(e.get("options") or {})} for e in entries]
+def attack_entries(cfg: BenchmarkConfig) -> list[AttackEntry]:
+    """The attackers of a run, each with its label (default: its name): the ``attacks`` list when
+    it is not empty, else the single ``attack`` section."""
+    entries = cfg.attacks or [AttackEntry(name=cfg.attack.name, options=cfg.attack.options)]
+    return [AttackEntry(name=e.name, options=dict(e.options), label=e.label or e.name) for e in entries]
 
 
 def available_attacks() -> list[str]:
@@ -433,20 +442,15 @@ def catalog() -> dict[str, list[tuple[str, str]]]:
     return {"attacks": attack_catalog(), "defences": defence_names(), "models": model_catalog()}
 
 
-def model_spec(cfg: dict, index: int) -> dict:
+def model_spec(cfg: BenchmarkConfig, index: int) -> dict:
     """The factory spec of model row ``index`` (label dropped; seed defaults to seed + index)."""
-    row = cfg["models"][index]  # a checked row holds every key of ModelRowConfig
-    spec = {k: copy.deepcopy(v) for k, v in row.items() if k not in ("label", "recipe", "defence")}
+    spec = cfg.models[index].model_dump(exclude={"label", "recipe", "defence"})
     if spec["seed"] is None:
-        spec["seed"] = int(cfg["seed"]) + index
+        spec["seed"] = cfg.seed + index
     return spec
 
 
-def model_label(row: Mapping[str, Any]) -> str:
-    return str(row.get("label") or row["name"])
-
-
-def save_config(cfg: dict, path: str | Path) -> None:
+def save_config(cfg: Mapping[str, Any] | BenchmarkConfig, path: str | Path) -> None:
     """Write the resolved config (safe YAML, plain data only; a string that reads as a number is
     quoted, :func:`fedmjp.config.dump_yaml`) atomically: a temporary file
     beside it, then ``os.replace``, so a reader never sees half a config."""
@@ -454,13 +458,13 @@ def save_config(cfg: dict, path: str | Path) -> None:
 
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(core.dump_yaml(cfg, sort_keys=False, default_flow_style=None))
+    tmp.write_text(core.dump_yaml(plain(cfg), sort_keys=False, default_flow_style=None))
     os.replace(tmp, path)
 
 
-def result_view(cfg: Mapping[str, Any]) -> dict:
-    """The part of a config that determines results (what must match to resume)."""
-    return {k: v for k, v in cfg.items() if k not in NON_RESULT_KEYS}
+def result_view(cfg: Mapping[str, Any] | BenchmarkConfig) -> dict:
+    """The part of a config that determines results (what must match to resume), as plain data."""
+    return {k: v for k, v in plain(cfg).items() if k not in NON_RESULT_KEYS}
 
 
 def diff_configs(old: Any, new: Any, where: str = "") -> list[str]:

@@ -32,9 +32,9 @@ from fedmjp.devices import resolve_device
 from . import scoring
 from .config import (
     SETTING_GROUPS,
+    BenchmarkConfig,
     attack_entries,
     client_values,
-    model_label,
     model_spec,
     row_defence,
 )
@@ -91,7 +91,7 @@ class Attacker:
 class Prepared:
     """Everything checked before any work starts (bad input fails here, not mid-run)."""
 
-    cfg: dict
+    cfg: BenchmarkConfig
     device: torch.device
     image_names: list[str]  # the attack set in order (the tensors stay with the clients' loader)
     rows: list[ModelRow]
@@ -123,62 +123,61 @@ def pick_device(name: str) -> torch.device:
 
 
 # ------------------------------------------------------------------------------------ preparation
-def load_attack_images(cfg: dict) -> ImageSet:
+def load_attack_images(cfg: BenchmarkConfig) -> ImageSet:
     """The attack image set; lists skipped files. Raises InputDataError."""
-    data = cfg["data"]
+    data = cfg.data
     try:
-        images = load_images(data["source"], data["image_size"], data["num_images"], data["num_classes"],
-                             on_corrupt=data["on_corrupt"])
+        images = load_images(data.source, data.image_size, data.num_images, data.num_classes,
+                             on_corrupt=data.on_corrupt)
     except DataError as err:
         raise InputDataError(str(err)) from err
     if images.skipped:
         _logger.warning("skipped %d file(s) of the image folder: %s", len(images.skipped),
                         "; ".join(f"{path} ({why})" for path, why in images.skipped))
-    n_needed = cfg["federation"]["clients"]
+    n_needed = cfg.federation.clients
     if len(images) < n_needed:
         raise InputDataError(f"{len(images)} usable image(s) cannot be split over {n_needed} clients; "
                              "add images or lower --clients")
     return images
 
 
-def build_rows(cfg: dict, device: torch.device) -> list[ModelRow]:
+def build_rows(cfg: BenchmarkConfig, device: torch.device) -> list[ModelRow]:
     """Build every model row (checkpoints loaded, APRIL surgery applied). Raises on bad rows."""
     from fedmjp.checkpoint import CheckpointError
     from fedmjp.factory import build_model
 
     rows = []
-    for index, row in enumerate(cfg["models"]):
+    for index, row in enumerate(cfg.models):
         spec = model_spec(cfg, index)
         try:
             model = build_model(spec, device=device)
         except CheckpointError as err:
-            hint = (f"; run_benchmark.py --train-missing trains it with {row['recipe']}" if row.get("recipe")
-                    else "")
-            raise ModelCheckpointError(f"model row {row['name']!r}: {err}{hint}") from err
+            hint = f"; run_benchmark.py --train-missing trains it with {row.recipe}" if row.recipe else ""
+            raise ModelCheckpointError(f"model row {row.name!r}: {err}{hint}") from err
         except (TypeError, ValueError) as err:  # timm: unknown or ill-typed constructor kwargs
-            raise ConfigError(f"model row {row['name']!r}: {err}") from err
+            raise ConfigError(f"model row {row.name!r}: {err}") from err
         size = tuple(model.patch_embed.img_size)
-        if size != (cfg["data"]["image_size"],) * 2:
-            raise ConfigError(f"model row {row['name']!r} takes {size[0]}x{size[1]} images but data.image_size is "
-                              f"{cfg['data']['image_size']}; make them equal")
-        if model.num_classes < cfg["data"]["num_classes"]:
-            raise ConfigError(f"model row {row['name']!r} has {model.num_classes} classes, fewer than "
-                              f"data.num_classes={cfg['data']['num_classes']}")
+        if size != (cfg.data.image_size,) * 2:
+            raise ConfigError(f"model row {row.name!r} takes {size[0]}x{size[1]} images but data.image_size is "
+                              f"{cfg.data.image_size}; make them equal")
+        if model.num_classes < cfg.data.num_classes:
+            raise ConfigError(f"model row {row.name!r} has {model.num_classes} classes, fewer than "
+                              f"data.num_classes={cfg.data.num_classes}")
         acc_model = None
         if spec["april"] == "surgery":  # the unmodified model (same seed/checkpoint) for the Acc. column
             acc_model = build_model({**spec, "april": None}, device=device)
-        rows.append(ModelRow(index, str(row["name"]), model_label(row), spec, model, bool(spec["checkpoint"]),
+        rows.append(ModelRow(index, row.name, row.label or row.name, spec, model, bool(spec["checkpoint"]),
                              acc_model))
     return rows
 
 
-def prepare(cfg: dict) -> Prepared:
+def prepare(cfg: BenchmarkConfig) -> Prepared:
     """Load data, build models and attack and metrics: every input problem surfaces here."""
     import attacks
 
     from .training import train_jobs
 
-    device = pick_device(str(cfg["device"]))
+    device = pick_device(str(cfg.device))
     for job in train_jobs(cfg):
         if 0 < job.epochs_done < job.epochs_wanted:  # a stopped training run: never attack half a model
             raise ModelCheckpointError(f"model row {job.row!r}: {job.checkpoint} holds {job.epochs_done} of the "
@@ -189,20 +188,19 @@ def prepare(cfg: dict) -> Prepared:
     attackers = []
     for entry in attack_entries(cfg):
         try:
-            attackers.append(Attacker(entry["label"], entry["name"],
-                                      attacks.create_attack(entry["name"], **entry["options"])))
+            attackers.append(Attacker(entry.label, entry.name, attacks.create_attack(entry.name, **entry.options)))
         except (TypeError, ValueError) as err:  # unknown or ill-typed options
-            raise ConfigError(f"attack {entry['label']!r}: {err} (attack options)") from err
+            raise ConfigError(f"attack {entry.label!r}: {err} (attack options)") from err
     scorer = make_scorer(cfg, device)
     check_partitions(cfg, rows[0])
-    if cfg["ray_address"]:
+    if cfg.ray_address:
         from .workers import check_ray_address
 
-        check_ray_address(str(cfg["ray_address"]))  # an unreachable cluster fails here, before any work
+        check_ray_address(str(cfg.ray_address))  # an unreachable cluster fails here, before any work
     return Prepared(cfg, device, images.names, rows, attackers, scorer)
 
 
-def make_scorer(cfg: dict, device: torch.device) -> scoring.Scorer:
+def make_scorer(cfg: BenchmarkConfig, device: torch.device) -> scoring.Scorer:
     """The run's scorer; an LPIPS weights file that cannot be loaded (random bytes, a pickle of
     other objects, a state dict of another network) is a :class:`ConfigError` naming it."""
     import pickle
@@ -210,9 +208,9 @@ def make_scorer(cfg: dict, device: torch.device) -> scoring.Scorer:
     from fedmjp.checkpoint import load_error_text
 
     try:
-        return scoring.Scorer(device, cfg["metrics"])
+        return scoring.Scorer(device, cfg.metrics.model_dump())
     except (pickle.UnpicklingError, RuntimeError, KeyError, ValueError, EOFError, OSError) as err:
-        backbone = cfg["metrics"].get("lpips_backbone")
+        backbone = cfg.metrics.lpips_backbone
         if not backbone:
             raise
         raise ConfigError(f"LPIPS weights file {backbone} cannot be used: {load_error_text(err)} "
@@ -220,19 +218,19 @@ def make_scorer(cfg: dict, device: torch.device) -> scoring.Scorer:
                           "metrics.lpips=false to leave the column out)") from err
 
 
-def check_partitions(cfg: dict, row: ModelRow) -> None:
+def check_partitions(cfg: BenchmarkConfig, row: ModelRow) -> None:
     """The clients' partitioning works for this image set (a Dirichlet split of too few images per
     class fails): found here, before the output folder is written, not inside a client."""
     from clients.partition import private_batch
 
     try:
-        private_batch(client_run_config(cfg, row, "clean"), 0, 1, cfg["federation"]["clients"])
+        private_batch(client_run_config(cfg, row, "clean"), 0, 1, cfg.federation.clients)
     except ValueError as err:
-        raise ConfigError(f"federation.partition={cfg['federation']['partition']!r}: {err}") from err
+        raise ConfigError(f"federation.partition={cfg.federation.partition!r}: {err}") from err
 
 
 # ------------------------------------------------------------------------------------ federation
-def client_run_config(cfg: dict, row: ModelRow, group: str) -> dict:
+def client_run_config(cfg: BenchmarkConfig, row: ModelRow, group: str) -> dict:
     """The flat Flower run config (clients/runconfig.py keys) of one federation: the benchmark keys
     that feed run-config keys (``client=`` in benchmark/config.py's schema), the row's model spec and
     defence, then ``federation.options`` on top."""
@@ -240,50 +238,50 @@ def client_run_config(cfg: dict, row: ModelRow, group: str) -> dict:
 
     run_config = {**client_values(cfg), **model_keys(row.spec), "setting": GROUP_SETTING[group],
                   "defence": json.dumps(row_defence(cfg, row.index), sort_keys=True)}
-    if cfg["dry_run"]:
+    if cfg.dry_run:
         run_config["num-server-rounds"] = 1
-    run_config.update(cfg["federation"]["options"])
+    run_config.update(cfg.federation.options)
     return run_config
 
 
-def expected_updates(cfg: dict) -> list[tuple[int, int]]:
+def expected_updates(cfg: BenchmarkConfig) -> list[tuple[int, int]]:
     """(round, partition) pairs the attacker attacks (dry run: round 1, partition 0 only)."""
-    if cfg["dry_run"]:
+    if cfg.dry_run:
         return [(1, 0)]
-    return [(r, p) for r in range(1, cfg["federation"]["rounds"] + 1) for p in range(cfg["federation"]["clients"])]
+    return [(r, p) for r in range(1, cfg.federation.rounds + 1) for p in range(cfg.federation.clients)]
 
 
-def expected_keys(cfg: dict, row: ModelRow, group: str, settings: list[str]) -> set[tuple]:
+def expected_keys(cfg: BenchmarkConfig, row: ModelRow, group: str, settings: list[str]) -> set[tuple]:
     """Row keys a complete federation of this (row, group) stores (from the private batches)."""
     from clients.partition import private_batch
 
     run_config = client_run_config(cfg, row, group)
     keys = set()
     for rnd, part in expected_updates(cfg):
-        batch = private_batch(run_config, part, rnd, cfg["federation"]["clients"])
+        batch = private_batch(run_config, part, rnd, cfg.federation.clients)
         for b, image_id in enumerate(batch.image_ids):
             for s in settings:
                 for entry in attack_entries(cfg):
-                    keys.add(RowKey(row.name, entry["label"], s, rnd, part, b, image_id))
+                    keys.add(RowKey(row.name, entry.label, s, rnd, part, b, image_id))
     return keys
 
 
-def grid_image_ids(cfg: dict, run_config: dict) -> set[str]:
+def grid_image_ids(cfg: BenchmarkConfig, run_config: dict) -> set[str]:
     """The fixed grid selection: the first ``report.grid_images`` images attacked, in (round,
     partition, batch index) order. Private batches do not depend on the model row or the setting
     group, so every grid row shows the same images."""
     from clients.partition import private_batch
 
-    k = cfg["report"]["grid_images"]
+    k = cfg.report.grid_images
     ids: list[str] = []
     for rnd, part in expected_updates(cfg):
         if len(ids) >= k:
             break
-        ids += private_batch(run_config, part, rnd, cfg["federation"]["clients"]).image_ids
+        ids += private_batch(run_config, part, rnd, cfg.federation.clients).image_ids
     return set(ids[:k])
 
 
-def run_benchmark(cfg: dict, output: str, federate: Callable[..., Any] | None = None,
+def run_benchmark(cfg: BenchmarkConfig, output: str, federate: Callable[..., Any] | None = None,
                   progress: bool = True, batched: bool = True, force: bool = False) -> RunSummary:
     """Run (or resume) a benchmark into ``output``; write tables and grids at the end.
 
@@ -311,7 +309,7 @@ def run_benchmark(cfg: dict, output: str, federate: Callable[..., Any] | None = 
         run.unlock()
 
 
-def _run_locked(cfg: dict, run: RunFolder, prepared: Prepared, federate: Callable[..., Any] | None,
+def _run_locked(cfg: BenchmarkConfig, run: RunFolder, prepared: Prepared, federate: Callable[..., Any] | None,
                 progress: bool, t0: float, batched: bool = True) -> RunSummary:
     """The body of :func:`run_benchmark`, with the folder locked."""
     from .workers import make_runner
@@ -320,7 +318,7 @@ def _run_locked(cfg: dict, run: RunFolder, prepared: Prepared, federate: Callabl
     kept = len(done)
     if kept:
         _logger.info("resuming %s: %d stored row(s) kept", run.folder, kept)
-    groups = sorted({SETTING_GROUPS[s] for s in cfg["settings"]}, key=["clean", "shuffled"].index)
+    groups = sorted({SETTING_GROUPS[s] for s in cfg.settings}, key=["clean", "shuffled"].index)
     jobs = [(row, g) for row in prepared.rows for g in groups]
     quiet_flower(_logger.isEnabledFor(logging.DEBUG))
     new_rows = failed = federations = errors = 0
@@ -329,14 +327,14 @@ def _run_locked(cfg: dict, run: RunFolder, prepared: Prepared, federate: Callabl
     try:
         for row, group in bar:
             bar.set_postfix_str(f"{row.name} ({group})")
-            settings = [s for s in cfg["settings"] if SETTING_GROUPS[s] == group]
+            settings = [s for s in cfg.settings if SETTING_GROUPS[s] == group]
             todo = expected_keys(cfg, row, group, settings) - done
             if not todo:
                 _logger.info("%s/%s: all rows stored, federation skipped", row.name, group)
                 continue
             if runner is None:  # Ray workers start only when there is work for them
-                runner = make_runner([a.attack for a in prepared.attackers], int(cfg["attack_workers"]),
-                                     cfg["ray_address"])
+                runner = make_runner([a.attack for a in prepared.attackers], int(cfg.attack_workers),
+                                     cfg.ray_address)
             attacker = GroupAttacker(prepared, run, row, group, settings, done, progress, runner, batched)
             federations += 1
             attacker.run(federate)
@@ -348,13 +346,13 @@ def _run_locked(cfg: dict, run: RunFolder, prepared: Prepared, federate: Callabl
             runner.close()
         _shutdown_ray()
     tables = write_tables(run)
-    grids = write_grids(run, cfg["settings"], cfg["report"]["grid_images"], cfg["report"]["tile"])
-    grids += write_distributions(run, cfg["settings"])
+    grids = write_grids(run, cfg.settings, cfg.report.grid_images, cfg.report.tile)
+    grids += write_distributions(run, cfg.settings)
     return RunSummary(str(run.folder), new_rows, kept, failed, federations, errors, time.perf_counter() - t0,
                       tables, [str(g) for g in grids])
 
 
-def attack_metadata(cfg: dict, resolved: RunConfig, model: nn.Module, batch: Any) -> dict:
+def attack_metadata(cfg: BenchmarkConfig, resolved: RunConfig, model: nn.Module, batch: Any) -> dict:
     """What the server knows besides an update: batch size, input normalisation, image size, the
     update type, the defence the clients run (its spec with parameters: Kerckhoffs, the server
     configures the protocol) and, when the threat model grants them, the labels.
@@ -366,15 +364,15 @@ def attack_metadata(cfg: dict, resolved: RunConfig, model: nn.Module, batch: Any
     from fedmjp.factory import model_input_stats
 
     mean, std = model_input_stats(model)
-    fed = cfg["federation"]
+    fed = cfg.federation
     md = {"num_images": len(batch.image_ids), "mean": mean, "std": std,
-          "image_size": (3, cfg["data"]["image_size"], cfg["data"]["image_size"]),
-          "update_type": "gradient" if fed["algorithm"] == "fedsgd" else "delta",
-          "lr": float(fed["lr"]), "local_steps": fed["local_steps"],
+          "image_size": (3, cfg.data.image_size, cfg.data.image_size),
+          "update_type": "gradient" if fed.algorithm == "fedsgd" else "delta",
+          "lr": float(fed.lr), "local_steps": fed.local_steps,
           "defence": resolved.defence_spec()}
-    if resolved.mode != fed["algorithm"]:  # the fedavg defence turns FedSGD into FedAvg
+    if resolved.mode != fed.algorithm:  # the fedavg defence turns FedSGD into FedAvg
         md.update(update_type="delta", local_steps=resolved.local_steps)
-    if cfg["attack"]["labels"] == "known":
+    if cfg.attack.labels == "known":
         md["labels"] = batch.labels.clone()
     return md
 
@@ -407,13 +405,13 @@ def quiet_flower(verbose: bool = False) -> None:
     log.propagate = False
 
 
-def row_context(cfg: dict, row: ModelRow, group: str, run_config: dict, image_names: list[str]) -> RowContext:
+def row_context(cfg: BenchmarkConfig, row: ModelRow, group: str, run_config: dict, image_names: list[str]) -> RowContext:
     """What every result row of one federation (model row, setting group) shares."""
     from defences import defence_label
 
     spec = json.loads(run_config["defence"])
     return RowContext(model=row.name, label=row.label, trained=row.trained, arch=row.spec["arch"],
-                      variant=row.spec["variant"], april=row.spec["april"], group=group, seed=cfg["seed"],
+                      variant=row.spec["variant"], april=row.spec["april"], group=group, seed=cfg.seed,
                       defence=spec, defence_label=defence_label(spec),
                       image_index={name: i for i, name in enumerate(image_names)})
 
@@ -528,7 +526,7 @@ class GroupAttacker:
         self.aborted = False
         # Updates on their way from the server's tap to the attack thread; a round and a half of
         # them at most, so the server runs one round ahead and no further.
-        self.inbox: queue.Queue[Any] = queue.Queue(maxsize=max(1, (3 * self.cfg["federation"]["clients"]) // 2))
+        self.inbox: queue.Queue[Any] = queue.Queue(maxsize=max(1, (3 * self.cfg.federation.clients) // 2))
         self.bar = tqdm(total=len(self.rounds.wanted), desc=f"attack {row.name} [{group}]", unit="upd",
                         leave=False, disable=None if progress else True)  # None: off a terminal
 
@@ -543,10 +541,10 @@ class GroupAttacker:
             if federate is None:
                 # Ray stays up between federations of one benchmark (its start-up is paid once);
                 # run_benchmark shuts it down at the end.
-                result = run_federation(self.run_config, tap=self.tap, engine=self.cfg["federation"]["engine"],
+                result = run_federation(self.run_config, tap=self.tap, engine=self.cfg.federation.engine,
                                         keep_ray=True)
             else:
-                result = federate(self.run_config, tap=self.tap, engine=self.cfg["federation"]["engine"])
+                result = federate(self.run_config, tap=self.tap, engine=self.cfg.federation.engine)
             finished = True
         finally:
             self.aborted = not finished  # an error or Ctrl-C: the thread drops what is queued
@@ -609,7 +607,7 @@ class GroupAttacker:
         from clients.partition import private_batch
 
         rnd = int(updates[0].server_round)
-        clients = self.cfg["federation"]["clients"]
+        clients = self.cfg.federation.clients
         batches = [private_batch(self.run_config, int(u.partition_id), rnd, clients) for u in updates]
         keys = [round_keys(self.row.name, self.p.attackers, self.settings, rnd, int(u.partition_id), b.image_ids)
                 for u, b in zip(updates, batches)]
@@ -705,7 +703,7 @@ class GroupAttacker:
         attackers = [(a.label, a.name) for a in self.p.attackers]
         for rnd, part in self.rounds.missing():
             reasons = sorted({f.reason for f in failures if f.server_round == rnd and f.partition_id in (None, part)})
-            batch = private_batch(self.run_config, part, rnd, self.cfg["federation"]["clients"])
+            batch = private_batch(self.run_config, part, rnd, self.cfg.federation.clients)
             rows += [r for r in client_failure_rows(self.ctx, rnd, part, batch, reasons, attackers, self.settings)
                      if r.key not in self.done]
         if rows:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .config import PROJECT_ROOT
+from .config import PROJECT_ROOT, BenchmarkConfig
 from .errors import OutputConflictError
 
 _logger = logging.getLogger(__name__)
@@ -73,13 +73,13 @@ def device_record(device: torch.device) -> str:
     return str(device)
 
 
-def collect(cfg: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
+def collect(cfg: BenchmarkConfig, device: torch.device) -> dict[str, Any]:
     """The provenance record of a run of ``cfg`` on ``device``."""
     checkpoints = {}
-    for row in cfg["models"]:
-        if row.get("checkpoint"):
-            checkpoints[str(row["name"])] = sha256_file(row["checkpoint"])
-    backbone = (cfg.get("metrics") or {}).get("lpips_backbone")
+    for row in cfg.models:
+        if row.checkpoint:
+            checkpoints[row.name] = sha256_file(row.checkpoint)
+    backbone = cfg.metrics.lpips_backbone
     files = {"lpips_backbone": sha256_file(backbone)} if backbone and Path(backbone).is_file() else {}
     return {"code": code_version(), "libraries": library_versions(), "device": device_record(device),
             "python": platform.python_version(), "checkpoints": checkpoints, "files": files}

@@ -36,7 +36,7 @@ import torch
 import yaml
 from PIL import Image
 
-from .config import attack_entries, diff_configs, result_view
+from .config import BenchmarkConfig, attack_entries, diff_configs, plain, result_view
 from .errors import (
     ConfigError,
     OutputConflictError,
@@ -246,7 +246,7 @@ class RunFolder:
 
         read_record(self.folder)
 
-    def check(self, cfg: dict) -> bool:
+    def check(self, cfg: BenchmarkConfig) -> bool:
         """Check that the folder can take this config, writing nothing.
 
         The device is not compared here: ``provenance.json`` records the device the rows were
@@ -292,7 +292,7 @@ class RunFolder:
                                       "refusing to mix results of an unknown config; use a new --output folder")
         return False
 
-    def init(self, cfg: dict, provenance: Mapping[str, Any] | None = None) -> None:
+    def init(self, cfg: BenchmarkConfig, provenance: Mapping[str, Any] | None = None) -> None:
         """Lock the folder, save the resolved ``config.yaml`` (kept as is when resuming), move the rows
         that failed because an earlier attempt failed to ``results.retried.jsonl`` (they are computed
         again), and write or check ``provenance.json`` (:mod:`benchmark.provenance`).
@@ -310,7 +310,7 @@ class RunFolder:
             resume = self.check(cfg)  # checked again under the lock
             retried = self.retry_run_failures()
             if not resume:
-                text = yaml.safe_dump(cfg, sort_keys=False, default_flow_style=None)
+                text = yaml.safe_dump(plain(cfg), sort_keys=False, default_flow_style=None)
                 write_text(self.config_path, text, sync=True)
             if provenance is not None:
                 fresh = not resume or not self.results_path.is_file() or not self.rows()
@@ -454,15 +454,14 @@ class RunFolder:
         return self.images_dir.rglob("*.png") if self.images_dir.is_dir() else iter(())
 
 
-def check_names(cfg: Mapping[str, Any]) -> None:
+def check_names(cfg: BenchmarkConfig) -> None:
     """Model rows and attackers whose names give the same stored file name (``"X Y"`` and ``"X_Y"``
     both give ``images/X_Y/``) are refused: one's images would show under the other's label.
 
     Raises:
         ConfigError: naming both and what to do.
     """
-    groups = (("model rows", [str(r.get("name")) for r in cfg.get("models") or []]),
-              ("attackers", [e["label"] for e in attack_entries(cfg)] if cfg.get("attack") else []))
+    groups = (("model rows", [r.name for r in cfg.models]), ("attackers", [e.label for e in attack_entries(cfg)]))
     for what, names in groups:
         seen: dict[str, str] = {}
         for name in names:

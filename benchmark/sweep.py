@@ -35,7 +35,7 @@ import pandas as pd
 
 # The grid is part of the config (expanded and checked point by point when a config is validated):
 # benchmark/config.py holds it, so the config never imports this module.
-from .config import grid_points, point_config, point_label, validate_sweep  # noqa: F401
+from .config import BenchmarkConfig, grid_points, point_config, point_label, validate_sweep  # noqa: F401
 from .errors import ConfigError
 from .files import append_line, save_figure, write_text
 from .rows import ResultRow
@@ -63,7 +63,7 @@ def parse_sweep_flag(text: str) -> tuple[str, list[Any]]:
     return key.strip(), values
 
 
-def run_sweep(cfg: dict, output: str, federate: Callable[..., Any] | None = None,
+def run_sweep(cfg: BenchmarkConfig, output: str, federate: Callable[..., Any] | None = None,
               progress: bool = True) -> dict[str, Any]:
     """Run every grid point into ``output/points/`` (each resumable), then gather rows, write
     ``results.jsonl``, ``sweep.csv`` and the plots in ``output``.
@@ -83,10 +83,10 @@ def run_sweep(cfg: dict, output: str, federate: Callable[..., Any] | None = None
     folders = []
     for i, (point, pcfg) in enumerate(zip(points, configs)):
         folder = top.folder / "points" / f"{i:02d}-{slug(point_label(point))}"
-        pcfg["output"] = str(folder)
+        pcfg.output = str(folder)
         _logger.info("sweep point %d/%d: %s", i + 1, len(points), point_label(point))
         run_benchmark(pcfg, str(folder), federate=federate, progress=progress)
-        if int(pcfg["utility"]["rounds"]) > 0:
+        if pcfg.utility.rounds > 0:
             point_utility(pcfg, folder, federate)
         folders.append(folder)
     rows = gather_rows(points, folders)
@@ -96,12 +96,13 @@ def run_sweep(cfg: dict, output: str, federate: Callable[..., Any] | None = None
     csv = top.folder / "sweep.csv"
     write_text(csv, frame.to_csv(index=False))
     keys = list(dict.fromkeys(k for p in points for k in p))
-    plots = write_sweep_plots(frame, top.folder, keys if isinstance(cfg["sweep"], dict) else keys + ["(points)"])
+    plots = write_sweep_plots(frame, top.folder, keys if isinstance(cfg.sweep, dict) else keys + ["(points)"])
     return {"folder": str(top.folder), "points": [str(f) for f in folders], "csv": str(csv),
             "plots": [str(p) for p in plots], "rows": len(rows)}
 
 
-def point_utility(cfg: dict, folder: Path, federate: Callable[..., Any] | None = None) -> list[dict]:
+def point_utility(cfg: BenchmarkConfig, folder: Path, federate: Callable[..., Any] | None = None
+                  ) -> list[dict]:
     """Utility of every model row of one grid point, stored in ``utility.jsonl`` (kept when present:
     same folder, same config, same seeded result)."""
     import torch

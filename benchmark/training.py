@@ -17,11 +17,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from fedmjp import datadir
 
 from .errors import ConfigError, InputDataError, ModelCheckpointError
+
+if TYPE_CHECKING:
+    from .config import BenchmarkConfig
 
 _logger = logging.getLogger(__name__)
 
@@ -55,23 +58,23 @@ def checkpoint_epochs(path: Path) -> int:
     return int(state.get("epoch", 10 ** 9))
 
 
-def train_jobs(cfg: dict) -> list[TrainJob]:
+def train_jobs(cfg: BenchmarkConfig) -> list[TrainJob]:
     """A job for every model row with a ``recipe`` (validated: recipe loads, checkpoint is last.pth)."""
     from fedmjp.trainconfig import load_config
 
     jobs = []
-    for row in cfg["models"]:
-        if not row.get("recipe"):
+    for row in cfg.models:
+        if not row.recipe:
             continue
-        recipe, ckpt = Path(row["recipe"]), row.get("checkpoint")
+        recipe, ckpt = Path(row.recipe), row.checkpoint
         if not ckpt or (Path(ckpt).name != "last.pth" and Path(ckpt).suffix != ".safetensors"):
-            raise ConfigError(f"model row {row['name']!r} names a recipe, so its checkpoint must be "
+            raise ConfigError(f"model row {row.name!r} names a recipe, so its checkpoint must be "
                               f"<folder>/last.pth (where fedmjp.train writes) or a .safetensors weights file, "
                               f"got {ckpt!r}")
         try:
             recipe_cfg = load_config(recipe)
         except (OSError, ValueError, TypeError) as err:
-            raise ConfigError(f"model row {row['name']!r}: training recipe {recipe}: {err}") from err
+            raise ConfigError(f"model row {row.name!r}: training recipe {recipe}: {err}") from err
         epochs = int(recipe_cfg.epochs)
         if Path(ckpt).suffix == ".safetensors":  # shipped weights: finished while the file exists
             from .config import PROJECT_ROOT
@@ -79,13 +82,13 @@ def train_jobs(cfg: dict) -> list[TrainJob]:
             out_dir = Path(recipe_cfg.output_dir)  # a relative one is the project's, as in the config's paths
             last = (out_dir if out_dir.is_absolute() else PROJECT_ROOT / out_dir) / "last.pth"
             done = epochs if Path(ckpt).is_file() else checkpoint_epochs(last)
-            jobs.append(TrainJob(str(row["name"]), recipe, last, done, epochs, export_to=Path(ckpt)))
+            jobs.append(TrainJob(str(row.name), recipe, last, done, epochs, export_to=Path(ckpt)))
             continue
-        jobs.append(TrainJob(str(row["name"]), recipe, Path(ckpt), checkpoint_epochs(Path(ckpt)), epochs))
+        jobs.append(TrainJob(str(row.name), recipe, Path(ckpt), checkpoint_epochs(Path(ckpt)), epochs))
     return jobs
 
 
-def train_missing(cfg: dict, progress: bool = True) -> list[TrainJob]:
+def train_missing(cfg: BenchmarkConfig, progress: bool = True) -> list[TrainJob]:
     """Train every recipe row whose checkpoint is missing or unfinished; returns the jobs trained.
 
     Raises:
@@ -97,7 +100,7 @@ def train_missing(cfg: dict, progress: bool = True) -> list[TrainJob]:
     todo = [job for job in train_jobs(cfg) if not job.done]
     if not todo:
         return []
-    data: Optional[str] = cfg.get("train_data")
+    data: Optional[str] = cfg.train_data
     try:
         data = datadir.expand(data, "train_data") if data else data
     except datadir.DataDirUnset as err:

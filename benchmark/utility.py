@@ -19,13 +19,17 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .config import BenchmarkConfig
 
 _logger = logging.getLogger(__name__)
 
 
-def defence_utility(cfg: dict, row: Any, federate: Callable[..., Any] | None = None) -> dict[str, Any]:
-    """Top-1 of ``row`` after ``cfg['utility']['rounds']`` FedAvg rounds with its defence.
+def defence_utility(cfg: BenchmarkConfig, row: Any, federate: Callable[..., Any] | None = None
+                    ) -> dict[str, Any]:
+    """Top-1 of ``row`` after ``cfg.utility.rounds`` FedAvg rounds with its defence.
 
     Args:
         cfg: a validated benchmark config with a ``utility`` section (benchmark/config.py's ``Utility``).
@@ -43,35 +47,35 @@ def defence_utility(cfg: dict, row: Any, federate: Callable[..., Any] | None = N
     from .errors import InputDataError
     from .pipeline import client_run_config
 
-    u = cfg["utility"]
-    group = "shuffled" if set(cfg["settings"]) & {"b", "c"} else "clean"
+    u = cfg.utility
+    group = "shuffled" if set(cfg.settings) & {"b", "c"} else "clean"
     run_config = client_run_config(cfg, row, group)
     if row.acc_model is not None:  # ``april: surgery`` is the attacker's view: train the model as deployed
         run_config["model-april"] = ""
     run_config.update({
-        "num-server-rounds": int(u["rounds"]), "mode": "fedavg", "local-steps": int(u["local_steps"]),
-        "batch-size": int(u["batch_size"]), "lr": float(u["lr"]), "images": str(u["source"]),
-        "num-images": int(u["num_train"]), "num-partitions": int(u["clients"]), "min-nodes": int(u["clients"]),
+        "num-server-rounds": int(u.rounds), "mode": "fedavg", "local-steps": int(u.local_steps),
+        "batch-size": int(u.batch_size), "lr": float(u.lr), "images": str(u.source),
+        "num-images": int(u.num_train), "num-partitions": int(u.clients), "min-nodes": int(u.clients),
         "precision": "float32", "server-eval": False, "out-dir": "",
     })
     resolved = resolve_config(run_config)
     try:
-        data = load_images(u["source"], int(cfg["data"]["image_size"]), int(u["num_train"]) + int(u["num_eval"]),
-                           int(cfg["data"]["num_classes"]))
+        data = load_images(u.source, int(cfg.data.image_size), int(u.num_train) + int(u.num_eval),
+                           int(cfg.data.num_classes))
     except DataError as err:
         raise InputDataError(f"utility.source: {err}") from err
-    held_out = slice(int(u["num_train"]), len(data))
+    held_out = slice(int(u.num_train), len(data))
     if held_out.start >= len(data):
-        raise ValueError(f"utility.source {u['source']} holds {len(data)} images, none left after num_train="
-                         f"{u['num_train']} for evaluation; lower utility.num_train")
+        raise ValueError(f"utility.source {u.source} holds {len(data)} images, none left after num_train="
+                         f"{u.num_train} for evaluation; lower utility.num_train")
     model = copy.deepcopy(row.model if row.acc_model is None else row.acc_model).float().cpu()
     _, top1_start = loss_and_top1(model, data.images[held_out], data.labels[held_out])
     runner = federate or run_federation
-    result = runner(resolved.wire(), engine=cfg["federation"]["engine"])
+    result = runner(resolved.wire(), engine=cfg.federation.engine)
     model.load_state_dict({k: v.float() for k, v in result.final_state.items()}, strict=True)
     _, top1 = loss_and_top1(model, data.images[held_out], data.labels[held_out])
     _logger.info("%s / %s: top-1 %.3f -> %.3f after %d FedAvg rounds", row.name,
-                 resolved.defence_spec()["name"], top1_start, top1, u["rounds"])
-    return {"utility_top1": top1, "utility_top1_start": top1_start, "utility_rounds": int(u["rounds"]),
+                 resolved.defence_spec()["name"], top1_start, top1, u.rounds)
+    return {"utility_top1": top1, "utility_top1_start": top1_start, "utility_rounds": int(u.rounds),
             "utility_start": "checkpoint" if row.trained else "fresh",
-            "utility_num_eval": len(data) - held_out.start, "utility_source": str(u["source"])}
+            "utility_num_eval": len(data) - held_out.start, "utility_source": str(u.source)}

@@ -56,20 +56,20 @@ def test_overrides_are_yaml_values_and_unknown_keys_list_valid_ones() -> None:
 
 def test_presets_validate() -> None:
     quick = C.validate(C.load_config())
-    assert [m["name"] for m in quick["models"]] == ["ViT", "DeiT", "DeiT-noPE", "DeiT+MJP", "DeiT-std"]
-    assert quick["models"][-1]["april"] is None  # a standard pre-norm DeiT: no surgery needed
+    assert [m.name for m in quick.models] == ["ViT", "DeiT", "DeiT-noPE", "DeiT+MJP", "DeiT-std"]
+    assert quick.models[-1].april is None  # a standard pre-norm DeiT: no surgery needed
     # every preset runs the patch-embedding closed form next to APRIL's
     for name in ("default", "paper", "cifar", "defences", "defences_cifar"):
         cfg = quick if name == "default" else C.validate(C.load_config(ROOT / "configs" / f"{name}.yaml"))
-        assert {"april_analytic", "pe_closed_form"} <= {a["name"] for a in cfg["attacks"]}, name
+        assert {"april_analytic", "pe_closed_form"} <= {a.name for a in cfg.attacks}, name
     paper = C.validate(C.load_config(ROOT / "configs" / "paper.yaml"))
-    assert paper["data"]["image_size"] == 224 and paper["data"]["num_images"] == 999
-    assert paper["gamma"] == 0.27 and paper["settings"] == ["a", "b", "c"]
+    assert paper.data.image_size == 224 and paper.data.num_images == 999
+    assert paper.gamma == 0.27 and paper.settings == ["a", "b", "c"]
     # the ImageNet sample in the data folder: $FEDMJP_DATA/imagenet-sample (tests/test_datadir.py)
-    assert paper["data"]["source"].endswith("imagenet-sample")
-    assert len(paper["models"]) == 5 and all(m["april"] == "surgery" for m in paper["models"])
-    fed = paper["federation"]
-    assert fed["rounds"] * fed["clients"] * fed["batch_size"] == 999
+    assert paper.data.source.endswith("imagenet-sample")
+    assert len(paper.models) == 5 and all(m.april == "surgery" for m in paper.models)
+    fed = paper.federation
+    assert fed.rounds * fed.clients * fed.batch_size == 999
 
 
 # ---------------------------------------------------------------------------------------- runs

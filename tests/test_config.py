@@ -189,8 +189,8 @@ def test_benchmark_keys_feed_the_run_config_from_the_schema() -> None:
     values = C.client_values(cfg)
     assert set(values) <= set(DEFAULTS)
     assert values["num-images"] == 0 and values["lr"] == 1.0 and isinstance(values["lr"], float)
-    assert values["num-partitions"] == values["min-nodes"] == cfg["federation"]["clients"]
-    row = ModelRow(3, cfg["models"][3]["name"], "x", C.model_spec(cfg, 3), torch.nn.Identity(), False)
+    assert values["num-partitions"] == values["min-nodes"] == cfg.federation.clients
+    row = ModelRow(3, cfg.models[3].name, "x", C.model_spec(cfg, 3), torch.nn.Identity(), False)
     run_config = client_run_config(cfg, row, "shuffled")
     assert run_config["num-server-rounds"] == 1 and run_config["setting"] == "c" and run_config["round-timeout"] == 30.0
     assert (run_config["model-name"], run_config["model-variant"], run_config["model-seed"]) == ("DeiT+MJP", "mjp", 3)

@@ -47,13 +47,13 @@ def test_presets_name_the_data_folder(monkeypatch: pytest.MonkeyPatch, tmp_path:
         assert "../" not in preset.read_text(), preset.name
     monkeypatch.delenv(datadir.DATA_ENV, raising=False)
     paper = C.validate(C.load_config(ROOT / "configs" / "paper.yaml"))
-    assert paper["data"]["source"] == "$FEDMJP_DATA/imagenet-sample"
+    assert paper.data.source == "$FEDMJP_DATA/imagenet-sample"
     cifar = C.validate(C.load_config(ROOT / "configs" / "cifar.yaml"))
-    assert cifar["train_data"] == cifar["data"]["source"] == "$FEDMJP_DATA/cifar10.tar.gz"
+    assert cifar.train_data == cifar.data.source == "$FEDMJP_DATA/cifar10.tar.gz"
     monkeypatch.setenv(datadir.DATA_ENV, str(tmp_path))
     paper = C.validate(C.load_config(ROOT / "configs" / "paper.yaml"))
-    assert paper["data"]["source"] == str(tmp_path.resolve() / "imagenet-sample")
-    assert C.validate(C.load_config(ROOT / "configs" / "defences_cifar.yaml"))["utility"]["source"] == str(
+    assert paper.data.source == str(tmp_path.resolve() / "imagenet-sample")
+    assert C.validate(C.load_config(ROOT / "configs" / "defences_cifar.yaml")).utility.source == str(
         tmp_path.resolve() / "cifar10.tar.gz")
 
 

@@ -243,12 +243,12 @@ def test_benchmark_defence_key_row_override_and_errors(tmp_path):
     args = cli.build_parser().parse_args(["--set", "defence={name: local_dp, clip: 1.0, sigma: 0.5}",
                                           "--set", "defence.clip=2.0", "--output", str(tmp_path / "out")])
     cfg = cli.resolve(args)
-    assert cfg["defence"] == {"name": "local_dp", "clip": 2.0, "sigma": 0.5, "noise": "gaussian"}
-    cfg["models"][0]["defence"] = {"name": "prune", "keep": 0.2}  # a row's own defence replaces the top one
+    assert cfg.defence == {"name": "local_dp", "clip": 2.0, "sigma": 0.5, "noise": "gaussian"}
+    cfg.models[0].defence = {"name": "prune", "keep": 0.2}  # a row's own defence replaces the top one
     cfg = C.validate(cfg)
-    row = ModelRow(0, cfg["models"][0]["name"], "x", C.model_spec(cfg, 0), None, False)
+    row = ModelRow(0, cfg.models[0].name, "x", C.model_spec(cfg, 0), None, False)
     assert json.loads(client_run_config(cfg, row, "shuffled")["defence"]) == {"name": "prune", "keep": 0.2}
-    row1 = ModelRow(1, cfg["models"][1]["name"], "x", C.model_spec(cfg, 1), None, False)
+    row1 = ModelRow(1, cfg.models[1].name, "x", C.model_spec(cfg, 1), None, False)
     assert json.loads(client_run_config(cfg, row1, "shuffled")["defence"])["name"] == "local_dp"
     for bad, pattern in (("defence={name: dpp}", "valid: none, local_dp"), ("defence.sgima=1", "valid: name, clip"),
                          ("sweep={defence.sigma: [0, -1]}", "sweep point defence.sigma=-1")):
@@ -284,8 +284,8 @@ def test_sweep_point_list_keeps_values_typed_and_checks_each_point(tmp_path):
     cfg = _bench_cfg(tmp_path, sweep=points)
     assert grid_points(cfg) == points
     first = point_config(cfg, points[0])
-    assert first["defence"]["sigma"] == 1e-6 and first["sweep"] == {}
-    assert point_config(cfg, points[1])["gamma"] == 0.5
+    assert first.defence["sigma"] == 1e-6 and first.sweep == {}
+    assert point_config(cfg, points[1]).gamma == 0.5
     with pytest.raises(ConfigError, match="sweep point gamma=2"):
         _bench_cfg(tmp_path, sweep=[{"gamma": 2}])
     with pytest.raises(ConfigError, match="unknown config key 'gama'"):
@@ -302,7 +302,7 @@ def test_utility_measures_held_out_top1_after_fedavg(tmp_path):
     frozen = defence_utility(cfg, row)  # lr 0 and no defence: the global model does not move
     assert frozen["utility_start"] == "fresh" and frozen["utility_num_eval"] == 6
     assert frozen["utility_top1"] == frozen["utility_top1_start"]
-    cfg["utility"]["num_train"] = 1000
+    cfg.utility.num_train = 1000
     with pytest.raises(ValueError, match="none left"):
         defence_utility(cfg, row)
 

@@ -212,12 +212,13 @@ def test_damaged_provenance_json(tmp_path: Path, capsys, text: str) -> None:
 def test_relative_output_in_a_config_is_relative_to_the_project_root(tmp_path: Path, monkeypatch) -> None:
     import argparse
 
+    from benchmark.config import BenchmarkConfig
     from run_benchmark import output_folder
 
     monkeypatch.chdir(tmp_path)
-    args = argparse.Namespace(output=None)
-    assert output_folder(args, {"output": "runs/x"}) == ROOT / "runs" / "x"
-    assert output_folder(argparse.Namespace(output="y"), {"output": "runs/x"}) == tmp_path / "y"
+    args, cfg = argparse.Namespace(output=None), BenchmarkConfig(output="runs/x")
+    assert output_folder(args, cfg) == ROOT / "runs" / "x"
+    assert output_folder(argparse.Namespace(output="y"), cfg) == tmp_path / "y"
 
 
 # ------------------------------------------------------------------------------------ image archives

@@ -146,8 +146,10 @@ def _same(got: Any, kind: type, value: int | float) -> None:
 
 
 def _dig(data: Any, key: str) -> Any:
+    """The value at a dotted key of plain data or of a typed config (attributes; mappings in it by key)."""
     for part in key.split("."):
-        data = data[int(part)] if isinstance(data, list) else data[part]
+        data = data[int(part)] if isinstance(data, list) else data[part] if isinstance(data, dict) else \
+            getattr(data, part)
     return data
 
 
@@ -234,13 +236,13 @@ def test_flag_in_scientific_notation(flag: str) -> None:
 
 def test_gamma_flag_of_the_issue() -> None:
     """``--gamma 0.00005`` was once turned into the text 5e-05 and read back as a string."""
-    _same(resolve(build_parser().parse_args(["--gamma", "0.00005"]))["gamma"], float, 5e-05)
+    _same(resolve(build_parser().parse_args(["--gamma", "0.00005"])).gamma, float, 5e-05)
 
 
 def test_sweep_values_in_scientific_notation() -> None:
     assert parse_sweep_flag("gamma=0,1e-2,.5,5E-05") == ("gamma", [0, 0.01, 0.5, 5e-05])
     cfg = resolve(build_parser().parse_args(["--set", "defence.name=local_dp", "--sweep", "defence.sigma=1e-2,2E-1"]))
-    assert cfg["sweep"] == {"defence.sigma": [0.01, 0.2]}
+    assert cfg.sweep == {"defence.sigma": [0.01, 0.2]}
 
 
 # ------------------------------------------------------------------------------ training
@@ -280,12 +282,12 @@ def test_run_config_key_in_scientific_notation(tmp_path: Path, key: str, kind: t
 @pytest.mark.parametrize("name, key, kind, value", DEFENCE_KEYS, ids=[f"{n}.{k}" for n, k, _, _ in DEFENCE_KEYS])
 def test_defence_key_in_scientific_notation(tmp_path: Path, name: str, key: str, kind: type, value: Any) -> None:
     from_file = C.validate(C.load_config(_preset_with(tmp_path, {"defence.name": name, f"defence.{key}": sci(value)})))
-    _same(from_file["defence"][key], kind, value)
+    _same(from_file.defence[key], kind, value)
     from_set = C.validate(C.apply_overrides(C.load_config(), [f"defence.name={name}", f"defence.{key}={sci(value)}"]))
-    _same(from_set["defence"][key], kind, value)
+    _same(from_set.defence[key], kind, value)
     swept = resolve(build_parser().parse_args(["--set", f"defence.name={name}", "--sweep", f"defence.{key}={sci(value)}"]))
     point = point_config(swept, grid_points(swept)[0])  # what the sweep point runs
-    _same(point["defence"][key], kind, value)
+    _same(point.defence[key], kind, value)
     run_config = resolve_config({"defence": json.dumps({"name": name, key: sci(value)})})  # a string in JSON
     _same(run_config.defence_spec()[key], kind, value)
     for bad, shown in ((True, "True"), ("1e-4x", "'1e-4x'")):
@@ -320,11 +322,11 @@ def test_attack_option_in_scientific_notation(tmp_path: Path, recorded: dict, na
                                                       f"attack.options.{key}": sci(value)}))
     from_set = C.apply_overrides(C.load_config(), ["attacks=[]", f"attack.name={name}",
                                                    f"attack.options.{key}={sci(value, upper=True)}"])
-    _same(C.validate(from_set)["attack"]["options"][key], kind, value)  # converted when the config is checked
-    for cfg in (from_file, from_set):
+    _same(C.validate(from_set).attack.options[key], kind, value)  # converted when the config is checked
+    for cfg in (from_file, from_set):  # typed, options as written: create_attack converts them
         recorded.clear()
-        [entry] = C.attack_entries(cfg)
-        attacks.create_attack(entry["name"], **entry["options"])
+        [entry] = C.attack_entries(C.BenchmarkConfig.model_validate(cfg))
+        attacks.create_attack(entry.name, **entry.options)
         _same(recorded[name][key], kind, value)
     attacks.create_attack(name, **{key: sci(value)})  # a string holding a number (the Python API)
     _same(recorded[name][key], kind, value)

@@ -164,13 +164,15 @@ def test_train_missing_rebuilds_a_missing_weights_file(tmp_path):
     --train-missing trains the recipe into the recipe's output_dir and writes the file."""
     from helpers import RECIPE, make_imagefolder
 
+    from benchmark.config import BenchmarkConfig
     from benchmark.training import train_jobs, train_missing
 
     data = make_imagefolder(tmp_path / "data")
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump({**RECIPE, "output_dir": str(tmp_path / "run")}))
     weights = tmp_path / "shipped" / "w.safetensors"
-    cfg = {"train_data": str(data), "models": [{"name": "ViT", "checkpoint": str(weights), "recipe": str(recipe)}]}
+    cfg = BenchmarkConfig.model_validate({"train_data": str(data), "models": [
+        {"name": "ViT", "arch": "mjp_vit_cifar_patch4_32", "checkpoint": str(weights), "recipe": str(recipe)}]})
     (job,) = train_jobs(cfg)
     assert (job.epochs_done, job.checkpoint, job.export_to) == (0, tmp_path / "run" / "last.pth", weights)
     assert [j.row for j in train_missing(cfg, progress=False)] == ["ViT"]
