@@ -10,6 +10,7 @@ changed, so a dirty run is as trustworthy as its author's note.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -34,17 +35,23 @@ LIBRARIES = ("torch", "timm", "flwr", "lpips", "scikit-image", "breaching", "num
 WARN_ONLY = ("code.dirty",)
 
 
-def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+def sha256_file(path: str | Path) -> str:
     """Hex sha256 of a file's bytes."""
-    digest = hashlib.sha256()
     with Path(path).open("rb") as fh:
-        while block := fh.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def code_version(root: Path = PROJECT_ROOT) -> dict[str, Any]:
-    """``{"commit": sha or "unknown", "dirty": bool or None}``: untracked files do not count as dirty."""
+    """``{"commit": sha or "unknown", "dirty": bool or None}``: untracked files do not count as dirty.
+
+    Read once per process (the first run or sweep point): the code a process runs is what it imported
+    at its start, so a commit made while a long sweep goes on does not relabel its later points (and
+    a resume by the same code is not refused because the checkout moved on)."""
+    return dict(_code_version(root))
+
+
+@functools.cache
+def _code_version(root: Path) -> dict[str, Any]:
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
                                 timeout=30, check=True).stdout.strip()

@@ -66,3 +66,25 @@ def test_lock_stops_a_second_writer(tmp_path: Path, capsys) -> None:
     finally:
         held.unlock()
     RunFolder(tmp_path / "out").lock()  # released
+
+
+def test_code_version_is_read_once_per_process(tmp_path: Path) -> None:
+    """A long sweep's later points carry the commit its process started with, not a later HEAD."""
+    import subprocess
+
+    from benchmark.provenance import code_version
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "a.txt").write_text("1")
+    git("add", "a.txt")
+    git("commit", "-qm", "one")
+    first = code_version(tmp_path)
+    (tmp_path / "a.txt").write_text("2")
+    git("commit", "-qam", "two")
+    assert code_version(tmp_path) == first and first["commit"] != "unknown" and first["dirty"] is False
+    first["commit"] = "mutated"  # callers get a copy
+    assert code_version(tmp_path)["commit"] != "mutated"
