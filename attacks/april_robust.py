@@ -41,6 +41,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from defences.spec import DefenceSpec, DpSgd, LocalDp, Prune, Quantize
+
 from .april import _gradient_of_Z, _is_design_a, _vit, check_conditions
 from .base import Attack, AttackFailure, AttackMetadata, AttackResult, Update, register_attack, update_to_gradients
 from .pe_closed_form import images_to_patches, patches_to_images, pe_closed_form_system, pe_conditions
@@ -126,41 +128,34 @@ class _Noise:
                     quant_stochastic=None if self.quant is None else self.quant[1], prune_keep=self.prune_keep)
 
 
-def _defence_noise(spec: Any, meta: AttackMetadata) -> _Noise:
-    """The noise model of a defence spec from the metadata (Kerckhoffs); an invalid or unmodelled
-    spec gives the estimating model with a note saying why."""
-    from defences.spec import validate_defence  # lazily: the defences package imports Opacus
-
+def _defence_noise(spec: DefenceSpec, meta: AttackMetadata) -> _Noise:
+    """The noise model of the defence spec in the metadata (Kerckhoffs); an unmodelled defence gives
+    the estimating model with a note saying why."""
     to_grad = 1.0 if meta.update_type == "gradient" else 1.0 / (float(meta.lr) * max(meta.local_steps, 1))
-    try:
-        spec = validate_defence(spec)
-    except ValueError as err:
-        return _Noise(notes=[f"defence spec in metadata not understood ({err}): treated as unknown, noise estimated"])
-    name, src = spec["name"], "defence metadata"
-    if name == "local_dp":
+    name, src = spec.name, "defence metadata"
+    if isinstance(spec, LocalDp):
         # the clip scales every equation alike (X unchanged); noise of scale sigma * clip per entry
-        scale = float(spec["sigma"]) * float(spec["clip"])
-        laplace = spec.get("noise") == "laplace"
-        std = scale * (math.sqrt(2) if laplace else 1.0) * to_grad
+        laplace = spec.noise == "laplace"
+        std = spec.sigma * spec.clip * (math.sqrt(2) if laplace else 1.0) * to_grad
         desc = (f"local_dp: i.i.d. {'Laplace (by its variance)' if laplace else 'Gaussian'} noise, std {std:.3g} "
-                f"per entry (sigma {spec['sigma']} x clip {spec['clip']}"
+                f"per entry (sigma {spec.sigma} x clip {spec.clip}"
                 + (", x sqrt 2" if laplace else "") + (", / (lr steps) of the delta" if to_grad != 1 else "") + ")")
         return _Noise(src, desc, std=std)
-    if name == "dp_sgd":
+    if isinstance(spec, DpSgd):
         # per-sample clip (a common factor at batch 1), Gaussian noise sigma * clip on the sum, / batch
         # size; a FedAvg delta's mean gradient averages ``local_steps`` independent draws
         steps = 1 if meta.update_type == "gradient" else max(meta.local_steps, 1)
-        std = float(spec["sigma"]) * float(spec["clip"]) / max(meta.num_images, 1) / math.sqrt(steps)
+        std = spec.sigma * spec.clip / max(meta.num_images, 1) / math.sqrt(steps)
         return _Noise(src, f"dp_sgd: Gaussian noise, std {std:.3g} per entry of the mean gradient (sigma "
-                           f"{spec['sigma']} x clip {spec['clip']} / batch {meta.num_images}"
+                           f"{spec.sigma} x clip {spec.clip} / batch {meta.num_images}"
                            + (f" / sqrt({steps} steps)" if steps > 1 else "") + ")", std=std)
-    if name == "quantize":
-        bits, stochastic = int(spec["bits"]), bool(spec["stochastic"])
+    if isinstance(spec, Quantize):
+        bits, stochastic = spec.bits, spec.stochastic
         kind = "sign x mean|u| per tensor" if bits == 1 else (
             f"{2 ** bits} levels per tensor, {'stochastic' if stochastic else 'nearest'} rounding error of the step")
         return _Noise(src, f"quantize {bits} bit: {kind}", quant=(bits, stochastic))
-    if name == "prune":
-        keep = float(spec["keep"])
+    if isinstance(spec, Prune):
+        keep = spec.keep
         return _Noise(src, f"prune keep {keep}: zeros are missing entries, the kept ones exact (their rounding "
                            "estimated)", prune_keep=keep)
     clean = {"none": "no defence", "central_dp": "central DP (the client sends its clean update)",
@@ -284,11 +279,14 @@ class AprilRobust(Attack):
                            quant=None if self.quant_bits is None else (self.quant_bits, False),
                            prune_keep=self.prune_keep)
             if self.known_defence and meta.defence is not None:
-                noise.notes.append(f"options set the noise model; metadata defence {meta.defence} not used")
+                noise.notes.append(f"options set the noise model; metadata defence {meta.defence.label} not used")
             return noise
         if not self.known_defence:
             return _Noise(notes=["known_defence=False: the defence's parameters are not used"]
                           if meta.defence is not None else [])
+        if meta.defence_error is not None:
+            return _Noise(notes=[f"defence spec in metadata not understood ({meta.defence_error}): treated as "
+                                 "unknown, noise estimated"])
         if meta.defence is None:
             return _Noise()
         return _defence_noise(meta.defence, meta)

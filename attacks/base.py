@@ -32,6 +32,7 @@ import torch
 import torch.nn as nn
 from pydantic import create_model
 
+from defences.spec import DefenceSpec, validate_defence
 from fedmjp import config as core
 from fedmjp import plugins
 from fedmjp.factory import normalize
@@ -88,9 +89,12 @@ class AttackMetadata:
         labels: [num_images] long, if the threat model grants them; else None.
         update_type: ``gradient`` (FedSGD) or ``delta`` (FedAvg weight difference, local - global).
         lr, local_steps: local SGD hyper-parameters of a ``delta`` update.
-        defence: the spec of the defence the client applied (``{"name": "local_dp", "clip": 1.0,
-            "sigma": 0.1, ...}``, see defences/spec.py) when the server knows it, else None.
-            Attacks that model a defence read its parameters here (Kerckhoffs's principle).
+        defence: the spec of the defence the client applied (a typed :class:`defences.spec.DefenceSpec`,
+            ``spec.name``, ``spec.sigma``; the metadata may hold it as a mapping) when the server
+            knows it, else None. Attacks that model a defence read its parameters here (Kerckhoffs's
+            principle).
+        defence_error: why the metadata's defence spec could not be read (an unknown name, a bad
+            value), else None; ``defence`` is then None and attacks treat the defence as unknown.
     """
 
     num_images: int
@@ -101,7 +105,8 @@ class AttackMetadata:
     update_type: str = "gradient"
     lr: Optional[float] = None
     local_steps: int = 1
-    defence: Optional[dict] = None
+    defence: Optional[DefenceSpec] = None
+    defence_error: Optional[str] = None
 
     @classmethod
     def parse(cls, metadata: Optional[Metadata], model: nn.Module) -> "AttackMetadata":
@@ -132,11 +137,13 @@ class AttackMetadata:
         steps = int(md.get("local_steps", 1))
         if update_type == "delta" and (lr is None or float(lr) == 0.0):
             raise AttackFailure("a 'delta' update needs its local learning rate in metadata['lr']")
-        defence = md.get("defence")
-        if defence is not None and not (isinstance(defence, Mapping) and isinstance(defence.get("name"), str)):
-            raise AttackFailure(f"metadata['defence'] must be a defence spec with a 'name', got {defence!r}")
-        return cls(n, size, mean, std, labels, update_type, None if lr is None else float(lr), steps,
-                   None if defence is None else dict(defence))
+        defence, defence_error = md.get("defence"), None
+        try:
+            defence = None if defence is None else validate_defence(defence)
+        except ValueError as err:  # e.g. a plug-in defence the attacker's side does not have installed
+            defence, defence_error = None, str(err)
+        return cls(n, size, mean, std, labels, update_type, None if lr is None else float(lr), steps, defence,
+                   defence_error)
 
     def normalize(self, images: torch.Tensor) -> torch.Tensor:
         """[B, C, H, W] in [0, 1] -> model input (x - mean) / std."""

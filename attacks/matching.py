@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
 from tqdm.auto import tqdm
 
+from defences.spec import DpSgd, LocalDp, NoDefence, Prune, Quantize
 from fedmjp.devices import resolve_device
 
 from .base import (Attack, AttackFailure, AttackMetadata, AttackResult, Metadata, Update, _check_finite,
@@ -167,21 +168,21 @@ def defence_match(targets: dict[str, torch.Tensor], raw: Sequence[Any], metas: S
 
     ``raw[k]``: group k's update in gradient units as sent (before any known term is removed), for
     the pruned support and the quantiser's levels."""
-    specs = [m.defence or {"name": "none"} for m in metas]
-    name = specs[0].get("name")
+    specs = [m.defence or NoDefence() for m in metas]
+    name = specs[0].name
     if any(sp != specs[0] for sp in specs) or name not in MODELLED_DEFENCES:
-        return _Match(targets), ([] if name in (None, "none") or any(sp != specs[0] for sp in specs) else
+        return _Match(targets), ([] if name == "none" or any(sp != specs[0] for sp in specs) else
                                  [f"defence {name!r}: not modelled, plain cosine matching"])
     spec, meta = specs[0], metas[0]
     dev = next(iter(targets.values())).device
     # gradient units: a FedAvg delta was divided by -lr * steps (attacks.base.update_to_gradients)
     unit = 1.0 if meta.update_type == "gradient" else 1.0 / (float(meta.lr) * max(meta.local_steps, 1))
-    if name == "prune":
+    if isinstance(spec, Prune):
         support = {nm: torch.stack([r[nm] != 0 for r in raw]).to(dev, torch.float32) for nm in names}
         return _Match(targets, "support", support=support), [
-            f"defence prune (keep {spec.get('keep')}): matched on the kept entries only"]
-    if name == "quantize":
-        bits, stochastic = int(spec["bits"]), bool(spec.get("stochastic", False))
+            f"defence prune (keep {spec.keep}): matched on the kept entries only"]
+    if isinstance(spec, Quantize):
+        bits, stochastic = spec.bits, spec.stochastic
         lo, hi = {}, {}
         for nm in names:
             q = torch.stack([r[nm].detach().to("cpu", torch.float64) for r in raw])  # [K, ...] as sent
@@ -203,11 +204,11 @@ def defence_match(targets: dict[str, torch.Tensor], raw: Sequence[Any], metas: S
             f"defence quantize ({what}): matched through the quantiser's bins"]
     if name == "dp_sgd" and (meta.update_type != "gradient" or meta.num_images != 1):
         return _Match(targets), ["defence dp_sgd on a FedAvg delta or a batch (per-example clipping): plain cosine"]
-    clip, sigma = float(spec["clip"]), float(spec["sigma"])
+    clip, sigma = (spec.clip, spec.sigma) if isinstance(spec, (LocalDp, DpSgd)) else (0.0, 0.0)
     scale = sigma * clip / (meta.num_images if name == "dp_sgd" else 1)
     if scale <= 0:
         return _Match(targets), [f"defence {name} without noise: plain cosine matching"]
-    kind = "laplace" if spec.get("noise") == "laplace" else "gaussian"
+    kind = "laplace" if isinstance(spec, LocalDp) and spec.noise == "laplace" else "gaussian"
     K = len(raw)
     # the clip bounds the whole update (local DP) or the one example's gradient (DP-SGD, batch 1)
     note = f"defence {name} (clip {clip:g}, sigma {sigma:g}): {kind} likelihood of scale {scale * unit:.3g}"

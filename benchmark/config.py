@@ -23,9 +23,12 @@ import itertools
 import logging
 import os
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Literal, Mapping, Optional, Sequence, get_args
+from typing import Annotated, Any, Iterable, Iterator, Literal, Mapping, Optional, Sequence, get_args
+
+from pydantic import BeforeValidator, SerializeAsAny
 
 from clients.runconfig import Mode, Partitioner, Precision, RunConfig
+from defences.spec import DefenceSpec, NoDefence, validate_defence
 from fedmjp import config as core
 from fedmjp import datadir
 from fedmjp.config import Float, Int, Schema, either, option
@@ -49,6 +52,8 @@ ENGINES: tuple[str, ...] = get_args(Engine)
 LABEL_MODES: tuple[str, ...] = get_args(LabelMode)
 Settings = either(list[Setting], Literal[Setting, "all"])
 Sweep = either(dict, list)
+#: A defence spec (defences/spec.py: built-in or plug-in), typed once read; dumped with all its keys.
+Defence = Annotated[SerializeAsAny[DefenceSpec], BeforeValidator(validate_defence)]
 # Choices are Literal types defined once, by the code that uses them (Mode by the clients' run
 # config, Setting by fedmjp.settings); a tuple of the values is ``get_args`` of the type.
 
@@ -89,7 +94,7 @@ class ModelRowConfig(Schema):
     april: Optional[str] = None  # surgery | trained | None
     seed: Optional[Int] = option(None, ge=0, le=SEED_MAX)  # None: the config's seed + row index
     recipe: Optional[str] = None  # training recipe of --train-missing (configs/train/...)
-    defence: Optional[dict] = None  # replaces the top-level defence for this row
+    defence: Optional[Defence] = None  # replaces the top-level defence for this row
 
 
 class Attack(Schema):
@@ -140,7 +145,7 @@ class BenchmarkConfig(Schema):
     output: Optional[str] = None  # output folder (--output); None: runs/<time>-setting-<s>
     train_data: Optional[str] = None  # training data of the model rows' recipes (--train-missing)
     # client-side defence of every model row (a row's own ``defence:`` replaces it); keys: defences/spec.py
-    defence: dict = {"name": "none"}
+    defence: Defence = NoDefence()
     # strength sweep: dotted key -> list of values, or a list of points; see sweep.py
     sweep: Sweep = {}
     utility: Utility = Utility()
@@ -297,17 +302,8 @@ def validate(cfg: Mapping[str, Any] | BenchmarkConfig) -> BenchmarkConfig:
     _validate_models(cfg)
     _validate_attack(cfg.attack)
     _validate_attack_list(cfg)
-    _validate_defences(cfg)
-    return cfg
-
-
-def _validate_defences(cfg: BenchmarkConfig) -> None:
-    """The top-level defence, every row's own (defences/spec.py), and the sweep grid."""
-    cfg.defence = _checked_defence(cfg.defence, "defence")
-    for row in cfg.models:
-        if row.defence is not None:
-            row.defence = _checked_defence(row.defence, f"model row {row.name!r}: defence")
     validate_sweep(cfg)
+    return cfg
 
 
 def grid_points(cfg: BenchmarkConfig) -> list[dict[str, Any]]:
@@ -359,20 +355,9 @@ def validate_sweep(cfg: BenchmarkConfig) -> None:
             raise ConfigError(f"sweep point {point_label(point)}: {err}") from err
 
 
-def _checked_defence(spec: Any, where: str) -> dict:
-    from defences import validate_defence
-
-    try:
-        return validate_defence(spec)
-    except ValueError as err:
-        raise ConfigError(f"{where}: {err}") from err
-
-
-def row_defence(cfg: BenchmarkConfig, index: int) -> dict:
+def row_defence(cfg: BenchmarkConfig, index: int) -> DefenceSpec:
     """The defence of model row ``index``: its own ``defence:`` or else the top-level one."""
-    row = cfg.models[index]
-    return _checked_defence(row.defence if row.defence is not None else cfg.defence,
-                            f"model row {row.name!r}: defence")
+    return cfg.models[index].defence or cfg.defence
 
 
 def _validate_models(cfg: BenchmarkConfig) -> None:

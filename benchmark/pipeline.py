@@ -237,7 +237,7 @@ def client_run_config(cfg: BenchmarkConfig, row: ModelRow, group: str) -> dict:
     from clients.runconfig import model_keys
 
     run_config = {**client_values(cfg), **model_keys(row.spec), "setting": GROUP_SETTING[group],
-                  "defence": json.dumps(row_defence(cfg, row.index), sort_keys=True)}
+                  "defence": json.dumps(row_defence(cfg, row.index).as_dict(), sort_keys=True)}
     if cfg.dry_run:
         run_config["num-server-rounds"] = 1
     run_config.update(cfg.federation.options)
@@ -407,12 +407,11 @@ def quiet_flower(verbose: bool = False) -> None:
 
 def row_context(cfg: BenchmarkConfig, row: ModelRow, group: str, run_config: dict, image_names: list[str]) -> RowContext:
     """What every result row of one federation (model row, setting group) shares."""
-    from defences import defence_label
+    from defences import validate_defence
 
-    spec = json.loads(run_config["defence"])
     return RowContext(model=row.name, label=row.label, trained=row.trained, arch=row.spec["arch"],
                       variant=row.spec["variant"], april=row.spec["april"], group=group, seed=cfg.seed,
-                      defence=spec, defence_label=defence_label(spec),
+                      defence=validate_defence(json.loads(run_config["defence"])),
                       image_index={name: i for i, name in enumerate(image_names)})
 
 
@@ -509,7 +508,7 @@ class GroupAttacker:
         self.ctx = row_context(self.cfg, row, group, self.run_config, prepared.image_names)
         # The classifier-bias gradient carries the attacked model's prediction when the update is a
         # plain FedSGD gradient (no defence transforms it); see scoring.round_top1.
-        plain = self.resolved.mode == "fedsgd" and self.resolved.defence_spec()["name"] == "none"
+        plain = self.resolved.mode == "fedsgd" and self.resolved.defence_spec().name == "none"
         self.gradient_readout = scoring.classifier_bias_name(row.model) if plain else None
         self.forward_top1 = 0  # updates whose attacked-model top-1 needed a forward pass
         self.rounds = RoundCollector(set(expected_updates(self.cfg)))

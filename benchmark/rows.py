@@ -32,6 +32,8 @@ from typing import Any, NamedTuple, Self
 import numpy as np
 import torch
 
+from defences.spec import DefenceSpec, DpSgd
+
 
 class RowKey(NamedTuple):
     """What identifies one stored row: a resumed run skips the rows whose key is stored. A plain
@@ -241,8 +243,7 @@ class RowContext:
     the clients' defence, and where each image sits in the attack set.
 
     Attributes:
-        defence: the clients' defence spec (``name`` and parameters, as the run config sends it).
-        defence_label: its label in tables (:func:`defences.defence_label`).
+        defence: the clients' defence spec (typed, as the run config sends it; ``label`` for tables).
         image_index: image id -> position in the attack set (the batch's own index where missing).
     """
 
@@ -254,18 +255,17 @@ class RowContext:
     april: str | None
     group: str
     seed: int
-    defence: Mapping[str, Any]
-    defence_label: str
+    defence: DefenceSpec
     image_index: Mapping[str, int] = field(default_factory=dict)
 
     def defence_columns(self, metrics: Mapping[str, Any]) -> dict[str, Any]:
         """The defence fields of a row: the defence's name and label, and what the client reported
         in its update's metrics (cosine similarity of the sent update to its clean one, DP-SGD's
         epsilon; the delta comes from the spec)."""
-        out = {"defence": self.defence["name"], "defence_label": self.defence_label,
+        out = {"defence": self.defence.name, "defence_label": self.defence.label,
                "defence_cos": float(metrics.get("defence-cos", 1.0))}
-        if "dp-epsilon" in metrics:
-            out["dp_epsilon"], out["dp_delta"] = float(metrics["dp-epsilon"]), float(self.defence["delta"])
+        if "dp-epsilon" in metrics and isinstance(self.defence, DpSgd):
+            out["dp_epsilon"], out["dp_delta"] = float(metrics["dp-epsilon"]), self.defence.delta
         return out
 
 

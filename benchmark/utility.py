@@ -75,7 +75,7 @@ def defence_utility(cfg: BenchmarkConfig, row: Any, federate: Callable[..., Any]
     model.load_state_dict({k: v.float() for k, v in result.final_state.items()}, strict=True)
     _, top1 = loss_and_top1(model, data.images[held_out], data.labels[held_out])
     _logger.info("%s / %s: top-1 %.3f -> %.3f after %d FedAvg rounds", row.name,
-                 resolved.defence_spec()["name"], top1_start, top1, u.rounds)
+                 resolved.defence_spec().name, top1_start, top1, u.rounds)
     return {"utility_top1": top1, "utility_top1_start": top1_start, "utility_rounds": int(u.rounds),
             "utility_start": "checkpoint" if row.trained else "fresh",
             "utility_num_eval": len(data) - held_out.start, "utility_source": str(u.source)}

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from defences import apply_update_defence, cosine_similarity, dp_sgd_epsilon, mix_batch, private_gradient
+from defences.spec import DpSgd, Mixup
 
 from fedmjp.devices import resolve_device
 
@@ -48,12 +49,12 @@ def _sample_loss(model: torch.nn.Module, batch: PrivateBatch, i: int, dal_weight
     return client_loss(model, sub, dal_weight, device)
 
 
-def _dp_sgd_update(model: torch.nn.Module, batch: PrivateBatch, cfg: RunConfig, spec: Mapping[str, Any],
+def _dp_sgd_update(model: torch.nn.Module, batch: PrivateBatch, cfg: RunConfig, spec: DpSgd,
                    gen: torch.Generator, device: torch.device) -> tuple[dict[str, torch.Tensor], float]:
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
     B, dal = int(batch.labels.numel()), cfg.dal_weight
-    clip, sigma = float(spec["clip"]), float(spec["sigma"])
+    clip, sigma = spec.clip, spec.sigma
     model.eval()
     if cfg.mode == "fedsgd":
         grads, loss = private_gradient(lambda i: _sample_loss(model, batch, i, dal, device), params, B, clip, sigma, gen)
@@ -70,13 +71,13 @@ def _dp_sgd_update(model: torch.nn.Module, batch: PrivateBatch, cfg: RunConfig, 
     return delta, sum(losses) / len(losses)
 
 
-def _mixup_update(model: torch.nn.Module, batch: PrivateBatch, cfg: RunConfig, spec: Mapping[str, Any],
+def _mixup_update(model: torch.nn.Module, batch: PrivateBatch, cfg: RunConfig, spec: Mixup,
                   partition_id: int, num_partitions: Optional[int], gen: torch.Generator,
                   device: torch.device) -> tuple[dict[str, torch.Tensor], float]:
     data = private_image_set(cfg)
     pool = torch.tensor(partition_indices(cfg, partition_id, num_partitions), dtype=torch.long)
     mixed = mix_batch(batch.model_input, batch.labels, data.images[pool], data.labels[pool], cfg.num_classes,
-                      int(spec["k"]), float(spec["alpha"]), bool(spec["sign_flip"]), gen)
+                      spec.k, spec.alpha, spec.sign_flip, gen)
     def loss() -> torch.Tensor:
         return _soft_loss(model, mixed.images, mixed.targets, batch.unk_mask, device)
 
@@ -103,18 +104,18 @@ def defended_local_update(cfg: Mapping[str, Any] | RunConfig, state: Mapping[str
     spec = cfg.defence_spec()
     device = device or resolve_device(cfg.device)
     clean, loss, batch = local_update(cfg, state, partition_id, server_round, num_partitions, device)
-    if spec["name"] in ("none", "central_dp", "fedavg"):
+    if spec.name in ("none", "central_dp", "fedavg"):
         return clean, loss, batch, {"defence-cos": 1.0, "defence-norm-ratio": 1.0}
     gen = torch.Generator().manual_seed(stable_seed(cfg.seed, "defence", partition_id, server_round))
     info: dict[str, float] = {}
-    if spec["name"] in ("dp_sgd", "mixup"):
+    if isinstance(spec, (DpSgd, Mixup)):
         model = round_model(cfg, state, device)
-        if spec["name"] == "dp_sgd":
+        if isinstance(spec, DpSgd):
             sent, loss = _dp_sgd_update(model, batch, cfg, spec, gen, device)
             n_owned = len(partition_indices(cfg, partition_id, num_partitions))
             q = min(1.0, cfg.batch_size / n_owned)
             steps = server_round * (1 if cfg.mode == "fedsgd" else cfg.local_steps)
-            info["dp-epsilon"] = dp_sgd_epsilon(q, float(spec["sigma"]), steps, float(spec["delta"]))
+            info["dp-epsilon"] = dp_sgd_epsilon(q, spec.sigma, steps, spec.delta)
         else:
             sent, loss = _mixup_update(model, batch, cfg, spec, partition_id, num_partitions, gen, device)
     else:

@@ -35,11 +35,13 @@ defence            JSON of a :mod:`defences` spec, e.g. '{"name": "local_dp", "c
 """
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any, Literal, Mapping, get_args
 
 from pydantic import ConfigDict
 
+from defences.spec import DefenceSpec, validate_defence
 from fedmjp.config import Float, Int, Schema, defaults, either, keys, option, parse
 from fedmjp.settings import Setting
 
@@ -98,9 +100,9 @@ class RunConfig(Schema):
         """The keys and values as Flower carries them (flat, hyphenated, scalars)."""
         return self.model_dump(by_alias=True)
 
-    def defence_spec(self) -> dict[str, Any]:
-        """The checked defence spec of a resolved config (:func:`resolve_config`)."""
-        return json.loads(self.defence) if isinstance(self.defence, str) else dict(self.defence)
+    def defence_spec(self) -> DefenceSpec:
+        """The typed defence spec of a resolved config (:func:`resolve_config`: canonical JSON)."""
+        return _defence_from_json(self.defence if isinstance(self.defence, str) else json.dumps(self.defence))
 
 
 #: Every run-config key with its default (pyproject.toml's [tool.flwr.app.config]).
@@ -135,14 +137,16 @@ def _resolve_defence(cfg: RunConfig) -> str:
             raw = json.loads(raw) if raw.strip() else None
         except json.JSONDecodeError as err:
             raise ValueError(f"defence must be JSON like '{{\"name\": \"local_dp\"}}', got {raw!r}: {err}") from err
-    # imported here: defences imports opacus, which adds a root logging handler on import, and the
-    # benchmark's config imports this module before run_benchmark.py sets up logging
-    from defences import validate_defence
-
     spec = validate_defence(raw)
-    if spec["name"] == "fedavg":
-        cfg.mode, cfg.local_steps = "fedavg", int(spec["steps"])
-    return json.dumps(spec, sort_keys=True)
+    if spec.name == "fedavg":
+        cfg.mode, cfg.local_steps = "fedavg", spec.steps
+    return json.dumps(spec.as_dict(), sort_keys=True)
+
+
+@functools.lru_cache(maxsize=64)
+def _defence_from_json(text: str) -> DefenceSpec:
+    """A canonical defence JSON as its spec (read every round by every client; the spec is immutable)."""
+    return validate_defence(json.loads(text))
 
 
 def model_spec(cfg: Mapping[str, Any] | RunConfig) -> dict[str, Any]:

@@ -17,20 +17,22 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
-from opacus.accountants import RDPAccountant
-from opacus.accountants.analysis import rdp as opacus_rdp
-
-#: RDP orders searched for the best conversion (Opacus' defaults: 1.1 ... 63).
-ORDERS: tuple[float, ...] = tuple(RDPAccountant.DEFAULT_ALPHAS)
 
 
 def dp_sgd_epsilon(q: float, sigma: float, steps: int, delta: float,
-                   orders: Sequence[float] = ORDERS) -> float:
+                   orders: Optional[Sequence[float]] = None) -> float:
     """(epsilon, delta)-DP of ``steps`` DP-SGD steps with sampling rate ``q`` and noise multiplier
-    ``sigma`` (Opacus' RDP accountant). ``sigma`` = 0 gives inf, ``steps`` = 0 gives 0."""
+    ``sigma`` (Opacus' RDP accountant; ``orders`` None: Opacus' default RDP orders 1.1 ... 63).
+    ``sigma`` = 0 gives inf, ``steps`` = 0 gives 0."""
+    # imported here: Opacus takes ~1 s to import and adds a root logging handler, and the defence
+    # specs (defences.spec, read by every config) need none of it
+    from opacus.accountants import RDPAccountant
+    from opacus.accountants.analysis import rdp as opacus_rdp
+
+    orders = RDPAccountant.DEFAULT_ALPHAS if orders is None else orders
     if not 0.0 <= q <= 1.0:
         raise ValueError(f"sampling rate q must be in [0, 1], got {q}")
     if steps < 0:

@@ -1,8 +1,9 @@
 """Defence specifications: names, keys, defaults and validation (plain data, no torch).
 
 A defence spec is a mapping ``{name: <defence>, <key>: <value>, ...}``; keys left out take the
-defaults below. :func:`validate_defence` returns the complete spec or raises ``ValueError`` naming
-the bad name/key/value and listing the valid ones, so a typo fails before anything runs.
+defaults below. :func:`validate_defence` returns the complete spec as a typed, immutable
+:class:`DefenceSpec` (``spec.sigma``) or raises ``ValueError`` naming the bad name/key/value and
+listing the valid ones, so a typo fails before anything runs.
 
 ========== ============================================================ ============================
 name       what the client does to what it sends                        keys (defaults)
@@ -41,7 +42,7 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Mapping, Optional, get_args
 
-from pydantic import create_model
+from pydantic import ConfigDict, create_model
 
 from fedmjp import config as core
 from fedmjp import plugins
@@ -96,51 +97,79 @@ Noise = Literal["gaussian", "laplace"]
 NOISES: tuple[str, ...] = get_args(Noise)
 
 
+class DefenceSpec(Schema):
+    """A checked defence spec, as :func:`validate_defence` returns it: ``name`` and that defence's
+    keys as typed, immutable attributes (``spec.sigma``); :meth:`as_dict` is the plain data a run
+    config, a result row or a plug-in's :meth:`UpdateDefence.apply` receives."""
+
+    model_config = ConfigDict(frozen=True)
+    name: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return self.model_dump()
+
+    @property
+    def label(self) -> str:
+        """Short text for tables and plots: ``local_dp(clip=1.0, sigma=0.1)``."""
+        args = ", ".join(f"{k}={v}" for k, v in self.as_dict().items() if k != "name")
+        return f"{self.name}({args})" if args else self.name
+
+
 # One schema per defence (fedmjp.config, like every other config): keys, types, defaults, ranges.
-class NoDefence(Schema):
-    pass
+class NoDefence(DefenceSpec):
+    name: Literal["none"] = "none"
 
 
-class LocalDp(Schema):
+class LocalDp(DefenceSpec):
+    name: Literal["local_dp"] = "local_dp"
     clip: Float = option(1.0, gt=0.0)
     sigma: Float = option(0.1, ge=0.0)
     noise: Noise = "gaussian"
 
 
-class DpSgd(Schema):
+class DpSgd(DefenceSpec):
+    name: Literal["dp_sgd"] = "dp_sgd"
     clip: Float = option(1.0, gt=0.0)
     sigma: Float = option(1.0, ge=0.0)
     delta: Float = option(1e-5, gt=0.0, le=1.0)
 
 
-class CentralDp(Schema):
+class CentralDp(DefenceSpec):
+    name: Literal["central_dp"] = "central_dp"
     clip: Float = option(1.0, gt=0.0)
     sigma: Float = option(0.1, ge=0.0)
 
 
-class Prune(Schema):
+class Prune(DefenceSpec):
+    name: Literal["prune"] = "prune"
     keep: Float = option(0.1, gt=0.0, le=1.0)
 
 
-class Quantize(Schema):
+class Quantize(DefenceSpec):
+    name: Literal["quantize"] = "quantize"
     bits: Int = option(1, ge=1, le=16)
     stochastic: bool = False
 
 
-class Mixup(Schema):
+class Mixup(DefenceSpec):
+    name: Literal["mixup"] = "mixup"
     k: Int = option(2, ge=1)
     alpha: Float = option(1.0, gt=0.0)
     sign_flip: bool = False
 
 
-class FedAvg(Schema):
+class FedAvg(DefenceSpec):
+    name: Literal["fedavg"] = "fedavg"
     steps: Int = option(5, ge=1)
 
 
-SCHEMAS: dict[str, type[Schema]] = {"none": NoDefence, "local_dp": LocalDp, "dp_sgd": DpSgd, "central_dp": CentralDp,
-                                    "prune": Prune, "quantize": Quantize, "mixup": Mixup, "fedavg": FedAvg}
-#: Every defence with its keys and their defaults.
-DEFENCES: dict[str, dict[str, Any]] = {name: core.defaults(schema) for name, schema in SCHEMAS.items()}
+SCHEMAS: dict[str, type[DefenceSpec]] = {
+    schema.model_fields["name"].default: schema
+    for schema in (NoDefence, LocalDp, DpSgd, CentralDp, Prune, Quantize, Mixup, FedAvg)}
+#: Every defence with its keys (besides ``name``) and their defaults.
+DEFENCES: dict[str, dict[str, Any]] = {name: schema().as_dict() for name, schema in SCHEMAS.items()}
+for _keys in DEFENCES.values():
+    del _keys["name"]
 #: Defences applied to the finished update (the rest change local training or the server).
 UPDATE_TRANSFORMS = ("local_dp", "prune", "quantize")
 #: The number keys of the defences and their type.
@@ -148,63 +177,58 @@ NUMBER_KEYS: dict[str, type] = {key: info.annotation for schema in SCHEMAS.value
                                 for key, info in core.keys(schema).items() if info.annotation in (int, float)}
 
 
-def validate_defence(spec: Any) -> dict[str, Any]:
-    """The complete, checked defence spec for ``spec`` (a mapping with ``name``, or None for none).
+def validate_defence(spec: Any) -> DefenceSpec:
+    """The complete, checked defence spec for ``spec`` (a mapping with ``name``, a name, None for
+    none, or a :class:`DefenceSpec`, returned as it is).
 
     Raises:
         ValueError: unknown name or key (the valid ones are listed) or a value out of range.
     """
-    if spec is None:
-        spec = {"name": "none"}
-    if isinstance(spec, str):
-        spec = {"name": spec}
+    if isinstance(spec, DefenceSpec):
+        return spec
+    if spec is None or isinstance(spec, str):
+        spec = {"name": spec or "none"}
     if not isinstance(spec, Mapping):
         raise ValueError(f"a defence must be a mapping like {{name: local_dp, clip: 1.0, sigma: 0.1}}, got {spec!r}")
     name = spec.get("name", "none")
-    if name not in DEFENCES:
-        return _validate_plugin(name, spec)
-    return _conform(name, SCHEMAS[name], spec)
-
-
-def _conform(name: Any, schema: type[Schema], spec: Mapping[str, Any]) -> dict[str, Any]:
-    """``{name, **keys}`` with the schema's defaults, every value checked (fedmjp.config)."""
-    keys = core.keys(schema)
-    unknown = sorted(set(spec) - set(keys) - {"name"}, key=str)
-    if unknown:  # every unknown key at once, with ``name`` among the valid ones
-        raise ValueError(f"defence {name!r}: unknown key(s) {unknown}; valid: {', '.join(['name', *keys])}")
-    try:
-        return {"name": name, **core.conform(schema, {k: v for k, v in spec.items() if k != "name"})}
-    except core.ConfigError as err:
-        raise ValueError(f"defence {name!r}: {err}") from None
-
-
-def _validate_plugin(name: Any, spec: Mapping[str, Any]) -> dict[str, Any]:
-    """A plug-in defence's complete spec: its keys and their defaults' types, then its own check."""
+    if not isinstance(name, str):
+        raise ValueError(f"a defence's name must be a string (one of {', '.join(SCHEMAS)} or a plug-in's), got {name!r}")
+    if name in SCHEMAS:
+        return _parse(name, SCHEMAS[name], spec)
     defence = plugin_defence(name)
     if defence is None:
         valid = ", ".join(n for n, _ in defence_names())
         raise ValueError(f"unknown defence {name!r}; valid: {valid}, or a plug-in's package.module:Name")
-    out = _conform(name, _plugin_schema(type(defence)), spec)
+    out = _parse(name, _plugin_schema(type(defence)), spec)
     try:
-        defence.check(out)
+        defence.check(out.as_dict())
     except ValueError as err:
         raise ValueError(f"defence {name!r}: {err}") from err
     return out
 
 
+def _parse(name: Any, schema: type[DefenceSpec], spec: Mapping[str, Any]) -> DefenceSpec:
+    """``spec`` as the schema's model, defaults filled in, every value checked (fedmjp.config)."""
+    unknown = sorted(set(spec) - set(core.keys(schema)), key=str)
+    if unknown:  # every unknown key at once, not only the first
+        raise ValueError(f"defence {name!r}: unknown key(s) {unknown}; valid: {', '.join(core.keys(schema))}")
+    try:
+        return core.parse(schema, {"name": name, **spec})
+    except core.ConfigError as err:
+        raise ValueError(f"defence {name!r}: {err}") from None
+
+
 @functools.cache
-def _plugin_schema(cls: type) -> type[Schema]:
+def _plugin_schema(cls: type) -> type[DefenceSpec]:
     """A schema of a plug-in's ``defaults``: each key typed by its default (an int default makes an
     integer key, a float one a number key; a number written ``1e-3`` is a number)."""
     def kind(value: Any) -> Any:
         return core.number_type(type(value)) if isinstance(value, (bool, int, float, str)) else Any
 
-    return create_model(f"{cls.__name__}Spec", __base__=Schema,
+    return create_model(f"{cls.__name__}Spec", __base__=DefenceSpec,
                         **{key: (kind(value), value) for key, value in cls.defaults.items()})
 
 
-def defence_label(spec: Mapping[str, Any]) -> str:
-    """Short text for tables and plots: ``local_dp(clip=1.0, sigma=0.1)``."""
-    spec = validate_defence(spec)
-    args = ", ".join(f"{k}={v}" for k, v in spec.items() if k != "name")
-    return spec["name"] if not args else f"{spec['name']}({args})"
+def defence_label(spec: Any) -> str:
+    """Short text for tables and plots: ``local_dp(clip=1.0, sigma=0.1)`` (:attr:`DefenceSpec.label`)."""
+    return validate_defence(spec).label

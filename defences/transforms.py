@@ -18,6 +18,8 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from .spec import LocalDp, Prune, Quantize, plugin_defence, validate_defence
+
 Update = Mapping[str, torch.Tensor]
 
 
@@ -121,20 +123,17 @@ def quantize_update(update: Update, bits: int, stochastic: bool = False,
     return {k: quantize_tensor(v, bits, stochastic, generator) for k, v in update.items()}
 
 
-def apply_update_defence(update: Update, spec: Mapping[str, Any], generator: torch.Generator
-                         ) -> dict[str, torch.Tensor]:
-    """Apply a validated spec's update transform (local_dp, prune, quantize, or a plug-in's); any
+def apply_update_defence(update: Update, spec: Any, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """Apply a defence spec's update transform (local_dp, prune, quantize, or a plug-in's); any
     other defence returns an unchanged copy (it acts in local training or on the server)."""
-    name = spec["name"]
-    from .spec import plugin_defence  # a plug-in defence (docs/plugins.md) transforms the update itself
-
-    plugin = plugin_defence(name)
+    spec = validate_defence(spec)
+    plugin = plugin_defence(spec.name)  # a plug-in (docs/plugins.md) transforms the update itself
     if plugin is not None:
-        return plugin.apply(update, spec, generator)
-    if name == "local_dp":
-        return local_dp(update, float(spec["clip"]), float(spec["sigma"]), generator, spec["noise"])
-    if name == "prune":
-        return prune_update(update, float(spec["keep"]))
-    if name == "quantize":
-        return quantize_update(update, int(spec["bits"]), bool(spec["stochastic"]), generator)
+        return plugin.apply(update, spec.as_dict(), generator)
+    if isinstance(spec, LocalDp):
+        return local_dp(update, spec.clip, spec.sigma, generator, spec.noise)
+    if isinstance(spec, Prune):
+        return prune_update(update, spec.keep)
+    if isinstance(spec, Quantize):
+        return quantize_update(update, spec.bits, spec.stochastic, generator)
     return {k: v.clone() for k, v in update.items()}

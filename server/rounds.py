@@ -19,6 +19,7 @@ from clients.partition import public_eval_set
 from clients.records import decode_state, encode_state
 from clients.runconfig import ROUND_KEYS, RunConfig, model_spec, resolve_config
 from clients.update import clone_state, load_global_model
+from defences.spec import CentralDp
 from fedmjp.evaluate import loss_and_top1
 from fedmjp.factory import model_input_stats
 
@@ -98,12 +99,12 @@ def server_metadata(cfg: RunConfig, model: torch.nn.Module) -> dict[str, Any]:
 def _with_central_dp(strategy: Any, cfg: RunConfig) -> Any:
     """Flower's server-side DP wrapper around ``strategy`` when the defence is central_dp."""
     spec = cfg.defence_spec()
-    if spec["name"] != "central_dp":
+    if not isinstance(spec, CentralDp):
         return strategy
     from .central_dp import TappedCentralDp
 
     num_sampled = max(1, int(cfg.fraction_train * cfg.min_nodes))
-    return TappedCentralDp(strategy, float(spec["sigma"]), float(spec["clip"]), num_sampled)
+    return TappedCentralDp(strategy, spec.sigma, spec.clip, num_sampled)
 
 
 def run_rounds(grid: Grid, run_config: Mapping[str, Any], tap: Optional[Tap] = None) -> ServerOutcome:

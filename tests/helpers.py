@@ -209,3 +209,14 @@ RECIPE = {  # a 2-block, width-96 model: T = 65 <= D and 3 p^2 = 48 <= D, so APR
     "variant": "plain", "img_size": 32, "batch_size": 4, "num_workers": 0, "epochs": 2, "warmup_epochs": 1,
     "lr": 1.0e-3, "threads": 1, "log_interval": 1, "mixup": 0.0, "cutmix": 0.0,
 }
+
+
+def register_condition_failure(name: str) -> type:
+    """Register attack ``name`` whose condition never holds: every image it attacks is an expected
+    failure row (``AttackFailure``, not an error)."""
+    from attacks.base import Attack, AttackFailure, register_attack
+
+    def _reconstruct(self, model, update, meta):
+        raise AttackFailure("condition not met (test)")
+
+    return register_attack(name)(type(f"ConditionFailure_{name}", (Attack,), {"name": name, "_reconstruct": _reconstruct}))

@@ -9,13 +9,15 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+from helpers import psnr as _psnr
+from pydantic import ValidationError
 
 import attacks
 import defences as D
 import fedmjp  # noqa: F401  (registers the mjp_* models)
 from clients import partition, runconfig, update
 from clients.defence import defended_local_update
-from helpers import psnr as _psnr
+from defences.spec import LocalDp
 from server.federation import run_federation
 
 # 32 px design-A ViT (T = 65 <= D = 192): APRIL's closed form is exact on float64 gradients.
@@ -39,9 +41,15 @@ def _big_update(seed: int = 0, n: int = 400_000) -> dict[str, torch.Tensor]:
 
 # ------------------------------------------------------------------------------------- spec
 def test_spec_defaults_and_errors_name_the_valid_choices():
-    assert D.validate_defence(None) == {"name": "none"}
-    assert D.validate_defence({"name": "local_dp", "sigma": 0.5}) == {"name": "local_dp", "clip": 1.0, "sigma": 0.5,
-                                                                       "noise": "gaussian"}
+    assert D.validate_defence(None).as_dict() == {"name": "none"}
+    spec = D.validate_defence({"name": "local_dp", "sigma": 0.5})
+    assert spec.as_dict() == {"name": "local_dp", "clip": 1.0, "sigma": 0.5, "noise": "gaussian"}
+    # typed and immutable past the boundary: attributes, the built-in's own class, no assignment
+    assert isinstance(spec, LocalDp) and (spec.clip, spec.sigma, spec.noise) == (1.0, 0.5, "gaussian")
+    assert spec.label == "local_dp(clip=1.0, sigma=0.5, noise=gaussian)"
+    assert D.validate_defence(spec) is spec and D.validate_defence("prune").keep == 0.1
+    with pytest.raises(ValidationError, match="frozen"):
+        spec.sigma = 1.0
     with pytest.raises(ValueError, match="local_dp.*prune.*quantize"):
         D.validate_defence({"name": "dp"})
     with pytest.raises(ValueError, match="valid: name, clip, sigma, noise"):
@@ -243,8 +251,8 @@ def test_benchmark_defence_key_row_override_and_errors(tmp_path):
     args = cli.build_parser().parse_args(["--set", "defence={name: local_dp, clip: 1.0, sigma: 0.5}",
                                           "--set", "defence.clip=2.0", "--output", str(tmp_path / "out")])
     cfg = cli.resolve(args)
-    assert cfg.defence == {"name": "local_dp", "clip": 2.0, "sigma": 0.5, "noise": "gaussian"}
-    cfg.models[0].defence = {"name": "prune", "keep": 0.2}  # a row's own defence replaces the top one
+    assert cfg.defence.as_dict() == {"name": "local_dp", "clip": 2.0, "sigma": 0.5, "noise": "gaussian"}
+    cfg.models[0].defence = D.validate_defence({"name": "prune", "keep": 0.2})  # a row's own replaces the top one
     cfg = C.validate(cfg)
     row = ModelRow(0, cfg.models[0].name, "x", C.model_spec(cfg, 0), None, False)
     assert json.loads(client_run_config(cfg, row, "shuffled")["defence"]) == {"name": "prune", "keep": 0.2}
@@ -284,7 +292,7 @@ def test_sweep_point_list_keeps_values_typed_and_checks_each_point(tmp_path):
     cfg = _bench_cfg(tmp_path, sweep=points)
     assert grid_points(cfg) == points
     first = point_config(cfg, points[0])
-    assert first.defence["sigma"] == 1e-6 and first.sweep == {}
+    assert first.defence.sigma == 1e-6 and first.sweep == {}
     assert point_config(cfg, points[1]).gamma == 0.5
     with pytest.raises(ConfigError, match="sweep point gamma=2"):
         _bench_cfg(tmp_path, sweep=[{"gamma": 2}])

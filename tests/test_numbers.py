@@ -282,14 +282,14 @@ def test_run_config_key_in_scientific_notation(tmp_path: Path, key: str, kind: t
 @pytest.mark.parametrize("name, key, kind, value", DEFENCE_KEYS, ids=[f"{n}.{k}" for n, k, _, _ in DEFENCE_KEYS])
 def test_defence_key_in_scientific_notation(tmp_path: Path, name: str, key: str, kind: type, value: Any) -> None:
     from_file = C.validate(C.load_config(_preset_with(tmp_path, {"defence.name": name, f"defence.{key}": sci(value)})))
-    _same(from_file.defence[key], kind, value)
+    _same(getattr(from_file.defence, key), kind, value)
     from_set = C.validate(C.apply_overrides(C.load_config(), [f"defence.name={name}", f"defence.{key}={sci(value)}"]))
-    _same(from_set.defence[key], kind, value)
+    _same(getattr(from_set.defence, key), kind, value)
     swept = resolve(build_parser().parse_args(["--set", f"defence.name={name}", "--sweep", f"defence.{key}={sci(value)}"]))
     point = point_config(swept, grid_points(swept)[0])  # what the sweep point runs
-    _same(point.defence[key], kind, value)
+    _same(getattr(point.defence, key), kind, value)
     run_config = resolve_config({"defence": json.dumps({"name": name, key: sci(value)})})  # a string in JSON
-    _same(run_config.defence_spec()[key], kind, value)
+    _same(getattr(run_config.defence_spec(), key), kind, value)
     for bad, shown in ((True, "True"), ("1e-4x", "'1e-4x'")):
         with pytest.raises(ValueError, match=f"defence '{name}': config key '{key}' must be .*got {shown}"):
             validate_defence({"name": name, key: bad})

@@ -153,7 +153,7 @@ def test_a_plugin_is_typed_like_a_builtin(plugin_package: Path) -> None:
     with pytest.raises(ValueError, match=r"bad options for attack 'demo_mean': unknown option\(s\) \['kernal'\]; "
                                          r"valid: kernel, raise_errors"):
         create_attack("demo_mean", kernal=3)
-    assert validate_defence({"name": "add_constant", "value": "1e-2"}) == {"name": "add_constant", "value": 0.01}
+    assert validate_defence({"name": "add_constant", "value": "1e-2"}).as_dict() == {"name": "add_constant", "value": 0.01}
     with pytest.raises(ValueError, match=r"defence 'add_constant': unknown key\(s\) \['sigma'\]; valid: name, value"):
         validate_defence({"name": "add_constant", "sigma": 1.0})
     with pytest.raises(ValueError, match="defence 'add_constant': config key 'value' must be a number, got True"):

@@ -12,11 +12,11 @@ import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import register_condition_failure, write_config
 from helpers import run as _run
-from helpers import write_config
 
 import attacks
-from attacks.base import Attack, AttackFailure, register_attack
+from attacks.base import Attack, register_attack
 from benchmark import scoring
 from benchmark.report import bootstrap_ci
 from benchmark.store import read_jsonl
@@ -42,14 +42,7 @@ class BuggyAttack(Attack):
         return 1 / 0
 
 
-@register_attack("test_condition")
-class ConditionAttack(Attack):
-    """An attack whose condition never holds: an expected failure (AttackFailure)."""
-
-    name = "test_condition"
-
-    def _reconstruct(self, model, update, meta):
-        raise AttackFailure("condition not met (test)")
+register_condition_failure("test_condition")  # an expected failure (AttackFailure) on every image
 
 
 # ------------------------------------------------------------------ 1. Acc. on the model as trained

@@ -28,6 +28,7 @@ from benchmark.rows import (
 )
 from benchmark.workers import LocalRunner
 from clients.partition import PrivateBatch
+from defences import validate_defence
 from fedmjp.jigsaw import JigsawPlan
 from server.tap import TappedUpdate
 
@@ -107,8 +108,8 @@ def test_non_finite_values_are_written_as_the_store_reads_them() -> None:
 # ------------------------------------------------------------------------------------ fixtures
 def _context(**changes) -> RowContext:
     values = {"model": "MJP", "label": "MJP row", "trained": False, "arch": "mjp_vit_cifar_patch4_32",
-              "variant": "mjp", "april": None, "group": "shuffled", "seed": 7, "defence": {"name": "none"},
-              "defence_label": "none", "image_index": {"img0": 10, "img1": 11}}
+              "variant": "mjp", "april": None, "group": "shuffled", "seed": 7, "defence": validate_defence(None),
+              "image_index": {"img0": 10, "img1": 11}}
     values.update(changes)
     return RowContext(**values)
 
@@ -153,7 +154,7 @@ def test_score_round_pairs_and_scores_a_batch_against_x(scorer: scoring.Scorer) 
     recon = (x + OFFSET)[[1, 0]]
     result = AttackResult(images=recon, stats=[{"objective": 0.5, "iterations": 3}, {"objective": 0.25}])
     update = _update(metrics={"defence-cos": 0.75, "dp-epsilon": 2.5})
-    ctx = _context(defence={"name": "dp", "delta": 1e-5}, defence_label="DP")
+    ctx = _context(defence=validate_defence({"name": "dp_sgd", "delta": 1e-5}))
     scored = scoring.score_round(ctx, ("att", "att_name"), "a", [update], [_batch(x)], [result], _top1(2), scorer,
                                  PATCH, t_attack=1.5, grid_ids={"img1"})
     rows = [s.row for s in scored]
@@ -171,7 +172,7 @@ def test_score_round_pairs_and_scores_a_batch_against_x(scorer: scoring.Scorer) 
     assert first.attack_stats == {"objective": 0.25} and first.scored_estimate == "images"
     assert (first.failed, first.reason, first.error) == (False, None, False)
     assert (first.defence, first.defence_label, first.defence_cos, first.dp_epsilon, first.dp_delta) == (
-        "dp", "DP", 0.75, 2.5, 1e-5)
+        "dp_sgd", "dp_sgd(clip=1.0, sigma=1.0, delta=1e-05)", 0.75, 2.5, 1e-5)
     assert first.time_attack_s == 1.5 and first.time_score_s > 0
     assert [r.image_stored for r in rows] == [False, True]
     assert first.scores.keys() >= {"clamped", "mse", "fft2d", "psnr", "ssim", "fft2d_hermitian"}

@@ -16,8 +16,8 @@ import numpy as np
 import pandas as pd
 import pytest
 import yaml
+from helpers import register_condition_failure
 
-from attacks.base import Attack, AttackFailure, register_attack
 from benchmark.report import STRONGEST, bootstrap_ci, rows_frame, strongest_rows
 from benchmark.store import read_jsonl
 from benchmark.sweep import gather_rows, strongest, sweep_table
@@ -28,14 +28,7 @@ CAP = 100.0
 ATTACKERS = ["april_analytic", "IG", "test_strongest_never"]
 
 
-@register_attack("test_strongest_never")
-class NeverAttack(Attack):
-    """An attacker whose condition never holds: every image is a failure row."""
-
-    name = "test_strongest_never"
-
-    def _reconstruct(self, model, update, meta):
-        raise AttackFailure("condition not met (test)")
+register_condition_failure("test_strongest_never")  # every image is a failure row
 
 
 @pytest.fixture(scope="module")
