@@ -49,7 +49,6 @@ SETTING_GROUPS = {"a": "clean", "b": "shuffled", "c": "shuffled"}
 Engine = Literal["inprocess", "simulation"]
 LabelMode = Literal["known", "none"]
 ENGINES: tuple[str, ...] = get_args(Engine)
-LABEL_MODES: tuple[str, ...] = get_args(LabelMode)
 Settings = either(list[Setting], Literal[Setting, "all"])
 Sweep = either(dict, list)
 #: A defence spec (defences/spec.py: built-in or plug-in), typed once read; dumped with all its keys.
@@ -409,13 +408,6 @@ def attack_entries(cfg: BenchmarkConfig) -> list[AttackEntry]:
     return [AttackEntry(name=e.name, options=dict(e.options), label=e.label or e.name) for e in entries]
 
 
-def available_attacks() -> list[str]:
-    """Names :func:`attacks.create_attack` knows (built-ins and installed plug-ins' entry points)."""
-    import attacks
-
-    return list(attacks.attack_names())
-
-
 def catalog() -> dict[str, list[tuple[str, str]]]:
     """Every attack, defence and model architecture a config can name, as (name, origin) by kind:
     ``built-in`` or the entry point's package (``run_benchmark.py --list``). ``package.module:Name``
@@ -433,18 +425,6 @@ def model_spec(cfg: BenchmarkConfig, index: int) -> dict:
     if spec["seed"] is None:
         spec["seed"] = cfg.seed + index
     return spec
-
-
-def save_config(cfg: Mapping[str, Any] | BenchmarkConfig, path: str | Path) -> None:
-    """Write the resolved config (safe YAML, plain data only; a string that reads as a number is
-    quoted, :func:`fedmjp.config.dump_yaml`) atomically: a temporary file
-    beside it, then ``os.replace``, so a reader never sees half a config."""
-    import os
-
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(core.dump_yaml(plain(cfg), sort_keys=False, default_flow_style=None))
-    os.replace(tmp, path)
 
 
 def result_view(cfg: Mapping[str, Any] | BenchmarkConfig) -> dict:
