@@ -25,7 +25,7 @@ import os
 from pathlib import Path
 from typing import Annotated, Any, Iterable, Iterator, Literal, Mapping, Optional, Sequence, get_args
 
-from pydantic import BeforeValidator, SerializeAsAny
+from pydantic import BeforeValidator, Field, SerializeAsAny
 
 from clients.runconfig import Mode, Partitioner, Precision, RunConfig
 from defences.spec import DefenceSpec, NoDefence, validate_defence
@@ -50,7 +50,9 @@ Engine = Literal["inprocess", "simulation"]
 LabelMode = Literal["known", "none"]
 ENGINES: tuple[str, ...] = get_args(Engine)
 Settings = either(list[Setting], Literal[Setting, "all"])
-Sweep = either(dict, list)
+#: A grid (dotted key -> non-empty list of values) or explicit points (non-empty mappings of dotted
+#: key -> value): sweep.py
+Sweep = either(dict[str, Annotated[list, Field(min_length=1)]], list[Annotated[dict, Field(min_length=1)]])
 #: A defence spec (defences/spec.py: built-in or plug-in), typed once read; dumped with all its keys.
 Defence = Annotated[SerializeAsAny[DefenceSpec], BeforeValidator(validate_defence)]
 # Choices are Literal types defined once, by the code that uses them (Mode by the clients' run
@@ -329,25 +331,12 @@ def point_config(cfg: BenchmarkConfig, point: dict[str, Any]) -> BenchmarkConfig
 
 
 def validate_sweep(cfg: BenchmarkConfig) -> None:
-    """Every swept key must be a list of values and every grid point a valid config (names, ranges,
-    defence keys), checked before anything is written. Raises ConfigError."""
-    sweep = cfg.sweep or {}
-    if isinstance(sweep, list):
-        if not all(isinstance(p, dict) and p for p in sweep):
-            raise ConfigError(f"a sweep list must hold non-empty mappings of dotted key -> value, got {sweep!r}")
-        keys = [k for p in sweep for k in p]
-    elif isinstance(sweep, dict):
-        keys = list(sweep)
-        for key, values in sweep.items():
-            if not isinstance(values, list) or not values:
-                raise ConfigError(f"sweep.{key} must be a non-empty list of values, got {values!r}")
-    else:
-        raise ConfigError("sweep must be a mapping of dotted key -> list of values (a grid) or a list of "
-                          f"mappings of dotted key -> value (explicit points), got {sweep!r}")
-    for key in keys:
+    """Every swept key may be swept and every grid point is a valid config (names, ranges, defence
+    keys), checked before anything is written (the sweep's shape is the schema's). Raises ConfigError."""
+    for key in [k for p in cfg.sweep for k in p] if isinstance(cfg.sweep, list) else cfg.sweep:
         if key in ("sweep", "output") or str(key).startswith("sweep."):
             raise ConfigError(f"sweep key {key!r} cannot be swept")
-    for point in grid_points(cfg) if sweep else []:
+    for point in grid_points(cfg) if cfg.sweep else []:
         try:
             point_config(cfg, point)
         except ConfigError as err:

@@ -203,6 +203,8 @@ def _message(schema: type[BaseModel], error: Mapping[str, Any], where: str) -> s
     key = where + key
     if kind == "value_error":  # a field validator's own message (a defence spec's, for one)
         return f"{key}: {error['ctx']['error']}"
+    if kind == "too_short":
+        return f"config key {key!r} must not be empty ({describe(tp)}), got {value!r}"
     if kind == "missing":
         return f"config key {key!r} is required ({describe(tp)})"
     if kind == "literal_error" and get_origin(_bare(tp)) is Literal:
