@@ -23,7 +23,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from benchmark.cli import setup_logging, build_parser, default_output, resolve
 from benchmark.config import PROJECT_ROOT, BenchmarkConfig
-from benchmark.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, BenchmarkError, OutputWriteError
+from benchmark.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, BenchmarkError, ConfigError, OutputWriteError
 from fedmjp.allocator import tune_malloc
 from server.offline import keep_flower_offline
 
@@ -117,7 +117,7 @@ def _main(args: argparse.Namespace) -> int:
                 RunFolder(output, force=args.force).check(cfg)  # a conflicting folder fails before any training
                 _print_trained(train_missing(cfg, progress=not args.no_progress))
             summary = run_benchmark(cfg, output, progress=not args.no_progress, force=args.force)
-    except BenchmarkError as err:
+    except (BenchmarkError, ConfigError) as err:
         print(f"error: {err}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt as err:

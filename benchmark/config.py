@@ -17,13 +17,12 @@ while the variable is unset it stays as written, and the step that reads the dat
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import itertools
 import logging
 import os
 from pathlib import Path
-from typing import Annotated, Any, Iterable, Iterator, Literal, Mapping, Optional, Sequence, get_args
+from typing import Annotated, Any, Iterable, Literal, Mapping, Optional, Sequence, get_args
 
 from pydantic import BeforeValidator, Field, SerializeAsAny
 
@@ -171,19 +170,9 @@ DEFAULTS: dict[str, Any] = core.defaults(BenchmarkConfig)
 NON_RESULT_KEYS = ("output", "train_data", "attack_workers", "ray_address")
 
 
-@contextlib.contextmanager
-def _as_benchmark_error() -> Iterator[None]:
-    """The core's ConfigError as the benchmark's (exit status 3)."""
-    try:
-        yield
-    except core.ConfigError as err:
-        raise ConfigError(str(err)) from None
-
-
 def conform(data: Mapping[str, Any]) -> dict:
     """:data:`DEFAULTS` with ``data`` on top, every key and type checked (raises ConfigError)."""
-    with _as_benchmark_error():
-        return core.conform(BenchmarkConfig, data)
+    return core.conform(BenchmarkConfig, data)
 
 
 def load_config(path: Optional[str | Path] = None) -> dict:
@@ -191,8 +180,7 @@ def load_config(path: Optional[str | Path] = None) -> dict:
 
     Relative paths of the file are resolved against the project root.
     """
-    with _as_benchmark_error():
-        data = core.read_yaml(DEFAULT_CONFIG if path is None else path)
+    data = core.read_yaml(DEFAULT_CONFIG if path is None else path)
     return _resolve_paths(conform(data), PROJECT_ROOT)
 
 
@@ -228,17 +216,15 @@ def _resolve_paths(cfg: dict, base: Path) -> dict:
 def apply_overrides(cfg: Mapping[str, Any] | BenchmarkConfig, overrides: Iterable[str]) -> dict:
     """Apply ``key=value`` overrides (dotted keys; ``models.0.checkpoint=...`` indexes model rows),
     then check the whole config against the schema, which names an unknown key and the valid ones."""
-    with _as_benchmark_error():
-        return with_values(cfg, [core.parse_override(text) for text in overrides])
+    return with_values(cfg, [core.parse_override(text) for text in overrides])
 
 
 def with_values(cfg: Mapping[str, Any] | BenchmarkConfig, changes: Iterable[tuple[list[str], Any]]) -> dict:
     """A copy of ``cfg`` as plain data with each (dotted key parts, Python value) set, checked against
     the schema, paths resolved."""
     cfg = plain(cfg)
-    with _as_benchmark_error():
-        for parts, value in changes:
-            core.set_dotted(cfg, parts, copy.deepcopy(value))
+    for parts, value in changes:
+        core.set_dotted(cfg, parts, copy.deepcopy(value))
     return _resolve_paths(conform(cfg), PROJECT_ROOT)
 
 
@@ -284,15 +270,14 @@ def validate(cfg: Mapping[str, Any] | BenchmarkConfig) -> BenchmarkConfig:
     against the schema, names against their registries (model factory, attacks, defences), and
     ``federation.options`` against the clients' run-config schema.
     """
-    with _as_benchmark_error():
-        cfg = core.parse(BenchmarkConfig, plain(cfg))
+    cfg = core.parse(BenchmarkConfig, plain(cfg))
     settings = cfg.settings
     settings = list(SETTINGS) if settings == "all" else [settings] if isinstance(settings, str) else settings
     if not settings:
         raise ConfigError(f"settings must be a non-empty list of {', '.join(SETTINGS)}, got {settings!r}")
     cfg.settings = [s for s in SETTINGS if s in settings]
-    with _as_benchmark_error():  # the keys given, their values as the clients read them ("1e-4" -> 1e-4)
-        options = core.conform(RunConfig, cfg.federation.options, "federation.options.")
+    # the keys given, their values as the clients read them ("1e-4" -> 1e-4)
+    options = core.conform(RunConfig, cfg.federation.options, "federation.options.")
     cfg.federation.options = {k: options[k] for k in cfg.federation.options}
     if not cfg.device.strip():
         raise ConfigError("device must be auto, cpu, cuda or cuda:N, got an empty string")

@@ -26,17 +26,17 @@ code   meaning
 """
 from __future__ import annotations
 
+# The one error of every config (fedmjp.config): the benchmark raises and the CLI maps it like the rest
+from fedmjp.config import ConfigError
+
+__all__ = ["AttackErrors", "BenchmarkError", "ConfigError", "FederationFailed", "InputDataError",
+           "ModelCheckpointError", "OutputConflictError", "OutputLockedError", "OutputWriteError"]
+
 
 class BenchmarkError(Exception):
     """Base class: a clear, user-facing problem. ``exit_code`` is the CLI's exit status."""
 
     exit_code = 1
-
-
-class ConfigError(BenchmarkError, ValueError):
-    """Unknown names or invalid values in the config, the flags or ``--set`` overrides."""
-
-    exit_code = 3
 
 
 class InputDataError(BenchmarkError):

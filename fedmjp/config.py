@@ -35,7 +35,11 @@ M = TypeVar("M", bound=BaseModel)
 
 
 class ConfigError(ValueError):
-    """A config names an unknown key or holds a value its schema does not take."""
+    """A config names an unknown key or holds a value its schema does not take (every config of the
+    project: benchmark, training, run config, defences, attack options). ``exit_code``: the
+    benchmark CLI's exit status for it."""
+
+    exit_code = 3
 
 
 _FLOAT_TAG = "tag:yaml.org,2002:float"
