@@ -36,6 +36,7 @@ from fedmjp.devices import resolve_device
 from .base import (Attack, AttackFailure, AttackMetadata, AttackResult, Metadata, Update, _check_finite,
                    _expand_metadatas, register_attack, update_to_gradients)
 from .breaching_adapter import attack_copy, matched_names
+from .mjp_update import read_mjp_update
 
 _logger = logging.getLogger(__name__)
 
@@ -689,7 +690,7 @@ class InvertingGradientsClosedStart(GradientMatching):
       others. ``start_attacks`` names other candidates (an empty list: random starts only);
     - further restarts from seeded random draws; the restart with the best cosine term is returned;
     - on MJP models (``mjp_mask``), each update's shuffled positions read off the zero rows of
-      dL/dP (:func:`attacks.mjp_adaptive.detect_shuffled`, through ``MJPAdaptive.read_update``,
+      dL/dP (:func:`attacks.mjp_update.read_mjp_update`,
       which also removes the client's DAL term from the gradients) and E_unk put there in the
       attacker's forward;
     - up to ``iterations`` Adam steps per restart, each update stopping once its best objective
@@ -745,9 +746,7 @@ class InvertingGradientsClosedStart(GradientMatching):
             note: list[str] = []
             shuffled = False
             if mjp:
-                from .mjp_adaptive import MJPAdaptive  # imported here: mjp_adaptive imports this module
-
-                S, cleaned, _ = MJPAdaptive().read_update(vit, converted[k][0])
+                S, cleaned, _ = read_mjp_update(vit, converted[k][0])
                 converted[k] = (cleaned, converted[k][1])
                 masks.append(S)
                 shuffled = bool(S.any())

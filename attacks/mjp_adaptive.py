@@ -55,10 +55,11 @@ from scipy.sparse.linalg import LinearOperator, cg
 from torch.func import functional_call
 
 from .april import _gradient_of_Z, _is_design_a, _vit, check_conditions
-from .base import (Attack, AttackFailure, AttackMetadata, AttackResult, LazyGradients, Update, register_attack,
+from .base import (Attack, AttackFailure, AttackMetadata, AttackResult, Update, register_attack,
                    update_to_gradients)
 from .jigsaw_solver import place, solve_jigsaw
 from .matching import recover_labels
+from .mjp_update import dal_pe_term, detect_shuffled, read_mjp_update  # noqa: F401  (detect_shuffled: public here too)
 
 _logger = logging.getLogger(__name__)
 
@@ -74,36 +75,6 @@ SPAN_MIN_ITERATIONS = 100
 #: x~ estimates kept by :class:`MJPAdaptive` (see :func:`estimate_key`): a benchmark round runs
 #: ``mjp_adaptive`` and then ``ig_closed_start``, which starts from the same estimate of the same update.
 ESTIMATE_CACHE_SIZE = 64
-
-
-# ------------------------------------------------------------------------------------ detection
-def detect_shuffled(g_pe_patches: torch.Tensor, atol: float = 0.0) -> torch.Tensor:
-    """Shuffled positions from the patch rows of dL/dP [N, D]: rows whose max |entry| <= atol.
-
-    Returns [N] bool. ``atol=0`` (default) is exact: an E_unk position receives no PE gradient at all.
-    """
-    return g_pe_patches.abs().amax(dim=-1) <= atol
-
-
-def dal_pe_term(vit: nn.Module, shuffled: torch.Tensor, dtype: torch.dtype = torch.float64
-                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Gradient of the unit-weight DAL loss on the unshuffled positions (the client's extra term).
-
-    Args:
-        vit: an MJP model with a DAL head.
-        shuffled: [N] bool.
-    Returns:
-        (d dal / d pos_embed [1, T, D], {head parameter name: d dal / d param}); the names are those
-        of ``vit.named_parameters()`` (``dal_head.*``).
-    """
-    work = copy.deepcopy(vit).to("cpu", dtype)
-    keep = ~shuffled.reshape(1, -1).to(torch.bool)
-    loss = work.compute_dal_loss(keep)
-    names = ["pos_embed"] + [n for n, _ in work.named_parameters() if n.startswith("dal_head.")]
-    params = dict(work.named_parameters())
-    grads = torch.autograd.grad(loss, [params[n] for n in names], allow_unused=True)
-    out = {n: (torch.zeros_like(params[n]) if g is None else g.detach()) for n, g in zip(names, grads)}
-    return out.pop("pos_embed"), out
 
 
 # ------------------------------------------------------------------------------------ reduction
@@ -588,36 +559,9 @@ class MJPAdaptive(Attack):
 
     # ------------------------------------------------------------------------------- pieces
     def read_update(self, vit: nn.Module, grads: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict, dict]:
-        """(S [N] bool, gradients with the DAL term removed, stats) from one update's gradients."""
-        if "pos_embed" not in grads:
-            raise AttackFailure("update lacks 'pos_embed': the shuffled positions cannot be read")
-        if getattr(vit, "unk_embed", None) is None:
-            raise AttackFailure("the model has no E_unk (unk_embed): not an MJP jp_unk/mjp model")
-        prefix = int(getattr(vit, "num_prefix_tokens", 1))
-        D = int(vit.embed_dim)
-        grads = LazyGradients(grads, lambda v: v.to("cpu", torch.float64))  # each array when first read
-        g_pe = grads["pos_embed"].reshape(-1, D)
-        patch_rows = g_pe[-vit.patch_embed.num_patches:]
-        S = detect_shuffled(patch_rows)
-        stats: dict[str, Any] = dict(shuffled_positions=[int(i) for i in torch.nonzero(S).flatten()])
-        head = getattr(vit, "dal_head", None)
-        head_names = [n for n in grads if n.startswith("dal_head.")]
-        if head is not None and head.kind == "pca":
-            stats["dal_note"] = "PCA DAL head: its PE term touches every row; assumed absent"
-        elif head is not None and (head_names or self.dal_weight):
-            g_dal_pe, g_dal_head = dal_pe_term(vit, S)
-            if self.dal_weight is not None:
-                lam = float(self.dal_weight)
-            else:
-                num = sum(float((grads[n] * g_dal_head[n]).sum()) for n in head_names)
-                den = sum(float(g_dal_head[n].pow(2).sum()) for n in head_names)
-                lam = num / den if den > 0 else 0.0
-            stats["dal_weight"] = lam
-            if lam != 0.0:
-                grads["pos_embed"] = grads["pos_embed"] - lam * g_dal_pe.reshape(grads["pos_embed"].shape)
-                for n in head_names:
-                    grads[n] = grads[n] - lam * g_dal_head[n]
-        return S, grads, stats
+        """(S [N] bool, gradients with the DAL term removed, stats) from one update's gradients
+        (:func:`attacks.mjp_update.read_mjp_update` with this attack's ``dal_weight``)."""
+        return read_mjp_update(vit, grads, self.dal_weight)
 
     # ------------------------------------------------------------------------------- attack
     def _estimate_options(self) -> dict:

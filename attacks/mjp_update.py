@@ -1,0 +1,82 @@
+"""What an MJP client's update gives away before any attack: the shuffled positions (the zero rows of
+dL/dP, where E_unk replaced the position embedding) and the DAL term the client added, removed.
+
+Shared by the MJP-aware attacks (:mod:`attacks.mjp_adaptive` and the MJP-aware forward of
+:mod:`attacks.matching`), so neither imports the other for it.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+
+from .base import AttackFailure, LazyGradients
+
+
+# ------------------------------------------------------------------------------------ detection
+def detect_shuffled(g_pe_patches: torch.Tensor, atol: float = 0.0) -> torch.Tensor:
+    """Shuffled positions from the patch rows of dL/dP [N, D]: rows whose max |entry| <= atol.
+
+    Returns [N] bool. ``atol=0`` (default) is exact: an E_unk position receives no PE gradient at all.
+    """
+    return g_pe_patches.abs().amax(dim=-1) <= atol
+
+
+def dal_pe_term(vit: nn.Module, shuffled: torch.Tensor, dtype: torch.dtype = torch.float64
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Gradient of the unit-weight DAL loss on the unshuffled positions (the client's extra term).
+
+    Args:
+        vit: an MJP model with a DAL head.
+        shuffled: [N] bool.
+    Returns:
+        (d dal / d pos_embed [1, T, D], {head parameter name: d dal / d param}); the names are those
+        of ``vit.named_parameters()`` (``dal_head.*``).
+    """
+    work = copy.deepcopy(vit).to("cpu", dtype)
+    keep = ~shuffled.reshape(1, -1).to(torch.bool)
+    loss = work.compute_dal_loss(keep)
+    names = ["pos_embed"] + [n for n, _ in work.named_parameters() if n.startswith("dal_head.")]
+    params = dict(work.named_parameters())
+    grads = torch.autograd.grad(loss, [params[n] for n in names], allow_unused=True)
+    out = {n: (torch.zeros_like(params[n]) if g is None else g.detach()) for n, g in zip(names, grads)}
+    return out.pop("pos_embed"), out
+
+
+def read_mjp_update(vit: nn.Module, grads: dict[str, torch.Tensor], dal_weight: Optional[float] = None
+                    ) -> tuple[torch.Tensor, dict, dict]:
+    """(S [N] bool, gradients with the DAL term removed, stats) from one update's gradients.
+
+    ``dal_weight``: the client's DAL weight where the attacker knows it; None: fitted to the DAL
+    head's gradients (least squares on the unit-weight term).
+    """
+    if "pos_embed" not in grads:
+        raise AttackFailure("update lacks 'pos_embed': the shuffled positions cannot be read")
+    if getattr(vit, "unk_embed", None) is None:
+        raise AttackFailure("the model has no E_unk (unk_embed): not an MJP jp_unk/mjp model")
+    D = int(vit.embed_dim)
+    grads = LazyGradients(grads, lambda v: v.to("cpu", torch.float64))  # each array when first read
+    g_pe = grads["pos_embed"].reshape(-1, D)
+    patch_rows = g_pe[-vit.patch_embed.num_patches:]
+    S = detect_shuffled(patch_rows)
+    stats: dict[str, Any] = dict(shuffled_positions=[int(i) for i in torch.nonzero(S).flatten()])
+    head = getattr(vit, "dal_head", None)
+    head_names = [n for n in grads if n.startswith("dal_head.")]
+    if head is not None and head.kind == "pca":
+        stats["dal_note"] = "PCA DAL head: its PE term touches every row; assumed absent"
+    elif head is not None and (head_names or dal_weight):
+        g_dal_pe, g_dal_head = dal_pe_term(vit, S)
+        if dal_weight is not None:
+            lam = float(dal_weight)
+        else:
+            num = sum(float((grads[n] * g_dal_head[n]).sum()) for n in head_names)
+            den = sum(float(g_dal_head[n].pow(2).sum()) for n in head_names)
+            lam = num / den if den > 0 else 0.0
+        stats["dal_weight"] = lam
+        if lam != 0.0:
+            grads["pos_embed"] = grads["pos_embed"] - lam * g_dal_pe.reshape(grads["pos_embed"].shape)
+            for n in head_names:
+                grads[n] = grads[n] - lam * g_dal_head[n]
+    return S, grads, stats
