@@ -54,6 +54,8 @@ import torch.nn.functional as F
 from scipy.sparse.linalg import LinearOperator, cg
 from torch.func import functional_call
 
+from patchgrid import unpatchify
+
 from .april import _gradient_of_Z, _is_design_a, _vit, check_conditions
 from .base import (Attack, AttackFailure, AttackMetadata, AttackResult, Update, register_attack,
                    update_to_gradients)
@@ -200,12 +202,9 @@ def mjp_reduction(vit: nn.Module, G_Z: torch.Tensor, G_W: torch.Tensor, shuffled
 # ------------------------------------------------------------------------------------ image helpers
 def patches_to_image(patches: torch.Tensor, grid: tuple[int, int], channels: int, p: int) -> torch.Tensor:
     """[..., N, C p^2] (timm's (C, p, p) order) -> [..., C, H, W]."""
-    lead = patches.shape[:-2]
-    gh, gw = grid
-    x = patches.reshape(*lead, gh, gw, channels, p, p)
-    nd = len(lead)
-    x = x.permute(*range(nd), nd + 2, nd, nd + 3, nd + 1, nd + 4)
-    return x.reshape(*lead, channels, gh * p, gw * p)
+    lead, N = patches.shape[:-2], patches.shape[-2]
+    x = unpatchify(patches.reshape(-1, N, channels, p, p), grid)  # leading dims flattened into the batch
+    return x.reshape(*lead, *x.shape[1:])
 
 
 def _neighbour_diffs(img: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

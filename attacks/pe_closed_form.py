@@ -35,6 +35,8 @@ from typing import Mapping, Optional, Sequence
 import torch
 import torch.nn as nn
 
+from patchgrid import patchify, unpatchify
+
 from .april import _PRECISIONS, _vit
 from .base import (AttackFailure, AttackMetadata, AttackResult, BatchedSolveAttack, Update, register_attack,
                    update_to_gradients)
@@ -174,14 +176,13 @@ def pe_closed_form_system(model: nn.Module, grads: Mapping[str, torch.Tensor],
 
 def patches_to_images(X: torch.Tensor, info: PEInfo) -> torch.Tensor:
     """[K, N, C p^2] patches (timm's (C, p, p) order, row-major grid) -> [K, C, H, W]."""
-    K, (gh, gw), C, p = X.shape[0], info.grid, info.channels, info.patch_size
-    return X.reshape(K, gh, gw, C, p, p).permute(0, 3, 1, 4, 2, 5).reshape(K, C, gh * p, gw * p)
+    C, p = info.channels, info.patch_size
+    return unpatchify(X.reshape(X.shape[0], -1, C, p, p), info.grid)
 
 
 def images_to_patches(x: torch.Tensor, info: PEInfo) -> torch.Tensor:
     """[K, C, H, W] -> [K, N, C p^2], the inverse of :func:`patches_to_images`."""
-    K, (gh, gw), C, p = x.shape[0], info.grid, info.channels, info.patch_size
-    return x.reshape(K, C, gh, p, gw, p).permute(0, 2, 4, 1, 3, 5).reshape(K, gh * gw, C * p * p)
+    return patchify(x, info.patch_size).flatten(2)
 
 
 @register_attack("pe_closed_form")
