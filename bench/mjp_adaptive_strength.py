@@ -16,6 +16,12 @@ even on a shared machine).
 
     OMP_NUM_THREADS=1 python bench/mjp_adaptive_strength.py                   # scikit-image's images
     OMP_NUM_THREADS=1 python bench/mjp_adaptive_strength.py --images DIR      # the first 4 JPEGs of DIR
+
+``--basin 0.05,0.2,1`` asks instead how far from the client's x~ the span fit still finds it: the
+fit starts at the truth's reduced parameters (b, a) plus Gaussian noise of ``eps`` times their spread
+and runs ``--basin-iterations`` L-BFGS iterations; printed: the residual and the RMS distance to
+the truth (model-input units) before and after. ``--basin-part a`` (or ``b``) perturbs only the
+shuffled (unshuffled) patches' coordinates.
 """
 from __future__ import annotations
 
@@ -33,7 +39,9 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import attacks  # noqa: E402
 import fedmjp  # noqa: E402,F401  (registers the models)
-from attacks.mjp_adaptive import SpanResidual, input_spans  # noqa: E402
+from attacks.april import _gradient_of_Z, check_conditions  # noqa: E402
+from attacks.mjp_adaptive import MJPAdaptive, SpanResidual, _lbfgs, input_spans, mjp_reduction  # noqa: E402
+from patchgrid import patchify  # noqa: E402
 from fedmjp.checkpoint import load_checkpoint  # noqa: E402
 from fedmjp.factory import normalize  # noqa: E402
 from metrics.regions import region_scores  # noqa: E402
@@ -91,6 +99,40 @@ def _residuals(model: torch.nn.Module, update: dict, mask: torch.Tensor, x_t: to
     return f"residual truth {truth:.1e} estimate {est:.1e} ({len(spans)} layers)"
 
 
+def basin(model: torch.nn.Module, update: dict, xin: torch.Tensor, eps_list: list[float], iterations: int,
+          part: str, seed: int) -> list[str]:
+    """The span fit started at the truth (b, a) + eps x spread noise: residual and RMS distance to the
+    client's normalised x~ ``xin`` [1, C, H, W], before -> after ``iterations`` L-BFGS iterations."""
+    S, grads, _ = attacks.create_attack("mjp_adaptive").read_update(model, dict(update))
+    red = mjp_reduction(model, _gradient_of_Z(model, grads, check_conditions(model)),
+                        grads["blocks.0.attn.qkv.weight"], S)
+    C, p = xin.shape[1], int(model.patch_embed.patch_size[0])
+    grid = tuple(int(g) for g in model.patch_embed.grid_size)
+    X = patchify(xin, p).flatten(2)[0]  # [N, C p^2] in the model's patch order
+    b_t = (X[~S] - red.x_unshuffled) @ red.null_basis  # the truth's reduced parameters
+    a_t = (X[S] - red.x_bar) @ red.null_basis
+    residual = SpanResidual(model, input_spans(model, grads, S.numel() + 1), S)
+
+    def objective(vb: torch.Tensor, va: torch.Tensor) -> torch.Tensor:
+        return residual.value(MJPAdaptive._assemble(red, vb, va, grid, C, p))
+
+    def dist(vb: torch.Tensor, va: torch.Tensor) -> float:
+        return float((MJPAdaptive._assemble(red, vb, va, grid, C, p) - xin).pow(2).mean().sqrt())
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        lines = [f"k={red.null_basis.shape[1]} truth residual {float(objective(b_t[None], a_t[None])[0]):.1e}"]
+    for eps in eps_list:
+        nb = torch.randn(b_t.shape, generator=gen, dtype=torch.float64) * float(b_t.std()) * eps * (part != "a")
+        na = torch.randn(a_t.shape, generator=gen, dtype=torch.float64) * float(a_t.std()) * eps * (part != "b")
+        b0, a0 = (b_t + nb)[None], (a_t + na)[None]
+        b1, a1, n = _lbfgs(lambda vb, va: objective(vb, va).sum(), b0.clone(), a0.clone(), iterations)
+        with torch.no_grad():
+            lines.append(f"eps {eps:g}: residual {float(objective(b0, a0)[0]):.1e} -> {float(objective(b1, a1)[0]):.1e}, "
+                         f"distance {dist(b0, a0):.3f} -> {dist(b1, a1):.3f} ({n} it)")
+    return lines
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--images", type=Path, default=None, help="folder of images (default: scikit-image's)")
@@ -108,6 +150,9 @@ def main() -> None:
     p.add_argument("--attacks", default="april,prior,span", help="comma-separated: april, prior, span, match")
     p.add_argument("--span-iterations", type=int, default=None, help="mjp_adaptive's span_iterations")
     p.add_argument("--starts", type=int, default=None, help="mjp_adaptive's starts")
+    p.add_argument("--basin", default=None, help="comma-separated noise scales: run the basin test instead")
+    p.add_argument("--basin-iterations", type=int, default=400)
+    p.add_argument("--basin-part", choices=("both", "a", "b"), default="both")
     args = p.parse_args()
     images = load_images(args.images, args.first + args.num_images, 32)[args.first:]
     extra = {k: v for k, v in (("span_iterations", args.span_iterations), ("starts", args.starts)) if v is not None}
@@ -130,6 +175,11 @@ def main() -> None:
             update = attacks.compute_update(model, normalize(x_t, MEAN, STD), torch.tensor([(args.first + i) % 10]),
                                             unk_mask=plan.mask)
             line = [f"[{label}] {name:12s} |S|={int(plan.mask.sum()):2d}"]
+            if args.basin:
+                eps = [float(e) for e in args.basin.split(",")]
+                out = basin(model, update, normalize(x_t, MEAN, STD), eps, args.basin_iterations, args.basin_part, i)
+                print("  ".join(line + out[:1]) + "\n    " + "\n    ".join(out[1:]), flush=True)
+                continue
             for n in names:
                 t0 = time.process_time()  # CPU seconds: the machine may be shared
                 res = makers[n]().reconstruct(model, update, dict(mean=MEAN, std=STD))
@@ -143,7 +193,7 @@ def main() -> None:
                 if args.residual and n == "span":
                     line.append(_residuals(model, update, plan.mask[0], x_t, res))
             print("  ".join(line), flush=True)
-        for n in names:
+        for n in names if not args.basin else []:
             cols = list(zip(*table[n]))
             print(f"[{label}] median {n:6s} {statistics.median(cols[0]):5.1f} / {statistics.median(cols[1]):5.1f} / "
                   f"{statistics.median(cols[2]):5.1f} dB, {statistics.mean(cols[3]):5.1f} CPU s/image", flush=True)
