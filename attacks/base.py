@@ -21,16 +21,18 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import math
 import time
 import traceback
 import typing
 from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence, Union
+from typing import Annotated, Any, Callable, ClassVar, Literal, Mapping, Optional, Sequence, Union
 
+import numpy as np
 import torch
 import torch.nn as nn
-from pydantic import create_model
+from pydantic import BeforeValidator, ConfigDict, create_model
 
 from defences.spec import DefenceSpec, validate_defence
 from fedmjp import config as core
@@ -110,40 +112,40 @@ class AttackMetadata:
 
     @classmethod
     def parse(cls, metadata: Optional[Metadata], model: nn.Module) -> "AttackMetadata":
-        """Read the metadata dict; missing entries default to batch 1, mean 0, std 1 and the
-        model's input size (``model.patch_embed.img_size`` with 3 channels)."""
-        md = dict(metadata or {})
-        n = int(md.get("num_images", md.get("batch_size", 1)))
-        size = md.get("image_size")
-        if size is None:
-            img = getattr(getattr(model, "patch_embed", None), "img_size", None)
-            if img is None:
-                raise AttackFailure("metadata lacks image_size and the model has no patch_embed.img_size")
-            size = (int(getattr(model.patch_embed.proj, "in_channels", 3)), int(img[0]), int(img[1]))
-        size = tuple(int(s) for s in size)
-        if len(size) != 3:
-            raise AttackFailure(f"image_size must be (C, H, W), got {size}")
-        mean = torch.as_tensor(md.get("mean", (0.0,) * size[0]), dtype=torch.float64).reshape(-1)
-        std = torch.as_tensor(md.get("std", (1.0,) * size[0]), dtype=torch.float64).reshape(-1)
-        labels = md.get("labels")
-        if labels is not None:
-            labels = torch.as_tensor(labels, dtype=torch.long).reshape(-1).cpu()
-            if labels.numel() != n:
-                raise AttackFailure(f"metadata has {labels.numel()} labels for num_images={n}")
-        update_type = str(md.get("update_type", "gradient"))
-        if update_type not in ("gradient", "delta"):
-            raise AttackFailure(f"update_type must be 'gradient' or 'delta', got {update_type!r}")
-        lr = md.get("lr")
-        steps = int(md.get("local_steps", 1))
-        if update_type == "delta" and (lr is None or float(lr) == 0.0):
-            raise AttackFailure("a 'delta' update needs its local learning rate in metadata['lr']")
-        defence, defence_error = md.get("defence"), None
+        """Read the metadata dict (:class:`_MetadataSchema`; keys it does not name are ignored, for
+        plug-in attacks to read). Missing entries default to batch 1, mean 0, std 1 and the model's
+        input size (``model.patch_embed.img_size`` with ``patch_embed.proj.in_channels`` channels,
+        3 if absent); a one-entry mean or std is repeated for every channel.
+
+        Raises:
+            AttackFailure: a value of the wrong type or out of range, naming the key and what it
+                takes; labels not one per image; a ``delta`` update without a non-zero ``lr``. A
+                defence spec that cannot be read is kept as ``defence_error`` instead.
+        """
+        try:
+            md = core.parse(_MetadataSchema, {} if metadata is None else metadata, "metadata.")
+        except core.ConfigError as err:
+            raise AttackFailure(str(err)) from None
+        # By hand what the schema cannot see: defaults and checks that depend on the model or on
+        # another key, and length/range checks of the lists (fedmjp.config's messages name a
+        # field's range, not that of a list's entries).
+        n = md.num_images if md.num_images is not None else md.batch_size if md.batch_size is not None else 1
+        size = _model_image_size(model) if md.image_size is None else tuple(md.image_size)
+        if len(size) != 3 or min(size) < 1:
+            raise _bad("image_size", "(C, H, W): three integers >= 1", list(size))
+        mean = _per_channel("mean", md.mean, size[0], 0.0, "finite numbers", math.isfinite)
+        std = _per_channel("std", md.std, size[0], 1.0, "finite numbers > 0", lambda v: 0.0 < v < math.inf)
+        labels = None if md.labels is None else torch.tensor(md.labels, dtype=torch.long)
+        if labels is not None and labels.numel() != n:
+            raise _bad("labels", f"one label per image (num_images={n})", md.labels)
+        if md.update_type == "delta" and not md.lr:
+            raise _bad("lr", "the non-zero local learning rate of a 'delta' update", md.lr)
+        defence, defence_error = md.defence, None
         try:
             defence = None if defence is None else validate_defence(defence)
         except ValueError as err:  # e.g. a plug-in defence the attacker's side does not have installed
             defence, defence_error = None, str(err)
-        return cls(n, size, mean, std, labels, update_type, None if lr is None else float(lr), steps, defence,
-                   defence_error)
+        return cls(n, size, mean, std, labels, md.update_type, md.lr, md.local_steps, defence, defence_error)
 
     def normalize(self, images: torch.Tensor) -> torch.Tensor:
         """[B, C, H, W] in [0, 1] -> model input (x - mean) / std."""
@@ -160,6 +162,68 @@ class AttackMetadata:
         m = self.mean.to(device=device, dtype=dtype)[None, :, None, None]
         s = self.std.to(device=device, dtype=dtype)[None, :, None, None]
         return -m / s, (1 - m) / s
+
+
+def _python(value: Any, flat: bool = False) -> Any:
+    """``value`` as the Python data strict pydantic takes: a tensor or NumPy value as numbers
+    (flattened to a list when ``flat``), a tuple as a list, a lone number as a one-entry list when
+    ``flat``. Written by hand: metadata come from Python (the benchmark passes ``labels`` as a
+    LongTensor, ``mean``/``std`` as tuples or tensors), not from YAML, and pydantic knows no tensor."""
+    if isinstance(value, (torch.Tensor, np.ndarray, np.generic)):
+        value = (value.reshape(-1) if flat else value).tolist()
+    elif isinstance(value, tuple):
+        value = list(value)
+    return [value] if flat and isinstance(value, (int, float)) and not isinstance(value, bool) else value
+
+
+_Scalar = BeforeValidator(_python)
+_List = BeforeValidator(functools.partial(_python, flat=True))
+_Int, _Float = Annotated[core.Int, _Scalar], Annotated[core.Float, _Scalar]  # a list's entries may be 0-d tensors
+
+
+class _MetadataSchema(core.Schema):
+    """The keys of the metadata a server passes with an update (:meth:`AttackMetadata.parse`): types,
+    ranges and defaults that do not depend on the model or on another key."""
+
+    model_config = ConfigDict(extra="ignore")  # plug-in attacks read their own keys from the raw dict
+    num_images: Annotated[Optional[core.Int], _Scalar] = core.option(None, ge=1)
+    # The old name of num_images, its own key (not a pydantic alias) so that an error names the key
+    # the server wrote: fedmjp.config's messages name a field by its name or alias, not an AliasChoices.
+    batch_size: Annotated[Optional[core.Int], _Scalar] = core.option(None, ge=1)
+    image_size: Annotated[Optional[list[_Int]], _List] = None
+    mean: Annotated[Optional[list[_Float]], _List] = None
+    std: Annotated[Optional[list[_Float]], _List] = None
+    labels: Annotated[Optional[list[_Int]], _List] = None
+    update_type: Literal["gradient", "delta"] = "gradient"
+    lr: Annotated[Optional[core.Float], _Scalar] = core.option(None, ge=0.0)
+    local_steps: Annotated[core.Int, _Scalar] = core.option(1, ge=1)
+    defence: Any = None  # validate_defence reads it; a spec it refuses is kept as defence_error
+
+
+def _bad(key: str, takes: str, got: Any) -> AttackFailure:
+    """A metadata value the schema's types let through but a check by hand refuses, worded like
+    fedmjp.config's errors."""
+    return AttackFailure(f"config key 'metadata.{key}' must be {takes}, got {got!r}")
+
+
+def _model_image_size(model: nn.Module) -> tuple[int, int, int]:
+    """(C, H, W) of the model's input: ``patch_embed.img_size`` and ``patch_embed.proj.in_channels`` (3
+    if absent)."""
+    embed = getattr(model, "patch_embed", None)
+    img = getattr(embed, "img_size", None)
+    if img is None:
+        raise AttackFailure("metadata lacks image_size and the model has no patch_embed.img_size")
+    return int(getattr(getattr(embed, "proj", None), "in_channels", 3)), int(img[0]), int(img[1])
+
+
+def _per_channel(key: str, values: Optional[list[float]], channels: int, default: float, what: str,
+                 valid: Callable[[float], bool]) -> torch.Tensor:
+    """[C] float64 of ``values`` (``default`` when None; one entry repeated for every channel),
+    each entry ``valid``."""
+    given = [default] if values is None else values
+    if len(given) not in (1, channels) or not all(map(valid, given)):
+        raise _bad(key, f"{channels} (the channels of image_size) or 1 {what}", values)
+    return torch.tensor(given * channels if len(given) == 1 else given, dtype=torch.float64)
 
 
 class LazyGradients(MutableMapping[str, torch.Tensor]):
