@@ -43,10 +43,10 @@ import json
 import logging
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import cachetools
 import numpy as np
 import torch
 import torch.nn as nn
@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from scipy.sparse.linalg import LinearOperator, cg
 from torch.func import functional_call
 
-from patchgrid import unpatchify
+from patchgrid import patchify, unpatchify
 
 from .april import _gradient_of_Z, _is_design_a, _vit, check_conditions
 from .base import (Attack, AttackFailure, AttackMetadata, AttackResult, Update, register_attack,
@@ -470,24 +470,20 @@ def estimate_key(model: nn.Module, update: Update, meta: AttackMetadata, options
 
 
 class _EstimateCache:
-    """A small LRU map from :func:`estimate_key` to (x~ [1, C, H, W] model input, S [N], stats, notes)."""
+    """A small LRU map from :func:`estimate_key` to (x~ [1, C, H, W] model input, S [N], stats, notes):
+    cachetools' LRU behind a lock (attack threads share it)."""
 
     def __init__(self, size: int) -> None:
-        self.size, self._items, self._lock = int(size), OrderedDict(), threading.Lock()
+        self._items: cachetools.LRUCache = cachetools.LRUCache(maxsize=int(size))
+        self._lock = threading.Lock()
 
     def get(self, key: bytes) -> Optional[tuple]:
         with self._lock:
-            got = self._items.get(key)
-            if got is not None:
-                self._items.move_to_end(key)
-            return got
+            return self._items.get(key)  # a hit counts as a use
 
     def put(self, key: bytes, value: tuple) -> None:
         with self._lock:
-            self._items[key] = value
-            self._items.move_to_end(key)
-            while len(self._items) > self.size:
-                self._items.popitem(last=False)
+            self._items[key] = value  # the least recently used goes when the cache is full
 
     def clear(self) -> None:
         with self._lock:
@@ -605,11 +601,11 @@ class MJPAdaptive(Attack):
         images = meta.denormalize(x_tilde)
         unshuffled = None
         if self.unshuffle:
-            pix = images.reshape(C, grid[0], p, grid[1], p).permute(1, 3, 0, 2, 4).reshape(-1, C, p, p)
+            pix = patchify(images, p)[0]  # [N, C, p, p] (the attack reconstructs one image)
             idx = torch.nonzero(S).flatten()
             order, jinfo = solve_jigsaw(pix[idx], grid, S, pix)
             placed = place(pix[idx], order, S, pix)
-            unshuffled = placed.reshape(grid[0], grid[1], C, p, p).permute(2, 0, 3, 1, 4).reshape(1, C, H, W)
+            unshuffled = unpatchify(placed[None], grid)
             stats.update(jigsaw_cost=jinfo["cost_final"], jigsaw_swaps=jinfo["swaps"])
         stats.update(time_s=time.perf_counter() - t0, failed=False, notes=notes, attack=self.name,
                      design_a=design_a)

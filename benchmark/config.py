@@ -22,15 +22,15 @@ import itertools
 import logging
 import os
 from pathlib import Path
-from typing import Annotated, Any, Iterable, Literal, Mapping, Optional, Sequence, get_args
+from typing import Annotated, Any, Iterable, Literal, Mapping, Optional, Sequence, Union, get_args
 
-from pydantic import BeforeValidator, Field, SerializeAsAny
+from pydantic import AfterValidator, BeforeValidator, Field, SerializeAsAny
 
 from clients.runconfig import Mode, Partitioner, Precision, RunConfig
 from defences.spec import DefenceSpec, NoDefence, validate_defence
 from fedmjp import config as core
 from fedmjp import datadir
-from fedmjp.config import Float, Int, Schema, either, option
+from fedmjp.config import ByShape, Float, Int, Schema, option
 from fedmjp.settings import SETTINGS, Setting
 
 from .errors import ConfigError
@@ -48,18 +48,57 @@ SETTING_GROUPS = {"a": "clean", "b": "shuffled", "c": "shuffled"}
 Engine = Literal["inprocess", "simulation"]
 LabelMode = Literal["known", "none"]
 ENGINES: tuple[str, ...] = get_args(Engine)
-Settings = either(list[Setting], Literal[Setting, "all"])
+
+
+def _settings_list(value: Any) -> list[str]:
+    """``all``, one setting or a list of them as the list in SETTINGS order."""
+    chosen = SETTINGS if value == "all" else [value] if isinstance(value, str) else value
+    if not chosen:
+        raise ValueError(f"must be a non-empty list of {', '.join(SETTINGS)}, got {value!r}")
+    return [s for s in SETTINGS if s in chosen]
+
+
+#: ``settings:`` as written (``all``, ``c`` or ``[a, c]``), read as the list in SETTINGS order.
+Settings = Annotated[Union[list[Setting], Literal[Setting, "all"]], ByShape(), AfterValidator(_settings_list)]
 #: A grid (dotted key -> non-empty list of values) or explicit points (non-empty mappings of dotted
 #: key -> value): sweep.py
-Sweep = either(dict[str, Annotated[list, Field(min_length=1)]], list[Annotated[dict, Field(min_length=1)]])
+Sweep = Annotated[Union[dict[str, Annotated[list, Field(min_length=1)]], list[Annotated[dict, Field(min_length=1)]]],
+                  ByShape()]
 #: A defence spec (defences/spec.py: built-in or plug-in), typed once read; dumped with all its keys.
 Defence = Annotated[SerializeAsAny[DefenceSpec], BeforeValidator(validate_defence)]
+
+
+def _resolve_path(value: Any) -> Any:
+    """A config path as an absolute path (relative: to the project root), ``$FEDMJP_DATA/...``
+    expanded while the variable is set; ``embedded`` and None unchanged."""
+    if value is None or value == "embedded" or not isinstance(value, str):
+        return value
+    try:
+        value.encode()  # YAML's "\ud800" escapes give unpaired surrogates, which no file system takes
+    except UnicodeEncodeError:
+        raise ConfigError(f"path {value!r} holds characters that are not valid text (unpaired surrogates); "
+                          "write it in plain UTF-8") from None
+    if "\x00" in value:
+        raise ConfigError(f"path {value!r} holds a NUL character; no file name can")
+    if datadir.names_data_dir(value):
+        if datadir.data_dir() is None:
+            return value  # kept as written: loading the data says what to set
+        value = datadir.expand(value)
+    p = Path(value).expanduser()
+    return str(p if p.is_absolute() else (PROJECT_ROOT / p).resolve())
+
+
+#: A path key of a config file: resolved against the project root when read (_resolve_path), so a
+#: new path key needs only this type.
+ConfigPath = Annotated[str, AfterValidator(_resolve_path)]
+
+
 # Choices are Literal types defined once, by the code that uses them (Mode by the clients' run
 # config, Setting by fedmjp.settings); a tuple of the values is ``get_args`` of the type.
 
 
 class Data(Schema):
-    source: str = option("embedded", client="images")  # "embedded" (scikit-image's bundled images) or a folder
+    source: ConfigPath = option("embedded", client="images")  # "embedded" (scikit-image's bundled images) or a folder
     image_size: Int = option(32, ge=1, client="image-size")
     # None: all images of the source (the run config has no null: 0 there means all)
     num_images: Optional[Int] = option(None, ge=1, client="num-images", client_null=0)
@@ -90,10 +129,10 @@ class ModelRowConfig(Schema):
     arch: str
     variant: str = "plain"
     kwargs: dict = {}
-    checkpoint: Optional[str] = None  # None: seeded fresh weights, marked "untrained"
+    checkpoint: Optional[ConfigPath] = None  # None: seeded fresh weights, marked "untrained"
     april: Optional[str] = None  # surgery | trained | None
     seed: Optional[Int] = option(None, ge=0, le=SEED_MAX)  # None: the config's seed + row index
-    recipe: Optional[str] = None  # training recipe of --train-missing (configs/train/...)
+    recipe: Optional[ConfigPath] = None  # training recipe of --train-missing (configs/train/...)
     defence: Optional[Defence] = None  # replaces the top-level defence for this row
 
 
@@ -110,7 +149,7 @@ class AttackEntry(Schema):
 
 
 class Metrics(Schema):
-    lpips_backbone: Optional[str] = None  # AlexNet features file; None: $FEDMJP_LPIPS_BACKBONE or torchvision
+    lpips_backbone: Optional[ConfigPath] = None  # AlexNet features file; None: $FEDMJP_LPIPS_BACKBONE or torchvision
     lpips: bool = True
 
 
@@ -124,7 +163,7 @@ class Utility(Schema):
     meaning: benchmark/utility.py."""
 
     rounds: Int = option(0, ge=0)
-    source: str = "$FEDMJP_DATA/cifar10.tar.gz"
+    source: ConfigPath = Field("$FEDMJP_DATA/cifar10.tar.gz", validate_default=True)
     num_train: Int = option(64, ge=0)
     num_eval: Int = option(200, ge=1)
     clients: Int = option(2, ge=1)
@@ -137,13 +176,13 @@ class BenchmarkConfig(Schema):
     name: str = "benchmark"
     seed: Int = option(0, ge=0, le=SEED_MAX, client="seed")
     device: str = option("auto", client="device")  # auto | cpu | cuda | cuda:N
-    # "all" is a, b, c; validate() turns either form into the list in SETTINGS order
+    # "all" is a, b, c; either form is read as the list in SETTINGS order
     settings: Settings = ["c"]
     # share of patches the client's MJP shuffle selects in settings (b)/(c)
     gamma: Float = option(0.27, ge=0.0, le=1.0, client="gamma")
     dry_run: bool = False
     output: Optional[str] = None  # output folder (--output); None: runs/<time>-setting-<s>
-    train_data: Optional[str] = None  # training data of the model rows' recipes (--train-missing)
+    train_data: Optional[ConfigPath] = None  # training data of the model rows' recipes (--train-missing)
     # client-side defence of every model row (a row's own ``defence:`` replaces it); keys: defences/spec.py
     defence: Defence = NoDefence()
     # strength sweep: dotted key -> list of values, or a list of points; see sweep.py
@@ -176,41 +215,10 @@ def conform(data: Mapping[str, Any]) -> dict:
 
 
 def load_config(path: Optional[str | Path] = None) -> dict:
-    """Defaults merged with a preset (``configs/default.yaml`` when ``path`` is None).
-
-    Relative paths of the file are resolved against the project root.
-    """
+    """Defaults merged with a preset (``configs/default.yaml`` when ``path`` is None); relative paths
+    resolved against the project root (:data:`ConfigPath`)."""
     data = core.read_yaml(DEFAULT_CONFIG if path is None else path)
-    return _resolve_paths(conform(data), PROJECT_ROOT)
-
-
-def _resolve_path(value: Any, base: Path) -> Any:
-    if value is None or value == "embedded" or not isinstance(value, str):
-        return value
-    try:
-        value.encode()  # YAML's "\ud800" escapes give unpaired surrogates, which no file system takes
-    except UnicodeEncodeError:
-        raise ConfigError(f"path {value!r} holds characters that are not valid text (unpaired surrogates); "
-                          "write it in plain UTF-8") from None
-    if "\x00" in value:
-        raise ConfigError(f"path {value!r} holds a NUL character; no file name can")
-    if datadir.names_data_dir(value):
-        if datadir.data_dir() is None:
-            return value  # kept as written: loading the data says what to set
-        value = datadir.expand(value)
-    p = Path(value).expanduser()
-    return str(p if p.is_absolute() else (base / p).resolve())
-
-
-def _resolve_paths(cfg: dict, base: Path) -> dict:
-    cfg["data"]["source"] = _resolve_path(cfg["data"]["source"], base)
-    cfg["metrics"]["lpips_backbone"] = _resolve_path(cfg["metrics"]["lpips_backbone"], base)
-    cfg["train_data"] = _resolve_path(cfg["train_data"], base)
-    for row in cfg["models"]:
-        for key in ("checkpoint", "recipe"):
-            row[key] = _resolve_path(row[key], base)
-    cfg["utility"]["source"] = _resolve_path(cfg["utility"]["source"], base)
-    return cfg
+    return conform(data)
 
 
 def apply_overrides(cfg: Mapping[str, Any] | BenchmarkConfig, overrides: Iterable[str]) -> dict:
@@ -221,11 +229,11 @@ def apply_overrides(cfg: Mapping[str, Any] | BenchmarkConfig, overrides: Iterabl
 
 def with_values(cfg: Mapping[str, Any] | BenchmarkConfig, changes: Iterable[tuple[list[str], Any]]) -> dict:
     """A copy of ``cfg`` as plain data with each (dotted key parts, Python value) set, checked against
-    the schema, paths resolved."""
+    the schema (paths resolved: :data:`ConfigPath`)."""
     cfg = plain(cfg)
     for parts, value in changes:
         core.set_dotted(cfg, parts, copy.deepcopy(value))
-    return _resolve_paths(conform(cfg), PROJECT_ROOT)
+    return conform(cfg)
 
 
 def client_values(cfg: Schema) -> dict[str, Any]:
@@ -263,19 +271,13 @@ def plain(cfg: Mapping[str, Any] | BenchmarkConfig) -> dict:
 
 
 def validate(cfg: Mapping[str, Any] | BenchmarkConfig) -> BenchmarkConfig:
-    """The checked, typed config: keys, types, names and values; ``settings`` normalised (``all`` ->
-    a, b, c).
+    """The checked, typed config: keys, types, names and values.
 
     Every value a user can type is checked here, before anything is written: keys, types and ranges
     against the schema, names against their registries (model factory, attacks, defences), and
     ``federation.options`` against the clients' run-config schema.
     """
     cfg = core.parse(BenchmarkConfig, plain(cfg))
-    settings = cfg.settings
-    settings = list(SETTINGS) if settings == "all" else [settings] if isinstance(settings, str) else settings
-    if not settings:
-        raise ConfigError(f"settings must be a non-empty list of {', '.join(SETTINGS)}, got {settings!r}")
-    cfg.settings = [s for s in SETTINGS if s in settings]
     # the keys given, their values as the clients read them ("1e-4" -> 1e-4)
     options = core.conform(RunConfig, cfg.federation.options, "federation.options.")
     cfg.federation.options = {k: options[k] for k in cfg.federation.options}

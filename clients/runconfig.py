@@ -37,12 +37,12 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import Any, Literal, Mapping, get_args
+from typing import Annotated, Any, Literal, Mapping, Union, get_args
 
 from pydantic import ConfigDict
 
 from defences.spec import DefenceSpec, validate_defence
-from fedmjp.config import Float, Int, Schema, defaults, either, keys, option, parse
+from fedmjp.config import ByShape, Float, Int, Schema, defaults, keys, option, parse
 from fedmjp.settings import Setting
 
 Mode = Literal["fedsgd", "fedavg"]
@@ -51,7 +51,7 @@ Precision = Literal["float32", "float64"]
 MODES: tuple[str, ...] = get_args(Mode)
 PARTITIONERS: tuple[str, ...] = get_args(Partitioner)
 PRECISIONS: tuple[str, ...] = get_args(Precision)
-JsonOrMapping = either(str, dict)  # JSON (a TOML value cannot nest) or, in Python, a dict
+JsonOrMapping = Annotated[Union[str, dict], ByShape()]  # JSON (a TOML value cannot nest) or, in Python, a dict
 
 class RunConfig(Schema):
     """Every run-config key with its type and default. pyproject.toml's ``[tool.flwr.app.config]``

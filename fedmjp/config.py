@@ -5,7 +5,7 @@ A schema is a :class:`Schema` (a strict pydantic ``BaseModel`` refusing unknown 
 key's type and default: a section is a nested schema, a choice ``Literal[...]``, a nullable key
 ``Optional[...]``, a free-form mapping its own code checks ``dict``, a number :data:`Int` or
 :data:`Float`, a range ``option(default, ge=..., le=..., gt=...)`` (bounded numbers are finite), a key
-of several shapes :func:`either`. Schemas live with their owners (fedmjp/trainconfig.py,
+of several shapes ``Annotated[Union[...], ByShape()]``. Schemas live with their owners (fedmjp/trainconfig.py,
 clients/runconfig.py, benchmark/config.py, defences/spec.py; attack options: attacks/base.py).
 :func:`parse` gives the model with defaults filled in, :func:`conform` the same as plain data; a
 ``ValidationError`` becomes a :class:`ConfigError` naming the key: an unknown key with the valid
@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Mapping, Optional, TypeVar, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Strict, Tag, ValidationError
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, GetCoreSchemaHandler, Strict, Tag,
+                      ValidationError)
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
@@ -128,10 +129,14 @@ def _shape(value: Any) -> Optional[str]:
                 None)
 
 
-def either(*members: Any) -> Any:
-    """A key of several shapes (``either(list[Setting], Literal["all"])``): a union discriminated by the
-    value's shape, so that an error is the chosen shape's own."""
-    return Annotated[Union[tuple(Annotated[m, Tag(_shape(m))] for m in members)], Discriminator(_shape)]
+class ByShape:
+    """``Annotated[Union[A, B], ByShape()]``: a key of several shapes (``Union[list[Setting],
+    Literal["all"]]``), the union discriminated by the value's YAML shape (:func:`_shape`), so that an
+    error is the chosen shape's own. The annotation stays a plain Union for type checkers."""
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> Any:
+        members = tuple(Annotated[m, Tag(_shape(m))] for m in get_args(source))
+        return handler.generate_schema(Annotated[Union[members], Discriminator(_shape)])
 
 
 def keys(schema: type[BaseModel]) -> dict[str, FieldInfo]:

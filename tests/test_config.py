@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional, Union
 
 import pytest
 from pydantic import ConfigDict
 
-from fedmjp.config import (ConfigError, Float, Int, Schema, conform, defaults, either, option, parse_override,
+from fedmjp.config import (ByShape, ConfigError, Float, Int, Schema, conform, defaults, option, parse_override,
                            read_yaml, set_dotted)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,7 +26,7 @@ class Row(Schema):
     seed: Optional[Int] = None
 
 
-ListOrAll = either(list[str], Literal["all"])
+ListOrAll = Annotated[Union[list[str], Literal["all"]], ByShape()]
 
 
 class Top(Schema):
