@@ -377,11 +377,17 @@ def _validate_attack_list(cfg: BenchmarkConfig) -> None:
                   "attack labels must be unique (give each entry of attacks a label)")
 
 
-def attack_entries(cfg: BenchmarkConfig) -> list[AttackEntry]:
+class LabelledAttack(AttackEntry):
+    """An attacker of a run (:func:`attack_entries`): its entry with the label resolved."""
+
+    label: str
+
+
+def attack_entries(cfg: BenchmarkConfig) -> list[LabelledAttack]:
     """The attackers of a run, each with its label (default: its name): the ``attacks`` list when
     it is not empty, else the single ``attack`` section."""
     entries = cfg.attacks or [AttackEntry(name=cfg.attack.name, options=cfg.attack.options)]
-    return [AttackEntry(name=e.name, options=dict(e.options), label=e.label or e.name) for e in entries]
+    return [LabelledAttack(name=e.name, options=dict(e.options), label=e.label or e.name) for e in entries]
 
 
 def catalog() -> dict[str, list[tuple[str, str]]]:

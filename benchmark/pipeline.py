@@ -156,11 +156,14 @@ def build_rows(cfg: BenchmarkConfig, device: torch.device) -> list[ModelRow]:
             raise ModelCheckpointError(f"model row {row.name!r}: {err}{hint}") from err
         except (TypeError, ValueError) as err:  # timm: unknown or ill-typed constructor kwargs
             raise ConfigError(f"model row {row.name!r}: {err}") from err
-        size = tuple(model.patch_embed.img_size)
+        # ignores: torch types every attribute nn.Module.__getattr__ could serve as Tensor | Module, but
+        # img_size and num_classes are plain attributes (a tuple, an int) of a timm-style ViT; an
+        # isinstance check for timm's classes would refuse plug-in models this duck typing takes.
+        size = tuple(model.patch_embed.img_size)  # type: ignore[union-attr, arg-type]
         if size != (cfg.data.image_size,) * 2:
             raise ConfigError(f"model row {row.name!r} takes {size[0]}x{size[1]} images but data.image_size is "
                               f"{cfg.data.image_size}; make them equal")
-        if model.num_classes < cfg.data.num_classes:
+        if model.num_classes < cfg.data.num_classes:  # type: ignore[operator]
             raise ConfigError(f"model row {row.name!r} has {model.num_classes} classes, fewer than "
                               f"data.num_classes={cfg.data.num_classes}")
         acc_model = None
@@ -251,7 +254,7 @@ def expected_updates(cfg: BenchmarkConfig) -> list[tuple[int, int]]:
     return [(r, p) for r in range(1, cfg.federation.rounds + 1) for p in range(cfg.federation.clients)]
 
 
-def expected_keys(cfg: BenchmarkConfig, row: ModelRow, group: str, settings: list[str]) -> set[tuple]:
+def expected_keys(cfg: BenchmarkConfig, row: ModelRow, group: str, settings: list[str]) -> set[RowKey]:
     """Row keys a complete federation of this (row, group) stores (from the private batches)."""
     from clients.partition import private_batch
 
@@ -491,7 +494,7 @@ class GroupAttacker:
     """
 
     def __init__(self, prepared: Prepared, run: RunFolder, row: ModelRow, group: str, settings: list[str],
-                 done: set[tuple], progress: bool, runner: Runner | None = None, batched: bool = True) -> None:
+                 done: set[RowKey], progress: bool, runner: Runner | None = None, batched: bool = True) -> None:
         from clients.runconfig import resolve_config
 
         from .workers import LocalRunner, RoundDispatch
@@ -650,7 +653,10 @@ class GroupAttacker:
                 scored += scoring.score_round(
                     self.ctx, (attacker.label, attacker.name), s, [r.updates[i] for i in mine],
                     [r.batches[i] for i in mine], results, r.top1.take(mine), self.p.scorer,
-                    int(self.model.patch_embed.patch_size[0]), seconds / max(n_images, 1), skip=self.done,
+                    # ignore: patch_size is a plain tuple attribute of a timm-style patch embedding,
+                    # which torch types as Tensor | Module (see build_rows)
+                    int(self.model.patch_embed.patch_size[0]),  # type: ignore[union-attr, index]
+                    seconds / max(n_images, 1), skip=self.done,
                     grid_ids=self.grid_ids)
         batch_of = {int(u.partition_id): b for u, b in zip(r.updates, r.batches)}  # one update per partition
         for item in scored:
@@ -672,6 +678,8 @@ class GroupAttacker:
         """The model as trained at the global weights ``state``: the row's unmodified model with the
         federation's weights (block 0's norm1, which the surgery removed, keeps its checkpoint or
         seeded values)."""
+        if self.acc_model is None:  # finish_round calls it only for a row with an unmodified model
+            raise RuntimeError(f"model row {self.row.name!r} has no unmodified model (acc_model)")
         result = self.acc_model.load_state_dict(state, strict=False)
         removed = [k for k in result.missing_keys if not k.startswith("blocks.0.norm1.")]
         if removed or result.unexpected_keys:

@@ -374,7 +374,7 @@ def write_distributions(run: RunFolder, settings: Sequence[str]) -> list[Path]:
     import matplotlib.pyplot as plt
 
     df = rows_frame(run.rows())
-    out = []
+    out: list[Path] = []
     if df.empty:
         return out
     df = with_strongest(df)
@@ -405,7 +405,7 @@ def write_distributions(run: RunFolder, settings: Sequence[str]) -> list[Path]:
 
 
 # ------------------------------------------------------------------------------------------ grids
-def _font(size: int) -> ImageFont.ImageFont:
+def _font(size: int) -> ImageFont.FreeTypeFont | ImageFont.ImageFont:
     try:
         return ImageFont.load_default(size=size)
     except TypeError:  # Pillow without FreeType: fixed bitmap font
@@ -448,7 +448,7 @@ def _tile(path: Path | None, tile: int) -> Image.Image:
         img = Image.new("RGB", (tile, tile), (235, 235, 235))
         ImageDraw.Draw(img).text((4, tile // 2 - 6), "missing", fill=(120, 120, 120), font=_font(11))
         return img
-    return Image.fromarray(load_png(path)).resize((tile, tile), Image.NEAREST)
+    return Image.fromarray(load_png(path)).resize((tile, tile), Image.Resampling.NEAREST)
 
 
 def select_images(rows: pd.DataFrame, setting: str, k: int) -> list[tuple[str, int, int, int]]:

@@ -27,7 +27,7 @@ import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Self
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -63,11 +63,13 @@ def row_key(row: Mapping[str, Any] | ResultRow) -> RowKey:
     None) or a :class:`ResultRow`."""
     if isinstance(row, ResultRow):
         return row.key
-    return RowKey(*(row.get(k) for k in ROW_KEY))
+    return RowKey._make(row.get(k) for k in ROW_KEY)
 
 
 def is_run_failure(row: Mapping[str, Any] | ResultRow) -> bool:
     """A row that failed because the run failed (retried on resume), not a condition failure."""
+    failed: object
+    reason: object
     if isinstance(row, ResultRow):
         failed, reason = row.failed, row.reason
     else:
@@ -80,7 +82,7 @@ class Absent:
 
     _instance: Absent | None = None
 
-    def __new__(cls) -> Self:
+    def __new__(cls) -> Absent:
         if cls._instance is None:
             cls._instance = super().__new__(cls)
         return cls._instance

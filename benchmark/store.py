@@ -60,6 +60,7 @@ from .rows import (  # noqa: F401
     ROW_KEY,
     RUN_FAILURE_PREFIX,
     ResultRow,
+    RowKey,
     is_run_failure,
     jsonable,
     row_key,
@@ -328,7 +329,8 @@ class RunFolder:
         rows = read_jsonl(self.results_path, repair=True)
         if not any(is_run_failure(r) for r in rows):
             return 0
-        keep, moved = [], []
+        keep: list[bytes] = []
+        moved: list[bytes] = []
         with self.results_path.open("rb") as fh:
             for raw in fh:
                 (moved if is_run_failure(_parse_line(raw) or {}) else keep).append(raw)
@@ -387,7 +389,7 @@ class RunFolder:
         """All stored result rows (one per attacked image and setting)."""
         return read_jsonl(self.results_path, repair=repair)
 
-    def done_keys(self) -> set[tuple]:
+    def done_keys(self) -> set[RowKey]:
         return {row_key(r) for r in self.rows(repair=True)}
 
     def append(self, rows: Iterable[ResultRow]) -> int:
@@ -475,11 +477,11 @@ def check_names(cfg: BenchmarkConfig) -> None:
 def save_png(image: torch.Tensor, path: Path) -> None:
     """[3, H, W] float in [0, 1] -> 8-bit RGB PNG."""
     arr = torch.nan_to_num(image.detach().float().cpu(), nan=0.0, posinf=1.0, neginf=0.0)
-    arr = (arr.clamp(0, 1) * 255.0).round().to(torch.uint8).permute(1, 2, 0).numpy()
+    pixels = (arr.clamp(0, 1) * 255.0).round().to(torch.uint8).permute(1, 2, 0).numpy()
     # Lossless either way; level 1 writes a 224 px tile ~5x faster than the default 6 (the grid
     # images of a run are a few dozen PNGs, a few percent larger).
     buffer = io.BytesIO()
-    Image.fromarray(arr, "RGB").save(buffer, format="PNG", compress_level=1)
+    Image.fromarray(pixels, "RGB").save(buffer, format="PNG", compress_level=1)
     write_bytes(path, buffer.getvalue())
 
 

@@ -156,14 +156,17 @@ class RayRunner:
         they are done."""
         self.jobs = [[j for j in jobs if not j.done()] for jobs in self.jobs]
         k = min(range(len(self.actors)), key=lambda i: len(self.jobs[i]))  # the least busy actor
-        job = self.actors[k].run.remote(index, model, list(updates), list(metadatas), batched).future()
+        # ignore: Ray types an actor handle as ActorHandle | type[_AttackWorker], whose methods have no
+        # .remote (Ray's own typing needs @ray.method, which would import Ray with this module)
+        job = self.actors[k].run.remote(  # type: ignore[attr-defined]
+            index, model, list(updates), list(metadatas), batched).future()
         self.jobs[k].append(job)
         return job
 
     def close(self) -> None:
         """Stop the actors; shut Ray down if this runner started it."""
         for a in self.actors:
-            self.ray.kill(a)
+            self.ray.kill(a)  # type: ignore[arg-type]  # an ActorHandle (Ray types it ActorHandle | type)
         self.actors = []
         if self.started and self.ray.is_initialized():
             self.ray.shutdown()

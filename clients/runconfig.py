@@ -41,7 +41,7 @@ from typing import Annotated, Any, Literal, Mapping, Union, get_args
 
 from pydantic import ConfigDict
 
-from defences.spec import DefenceSpec, validate_defence
+from defences.spec import DefenceSpec, FedAvg, validate_defence
 from fedmjp.config import ByShape, Float, Int, Schema, defaults, keys, option, parse
 from fedmjp.settings import Setting
 
@@ -109,7 +109,8 @@ class RunConfig(Schema):
 DEFAULTS: dict[str, Any] = defaults(RunConfig)
 
 #: Keys the server sends to clients each round (the rest comes from the client's run config).
-ROUND_KEYS = tuple(key for key, info in keys(RunConfig).items() if (info.json_schema_extra or {}).get("round"))
+ROUND_KEYS = tuple(key for key, info in keys(RunConfig).items()
+                   if isinstance(info.json_schema_extra, dict) and info.json_schema_extra.get("round"))
 
 
 def resolve_config(run_config: Mapping[str, Any] | RunConfig) -> RunConfig:
@@ -132,13 +133,14 @@ def resolve_config(run_config: Mapping[str, Any] | RunConfig) -> RunConfig:
 def _resolve_defence(cfg: RunConfig) -> str:
     """The checked defence spec as canonical JSON; ``fedavg`` rewrites mode and local-steps."""
     raw = cfg.defence
+    data: object = raw  # the spec's data: the mapping, or the JSON text read
     if isinstance(raw, str):
         try:
-            raw = json.loads(raw) if raw.strip() else None
+            data = json.loads(raw) if raw.strip() else None
         except json.JSONDecodeError as err:
             raise ValueError(f"defence must be JSON like '{{\"name\": \"local_dp\"}}', got {raw!r}: {err}") from err
-    spec = validate_defence(raw)
-    if spec.name == "fedavg":
+    spec = validate_defence(data)
+    if isinstance(spec, FedAvg):  # the one schema of name "fedavg" (built-ins come before plug-ins)
         cfg.mode, cfg.local_steps = "fedavg", spec.steps
     return json.dumps(spec.as_dict(), sort_keys=True)
 
@@ -152,8 +154,11 @@ def _defence_from_json(text: str) -> DefenceSpec:
 def model_spec(cfg: Mapping[str, Any] | RunConfig) -> dict[str, Any]:
     """The :func:`fedmjp.factory.build_model` spec a run config describes."""
     cfg = resolve_config(cfg)
+    # ignore: resolve_config makes model-kwargs JSON text, but returns a RunConfig as it is, and one
+    # built in Python may hold a dict (json.loads raises TypeError then); narrowing would change that.
     return {"name": cfg.model_name, "arch": cfg.model_arch, "variant": cfg.model_variant,
-            "kwargs": json.loads(cfg.model_kwargs), "checkpoint": cfg.model_checkpoint or None,
+            "kwargs": json.loads(cfg.model_kwargs),  # type: ignore[arg-type]
+            "checkpoint": cfg.model_checkpoint or None,
             "april": cfg.model_april or None, "seed": cfg.model_seed}
 
 

@@ -167,7 +167,7 @@ SCHEMAS: dict[str, type[DefenceSpec]] = {
     schema.model_fields["name"].default: schema
     for schema in (NoDefence, LocalDp, DpSgd, CentralDp, Prune, Quantize, Mixup, FedAvg)}
 #: Every defence with its keys (besides ``name``) and their defaults.
-DEFENCES: dict[str, dict[str, Any]] = {name: schema().as_dict() for name, schema in SCHEMAS.items()}
+DEFENCES: dict[str, dict[str, Any]] = {name: schema.model_validate({}).as_dict() for name, schema in SCHEMAS.items()}
 for _keys in DEFENCES.values():
     del _keys["name"]
 #: Defences applied to the finished update (the rest change local training or the server).
@@ -199,7 +199,9 @@ def validate_defence(spec: Any) -> DefenceSpec:
     if defence is None:
         valid = ", ".join(n for n, _ in defence_names())
         raise ValueError(f"unknown defence {name!r}; valid: {valid}, or a plug-in's package.module:Name")
-    out = _parse(name, _plugin_schema(type(defence)), spec)
+    # ignore: mypy rejects a class object as typeshed's Hashable (the lru_cache argument type;
+    # python/mypy#11470, type[C] is checked with C's unbound __hash__); every class is hashable.
+    out = _parse(name, _plugin_schema(type(defence)), spec)  # type: ignore[arg-type]
     try:
         defence.check(out.as_dict())
     except ValueError as err:
@@ -219,14 +221,14 @@ def _parse(name: Any, schema: type[DefenceSpec], spec: Mapping[str, Any]) -> Def
 
 
 @functools.cache
-def _plugin_schema(cls: type) -> type[DefenceSpec]:
+def _plugin_schema(cls: type[UpdateDefence]) -> type[DefenceSpec]:
     """A schema of a plug-in's ``defaults``: each key typed by its default (an int default makes an
     integer key, a float one a number key; a number written ``1e-3`` is a number)."""
     def kind(value: Any) -> Any:
         return core.number_type(type(value)) if isinstance(value, (bool, int, float, str)) else Any
 
-    return create_model(f"{cls.__name__}Spec", __base__=DefenceSpec,
-                        **{key: (kind(value), value) for key, value in cls.defaults.items()})
+    fields: dict[str, Any] = {key: (kind(value), value) for key, value in cls.defaults.items()}
+    return create_model(f"{cls.__name__}Spec", __base__=DefenceSpec, **fields)
 
 
 def defence_label(spec: Any) -> str:

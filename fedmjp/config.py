@@ -24,7 +24,7 @@ import functools
 import math
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, Mapping, Optional, TypeVar, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Mapping, Optional, TypeVar, Union, cast, get_args, get_origin
 
 import yaml
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, GetCoreSchemaHandler, Strict, Tag,
@@ -124,7 +124,8 @@ def _shape(value: Any) -> Optional[str]:
     """The YAML shape of a value or a type: bool, number, text, list or mapping."""
     tp = get_origin(value) or value
     tp = type(get_args(value)[0]) if tp is Literal else tp
-    kinds = {"bool": bool, "number": (int, float), "text": str, "list": list, "mapping": (Mapping, BaseModel)}
+    kinds: dict[str, type | tuple[type, ...]] = {"bool": bool, "number": (int, float), "text": str, "list": list,
+                                                 "mapping": (Mapping, BaseModel)}
     return next((k for k, t in kinds.items() if isinstance(value, t) or isinstance(tp, type) and issubclass(tp, t)),
                 None)
 
@@ -135,7 +136,9 @@ class ByShape:
     error is the chosen shape's own. The annotation stays a plain Union for type checkers."""
 
     def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> Any:
-        members = tuple(Annotated[m, Tag(_shape(m))] for m in get_args(source))
+        # cast: a member of no YAML shape gets Tag(None), which pydantic refuses while it builds the
+        # schema (PydanticUserError callable-discriminator-no-tag), so a schema that builds has str tags.
+        members = tuple(Annotated[m, Tag(cast(str, _shape(m)))] for m in get_args(source))
         return handler.generate_schema(Annotated[Union[members], Discriminator(_shape)])
 
 
@@ -234,7 +237,8 @@ def describe(tp: Any) -> str:
         return " or ".join("null" if a is type(None) else describe(a) for a in get_args(tp))
     if get_origin(tp) is Literal:
         return "one of " + ", ".join(map(str, get_args(tp)))
-    words = {"list": "a list", "mapping": "a mapping", "bool": "true or false", "text": "a string"}
+    words: dict[Optional[str], str] = {"list": "a list", "mapping": "a mapping", "bool": "true or false",
+                                       "text": "a string"}
     return words.get(_shape(tp)) or {int: "an integer", float: "a number"}.get(tp, str(tp))
 
 

@@ -1,10 +1,16 @@
-"""The one-way import rules (``[tool.importlinter]`` in pyproject.toml) hold, and breaking one fails.
+"""The one-way import rules (``[tool.importlinter]`` in pyproject.toml) hold, and breaking one fails;
+the typed modules (``[tool.mypy]``) pass mypy.
 
 Data flows entry -> benchmark -> {server -> clients, attacks, metrics, defences} -> fedmjp. The
 contracts are checked by import-linter in a subprocess whose working directory is the tree under
 test (import-linter puts it first on ``sys.path``, ahead of any installed copy). The second test
 copies the packages to a temporary folder, adds one wrong arrow and checks that the contract it
 breaks is reported as broken with that very import: the check can fail.
+
+mypy checks the config schemas and the code that reads them (``files`` of ``[tool.mypy]``: the
+benchmark, fedmjp/config.py, ...) through its API from the project root, with mypy's incremental
+cache (``.mypy_cache/``): a warm run takes a few seconds. A snippet that misreads a schema shows
+that the check sees the schemas' field types (pydantic's mypy plugin) and can fail.
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ import tomllib
 from pathlib import Path
 
 import importlinter  # noqa: F401  (a test dependency: pip install -e ".[test]"; missing is an error, not a skip)
+import mypy.api  # a test dependency too: missing is an error, not a skip
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,3 +79,32 @@ def test_a_wrong_arrow_breaks_its_contract(tmp_path: Path, contract: str, path: 
     assert res.returncode != 0, out
     assert f"{CONTRACT_NAMES[contract]} BROKEN" in out, out
     assert arrow in out, out  # the report names the added import, so it analysed the copy
+
+
+def run_mypy(monkeypatch: pytest.MonkeyPatch, *args: str) -> tuple[int, str]:
+    """(exit status, report) of mypy with pyproject.toml's ``[tool.mypy]``, run from the project root
+    (``files`` and the cache are relative to it) in this process; ``args`` replace ``files``."""
+    monkeypatch.chdir(ROOT)
+    stdout, stderr, status = mypy.api.run(["--config-file", str(ROOT / "pyproject.toml"), *args])
+    return status, stdout + stderr
+
+
+def test_typed_modules_pass_mypy(monkeypatch: pytest.MonkeyPatch) -> None:
+    status, out = run_mypy(monkeypatch)
+    assert status == 0, out
+    assert "Success: no issues found" in out, out
+
+
+def test_mypy_reads_the_schema_types(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A misread schema field is an error: the check can fail, and it sees ``cfg.federation.rounds``
+    as the schema's int (not Any)."""
+    misread = tmp_path / "misread.py"
+    misread.write_text("from benchmark.config import BenchmarkConfig\n\n\n"
+                       "def rounds(cfg: BenchmarkConfig) -> str:\n"
+                       "    return cfg.federation.rounds\n\n\n"
+                       "def typo(cfg: BenchmarkConfig) -> int:\n"
+                       "    return cfg.federation.round\n")
+    status, out = run_mypy(monkeypatch, str(misread))
+    assert status == 1, out
+    assert 'Incompatible return value type (got "int", expected "str")' in out, out
+    assert '"Federation" has no attribute "round"' in out, out
