@@ -4,7 +4,7 @@ specs and attack options: pydantic v2 models read from YAML, with errors that na
 A schema is a :class:`Schema` (a strict pydantic ``BaseModel`` refusing unknown keys) with every
 key's type and default: a section is a nested schema, a choice ``Literal[...]``, a nullable key
 ``Optional[...]``, a free-form mapping its own code checks ``dict``, a number :data:`Int` or
-:data:`Float`, a range ``option(default, ge=..., le=..., gt=...)`` (bounded numbers are finite), a key
+:data:`Float`, a range ``option(default, ge=..., le=..., gt=..., lt=...)`` (bounded numbers are finite), a key
 of several shapes ``Annotated[Union[...], ByShape()]``. Schemas live with their owners (fedmjp/trainconfig.py,
 clients/runconfig.py, benchmark/config.py, defences/spec.py; attack options: attacks/base.py).
 :func:`parse` gives the model with defaults filled in, :func:`conform` the same as plain data; a
@@ -113,11 +113,11 @@ class Schema(BaseModel):
 
 
 def option(default: Any = PydanticUndefined, *, ge: Optional[float] = None, le: Optional[float] = None,
-           gt: Optional[float] = None, **extra: Any) -> Any:
-    """A field with a range (``ge``/``le`` inclusive, ``gt`` exclusive; bounded means finite) and owner
-    metadata (``client=``: the run-config key a benchmark key feeds), ``json_schema_extra``."""
-    finite = False if (ge, le, gt) != (None, None, None) else None
-    return Field(default, ge=ge, le=le, gt=gt, allow_inf_nan=finite, json_schema_extra=extra or None)
+           gt: Optional[float] = None, lt: Optional[float] = None, **extra: Any) -> Any:
+    """A field with a range (``ge``/``le`` inclusive, ``gt``/``lt`` exclusive; bounded means finite)
+    and owner metadata (``client=``: the run-config key a benchmark key feeds), ``json_schema_extra``."""
+    finite = False if (ge, le, gt, lt) != (None, None, None, None) else None
+    return Field(default, ge=ge, le=le, gt=gt, lt=lt, allow_inf_nan=finite, json_schema_extra=extra or None)
 
 
 def _shape(value: Any) -> Optional[str]:
@@ -221,11 +221,12 @@ def _message(schema: type[BaseModel], error: Mapping[str, Any], where: str) -> s
         return f"config key {key!r} is required ({describe(tp)})"
     if kind == "literal_error" and get_origin(_bare(tp)) is Literal:
         return f"config key {key!r}: unknown value {value!r}; valid: {', '.join(map(str, get_args(_bare(tp))))}"
-    got = {k: getattr(m, k) for m in (info.metadata if info else ()) for k in ("ge", "gt", "le") if hasattr(m, k)}
-    lo = got.get("gt", got.get("ge"))
-    bounds = (f"in {'(' if 'gt' in got else '['}{lo}, {got['le']}]" if lo is not None and "le" in got
-              else f"{'>' if 'gt' in got else '>='} {lo}" if lo is not None else f"<= {got['le']}" if got else "")
-    if bounds and kind in ("greater_than_equal", "greater_than", "less_than_equal", "finite_number"):
+    got = {k: getattr(m, k) for m in (info.metadata if info else ()) for k in ("ge", "gt", "le", "lt") if hasattr(m, k)}
+    lo, hi = got.get("gt", got.get("ge")), got.get("lt", got.get("le"))
+    bounds = (f"in {'(' if 'gt' in got else '['}{lo}, {hi}{')' if 'lt' in got else ']'}" if lo is not None and hi is not None
+              else f"{'>' if 'gt' in got else '>='} {lo}" if lo is not None
+              else f"{'<' if 'lt' in got else '<='} {hi}" if hi is not None else "")
+    if bounds and kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than", "finite_number"):
         return f"config key {key!r} must be {describe(_bare(tp))} {bounds}, got {value!r}"
     return f"config key {key!r} must be {describe(tp)}, got {value!r}"
 

@@ -10,6 +10,10 @@ Every epoch writes ``<output_dir>/last.pth`` atomically and appends one JSON lin
 
 ``python -m fedmjp.train --export runs/train/cifar_deit/last.pth --to checkpoints/cifar_deit.safetensors``
 writes a checkpoint's weights as float16 safetensors with the architecture in the header (no training).
+
+Every value a run takes from the user (config file, keys, data path, output dir, ``--resume``) is
+checked before anything is written (:func:`check_run`); the command line turns a bad one into one
+line ``error: ...`` on stderr and exit status 2 (:data:`EXIT_BAD_CONFIG`).
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import json
 import logging
 import os
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -30,13 +35,23 @@ from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
 
+from . import datadir
 from .allocator import tune_malloc
+from .config import ConfigError
 from .dal import dal_weight
 from .engine import StepContext, TrainStep, train_one_epoch, validate
 from .factory import create_model
 from .models import MJPVisionTransformer
-from .train_data import build_datasets, build_loaders, build_mixup, resolve_data_path
-from .trainconfig import TrainConfig, load_config, parse_overrides
+from .train_data import (
+    ARCHIVE_SUFFIXES,
+    ArchiveError,
+    _find_imagefolder_root,
+    build_datasets,
+    build_loaders,
+    build_mixup,
+    resolve_data_path,
+)
+from .trainconfig import TrainConfig, check_config, load_config, parse_overrides
 from .trainutils import (
     CHECKPOINT_FORMAT,
     DistInfo,
@@ -51,6 +66,11 @@ from .trainutils import (
 )
 
 _logger = logging.getLogger(__name__)
+
+#: Exit status of ``python -m fedmjp.train`` for a bad config, argument, data path or output dir
+#: (as argparse's for a bad argument); nothing is written then.
+EXIT_BAD_CONFIG = 2
+_DATA_HELP = f"an ImageFolder root with train/<class>/ and val/<class>/, or a {'/'.join(ARCHIVE_SUFFIXES)} of one"
 
 
 @dataclass
@@ -93,13 +113,77 @@ def _log_config_diff(saved: dict, cfg: TrainConfig) -> None:
         _logger.warning("resuming with config changes (saved, now): %s", diff)
 
 
+def check_run(cfg: TrainConfig, resume: Optional[str] = None) -> None:
+    """Check everything a run takes from the user before anything is written: the config beyond its
+    schema (:func:`fedmjp.trainconfig.check_config`: model, optimizer, schedule, augmentation policy,
+    device), the data path, that the output dir can be created and written, and ``resume``.
+
+    Raises:
+        ValueError (:class:`fedmjp.config.ConfigError`): the key or path, what it takes and what it got.
+    """
+    check_config(cfg)
+    _check_data_path(cfg.data_path)
+    _check_output_dir(cfg.output_dir)
+    if resume and not Path(resume).is_file():
+        raise ConfigError(f"--resume {resume}: no such checkpoint file (default: <output_dir>/last.pth when present)")
+
+
+def _check_data_path(data_path: Optional[str]) -> None:
+    """The data path exists and is an archive or a folder with class folders in train/ and val/
+    (an archive's content is checked when it is extracted: :class:`ArchiveError`)."""
+    if data_path is None:
+        raise ConfigError(f"config key 'data_path' is not set: pass --data-path, {_DATA_HELP}")
+    try:
+        path = Path(datadir.expand(data_path, "data_path"))
+    except datadir.DataDirUnset as err:
+        raise ConfigError(f"config key 'data_path': {err}") from None
+    if not path.exists():
+        raise ConfigError(f"config key 'data_path': {path} does not exist; pass {_DATA_HELP}")
+    if path.is_file():
+        if not path.name.endswith(ARCHIVE_SUFFIXES):
+            raise ConfigError(f"config key 'data_path': {path} is a file but not a {'/'.join(ARCHIVE_SUFFIXES)} "
+                              f"archive; pass {_DATA_HELP}")
+        return
+    try:
+        root = _find_imagefolder_root(path)
+        for split in ("train", "val"):
+            folder = root / split
+            if not folder.is_dir() or not any(d.is_dir() for d in folder.iterdir()):
+                what = "holds no class folders" if folder.is_dir() else "does not exist"
+                raise ConfigError(f"config key 'data_path': {folder} {what}; pass {_DATA_HELP}")
+    except (FileNotFoundError, PermissionError) as err:  # no train/ folder; an unreadable folder
+        raise ConfigError(f"config key 'data_path': {err}; pass {_DATA_HELP}") from None
+
+
+def _check_output_dir(output_dir: str) -> None:
+    """The output dir is a folder (or can be made one) that this process can write, checked with a
+    probe folder made and removed in it or in its nearest existing parent; nothing in it is touched."""
+    path = Path(output_dir)
+    existing = path
+    while not os.path.lexists(existing) and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "is not a folder" if existing == path else f"cannot be created: {existing} is not a folder"
+        raise ConfigError(f"config key 'output_dir': {path} {what}")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".fedmjp-write-check-", dir=existing))
+    except OSError as err:
+        raise ConfigError(f"config key 'output_dir': {path} cannot be {'written' if existing == path else 'created'} "
+                          f"({err.strerror or err} in {existing})") from None
+
+
 def run_training(cfg: TrainConfig, resume: Optional[str] = None, progress: bool = True) -> TrainResult:
     """Train ``cfg`` end to end (resuming from ``resume`` or ``<output_dir>/last.pth``).
 
     Joins the torchrun process group when ``WORLD_SIZE`` > 1 (or uses one the caller opened).
+    Nothing is written before the config, the data and the model are checked and built.
+
+    Raises:
+        ValueError (:class:`fedmjp.config.ConfigError`): a bad value (:func:`check_run`), or
+            ``num_classes`` below the data's class count; :class:`fedmjp.train_data.ArchiveError`: a
+            data archive that cannot be used. Nothing is written then.
     """
-    if cfg.data_path is None:
-        raise ValueError("data_path is not set (use --data-path)")
+    check_run(cfg, resume)
     info = init_distributed(cfg.device)
     try:
         return _train(cfg, info, resume, progress)
@@ -111,15 +195,18 @@ def run_training(cfg: TrainConfig, resume: Optional[str] = None, progress: bool 
 def _train(cfg: TrainConfig, info: DistInfo, resume: Optional[str], progress: bool) -> TrainResult:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    out = Path(cfg.output_dir)
+    out = Path(cfg.output_dir)  # created once data, model, optimizer and schedule are built
+    assert cfg.data_path is not None  # check_run
     if info.is_main:  # rank 0 extracts archives; the others wait and then find the marker
-        out.mkdir(parents=True, exist_ok=True)
         root = resolve_data_path(cfg.data_path, cfg.data_cache)
     if info.distributed:
         dist.barrier()
     if not info.is_main:
         root = resolve_data_path(cfg.data_path, cfg.data_cache)
     train_set, val_set, n_classes = build_datasets(cfg, root)
+    if cfg.num_classes is not None and cfg.num_classes < n_classes:
+        raise ConfigError(f"config key 'num_classes' is {cfg.num_classes}, but {root / 'train'} has {n_classes} class "
+                          f"folders; set it to >= {n_classes}, or null for the folder count")
     num_classes = cfg.num_classes or n_classes
     train_loader, val_loader = build_loaders(cfg, train_set, val_set, info.rank, info.world_size,
                                              pin_memory=info.device.type == "cuda")
@@ -136,9 +223,13 @@ def _train(cfg: TrainConfig, info: DistInfo, resume: Optional[str], progress: bo
     # Passing the module lets timm honour model.no_weight_decay() (PE, cls token, E_unk; not the
     # PE with pe_init=official) and skip decay on biases and norms.
     optimizer = create_optimizer_v2(model, opt=cfg.opt, lr=lr, weight_decay=cfg.weight_decay, eps=cfg.opt_eps)
-    scheduler, _ = create_scheduler_v2(optimizer, sched=cfg.sched, num_epochs=cfg.epochs,
-                                       warmup_epochs=cfg.warmup_epochs, warmup_lr=warmup_lr, min_lr=min_lr,
-                                       step_on_epochs=False, updates_per_epoch=steps_per_epoch)
+    try:
+        scheduler, _ = create_scheduler_v2(optimizer, sched=cfg.sched, num_epochs=cfg.epochs,
+                                           warmup_epochs=cfg.warmup_epochs, warmup_lr=warmup_lr, min_lr=min_lr,
+                                           step_on_epochs=False, updates_per_epoch=steps_per_epoch)
+    except ValueError as err:  # wsd/rsqrt: a decay phase too short for this many steps
+        raise ConfigError(f"config key 'sched': timm cannot build the {cfg.sched!r} schedule for {cfg.epochs} epochs "
+                          f"of {steps_per_epoch} steps, {cfg.warmup_epochs} of them warm-up ({err})") from None
     dtype = amp_dtype(cfg.amp, info.device)
     scaler = torch.amp.GradScaler(info.device.type) if dtype == torch.float16 else None
 
@@ -168,6 +259,7 @@ def _train(cfg: TrainConfig, info: DistInfo, resume: Optional[str], progress: bo
                       clip_grad=cfg.clip_grad, max_steps=steps_per_epoch, log_interval=cfg.log_interval,
                       progress=progress)
     if info.is_main:
+        out.mkdir(parents=True, exist_ok=True)
         with open(out / "config.yaml", "w") as f:
             yaml.safe_dump({**cfg.to_dict(), "resolved_lr": lr, "world_size": info.world_size}, f, sort_keys=False)
         _logger.info("training %s (%s) on %d images, %d classes, %d steps/epoch, lr %.3g, world %d, %s",
@@ -210,9 +302,16 @@ def _train(cfg: TrainConfig, info: DistInfo, resume: Optional[str], progress: bo
 
 
 def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, dict]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                epilog="Any other --key value pair overrides that config key (see "
-                                       "fedmjp/trainconfig.py), e.g. --gamma 0.2 --epochs 5.")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Any other --key value pair overrides that config key (see fedmjp/trainconfig.py and\n"
+               "docs/training.md), e.g. --gamma 0.2 --epochs 5.\n\n"
+               "Every value is checked before anything is written. Exit status:\n"
+               "  0  trained (or exported)\n"
+               f"  {EXIT_BAD_CONFIG}  a bad argument, config file, config key or value, data path, output dir or\n"
+               "     --resume file: one line 'error: ...' on stderr naming it, nothing written\n"
+               "     (also: --export could not read or write its files)\n"
+               "  1  an unexpected error during training (a traceback)")
     p.add_argument("--config", help="YAML file under configs/train/")
     p.add_argument("--data-path", help="ImageFolder root with train/ and val/, or a .tar.gz of one")
     p.add_argument("--output-dir", help="checkpoints and metrics.jsonl (default: the config's output_dir)")
@@ -233,8 +332,17 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, di
     return args, overrides
 
 
+def _bad_config(err: Exception) -> int:
+    """Print ``err`` as one line on stderr and return :data:`EXIT_BAD_CONFIG`."""
+    print(f"error: {' '.join(str(err).splitlines())}", file=sys.stderr)
+    return EXIT_BAD_CONFIG
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    args, overrides = parse_args(argv)
+    try:
+        args, overrides = parse_args(argv)
+    except ConfigError as err:  # an item that is no --key value, an unknown key, a bad value
+        return _bad_config(err)
     if args.export:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         try:
@@ -244,11 +352,18 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 2
         _logger.info("wrote %s (%.1f MB)", out, out.stat().st_size / 2**20)
         return 0
-    cfg = load_config(args.config, overrides)
+    try:
+        cfg = load_config(args.config, overrides)
+        check_run(cfg, args.resume)
+    except ConfigError as err:
+        return _bad_config(err)
     tune_malloc()
     rank0 = os.environ.get("RANK", "0") == "0"
     logging.basicConfig(level=logging.INFO if rank0 else logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    result = run_training(cfg, resume=args.resume, progress=not args.no_progress)
+    try:
+        result = run_training(cfg, resume=args.resume, progress=not args.no_progress)
+    except (ConfigError, ArchiveError) as err:  # found in the data (num_classes, an archive): nothing written
+        return _bad_config(err)
     if result.rank == 0:
         _logger.info("done: %s", result.checkpoint)
     return 0

@@ -2,22 +2,55 @@
 training reads), loaded from YAML and ``--key value`` overrides.
 
 Loading and checking is :mod:`fedmjp.config`'s (unknown keys list the valid ones, a value of the
-wrong type names the key). Values are data: YAML is read with a safe loader and command-line
+wrong type or out of its range names the key and what it takes). Every number has the range the
+training code needs (bounded numbers are finite) and every choice from a fixed set of timm's is a
+``Literal``. Names that come from a registry (``model``, ``opt``, ``auto_augment``) and what needs
+several keys at once are checked by :func:`check_config` with timm's own API, before anything is
+written. Values are data: YAML is read with a safe loader and command-line
 overrides are parsed the same way (``--gamma 0.1`` -> float, ``--train_subset null`` -> None), never
 evaluated as code. The resolved config is stored in every checkpoint as a plain dict of
 str/int/float/bool/None/list/dict, so checkpoints stay loadable with ``torch.load(weights_only=True)``.
 """
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
-from .config import Float, Int, Schema, parse, parse_value, read_yaml
+import timm
+import timm.optim
+import torch
+from pydantic import AfterValidator
+from timm.data.auto_augment import augment_and_mix_transform, auto_augment_transform, rand_augment_transform
+from timm.scheduler import create_scheduler_v2
+
+from .config import ConfigError, Float, Int, Schema, option, parse, parse_value, read_yaml
 from .dal import DalHead
-from .models import FirstBlock, PeInit, Variant
+from .devices import resolve_device
+from .models import FirstBlock, PeInit, Variant, model_plugin
 
 AmpMode = Literal["auto", "none", "bf16", "fp16"]  # auto: bf16 on CUDA (fp16 on older GPUs), off on CPU
 DalSchedule = Literal["constant", "official"]  # official: warm-up + cosine, per epoch
+#: timm's interpolation names (timm.data.transforms.str_to_interp_mode); its 'random' is left out:
+#: the evaluation transform at > 32 px cannot take it.
+Interpolation = Literal["bicubic", "bilinear", "nearest", "box", "hamming", "lanczos"]
+#: timm's RandomErasing modes: per-pixel normal noise, one normal colour per block, zeros.
+EraseMode = Literal["pixel", "rand", "const"]
+#: timm's Mixup modes: one lambda per batch, per pair of images, per image.
+MixupMode = Literal["batch", "pair", "elem"]
+#: timm.scheduler.create_scheduler_v2's schedules that step per optimizer update (fedmjp.train steps
+#: the schedule every update: timm's 'plateau' steps per epoch on a metric, 'none' has no schedule).
+Scheduler = Literal["cosine", "tanh", "step", "multistep", "poly", "constant", "wsd", "rsqrt"]
+
+
+def _not_empty(value: str) -> str:
+    if not value.strip():
+        raise ValueError("must be a folder path, got an empty string")
+    return value
+
+
+#: A path that must not be empty (``Path("")`` would be the current folder).
+Folder = Annotated[str, AfterValidator(_not_empty)]
 
 
 class TrainConfig(Schema):
@@ -27,65 +60,65 @@ class TrainConfig(Schema):
     # ---- model
     model: str = "mjp_deit_small_patch16_224"  # timm name; mjp_* names take the MJP arguments below
     variant: Variant = "mjp"
-    gamma: Float = 0.1  # training shuffle ratio (official train.sh: --mask-ratio 0.1)
+    gamma: Float = option(0.1, ge=0.0, le=1.0)  # training shuffle ratio (official train.sh: --mask-ratio 0.1)
     per_sample: bool = False  # official: one mask/permutation per batch
-    shuffle_prob: Float = 0.5  # official: a step is shuffled when rand > 0.5
-    shuffle_start_epoch: Int = 20  # official: no shuffling during the warm-up epochs
+    shuffle_prob: Float = option(0.5, ge=0.0, le=1.0)  # official: a step is shuffled when rand > 0.5
+    shuffle_start_epoch: Int = option(20, ge=0)  # official: no shuffling during the warm-up epochs
     dal_head: DalHead = "nln"
     dal_normalize: bool = False  # official regresses raw grid indices
-    dal_lambda: Float = 0.01  # lambda of the DAL loss (paper)
-    dal_final: Float = 0.005  # end value of the official cosine lambda schedule
+    dal_lambda: Float = option(0.01, ge=0.0)  # lambda of the DAL loss (paper)
+    dal_final: Float = option(0.005, ge=0.0)  # end value of the official cosine lambda schedule
     dal_schedule: DalSchedule = "official"
     pe_init: PeInit = "timm"  # timm (trunc-normal, no decay) | official (N(0,1), decayed)
     first_block: FirstBlock = "standard"  # april: APRIL design A
-    img_size: Int = 224
-    num_classes: Optional[Int] = None  # None: number of class folders in train/
-    drop_path: Float = 0.1
+    img_size: Int = option(224, ge=1)
+    num_classes: Optional[Int] = option(None, ge=1)  # None: number of class folders in train/
+    drop_path: Float = option(0.1, ge=0.0, lt=1.0)  # 1 would drop every residual branch
     model_kwargs: dict = {}  # extra timm kwargs (depth, embed_dim, ...)
 
     # ---- data
     data_path: Optional[str] = None  # ImageFolder root (train/, val/) or a .tar.gz of one
     data_cache: Optional[str] = None  # where archives are extracted (default ~/.cache/fedmjp/data)
-    train_subset: Optional[Int] = None  # train on a fixed random subset of this many images
-    val_subset: Optional[Int] = None
-    batch_size: Int = 128  # per process
-    num_workers: Int = 4
-    aug_repeats: Int = 3  # repeated augmentation (RepeatAugSampler; used when distributed)
-    auto_augment: Optional[str] = "rand-m9-mstd0.5-inc1"
-    color_jitter: Float = 0.4
-    reprob: Float = 0.25
-    remode: str = "pixel"
-    interpolation: str = "bicubic"
-    mixup: Float = 0.8
-    cutmix: Float = 1.0
-    mixup_prob: Float = 1.0
-    mixup_switch_prob: Float = 0.5
-    mixup_mode: str = "batch"
-    smoothing: Float = 0.1
+    train_subset: Optional[Int] = option(None, ge=1)  # train on a fixed random subset of this many images
+    val_subset: Optional[Int] = option(None, ge=1)
+    batch_size: Int = option(128, ge=1)  # per process
+    num_workers: Int = option(4, ge=0)  # 0: load in the training process
+    aug_repeats: Int = option(3, ge=1)  # repeated augmentation (RepeatAugSampler; used when distributed)
+    auto_augment: Optional[str] = "rand-m9-mstd0.5-inc1"  # timm policy (rand-*, augmix-*, original, v0, ...); null: off
+    color_jitter: Float = option(0.4, ge=0.0)  # 0: off
+    reprob: Float = option(0.25, ge=0.0, le=1.0)
+    remode: EraseMode = "pixel"
+    interpolation: Interpolation = "bicubic"
+    mixup: Float = option(0.8, ge=0.0)  # Beta alpha; 0: off (Mixup is off when mixup and cutmix are 0)
+    cutmix: Float = option(1.0, ge=0.0)
+    mixup_prob: Float = option(1.0, ge=0.0, le=1.0)
+    mixup_switch_prob: Float = option(0.5, ge=0.0, le=1.0)
+    mixup_mode: MixupMode = "batch"
+    smoothing: Float = option(0.1, ge=0.0, lt=1.0)  # label smoothing
 
     # ---- optimisation
-    opt: str = "adamw"
-    blr: Float = 5e-4  # lr = blr * global_batch / 512 unless lr is set
-    lr: Optional[Float] = None
-    weight_decay: Float = 0.05
-    opt_eps: Float = 1e-8
-    clip_grad: Optional[Float] = 5.0
-    sched: str = "cosine"
-    epochs: Int = 300
-    warmup_epochs: Int = 20
-    warmup_lr: Float = 5e-7  # scaled by global_batch / 512 like lr (official code)
-    min_lr: Float = 5e-6  # idem
+    opt: str = "adamw"  # timm optimizer name (timm.optim.list_optimizers()), optionally lookahead_<name>
+    blr: Float = option(5e-4, gt=0.0)  # lr = blr * global_batch / 512 unless lr is set
+    lr: Optional[Float] = option(None, gt=0.0)
+    weight_decay: Float = option(0.05, ge=0.0)
+    opt_eps: Float = option(1e-8, gt=0.0)
+    clip_grad: Optional[Float] = option(5.0, gt=0.0)  # max grad norm; null: no clipping
+    sched: Scheduler = "cosine"
+    epochs: Int = option(300, ge=1)
+    warmup_epochs: Int = option(20, ge=0)
+    warmup_lr: Float = option(5e-7, ge=0.0)  # scaled by global_batch / 512 like lr (official code)
+    min_lr: Float = option(5e-6, ge=0.0)  # idem
 
     # ---- run
-    seed: Int = 0
+    seed: Int = option(0, ge=0, le=2**32 - 1)
     amp: AmpMode = "auto"
     device: str = "auto"  # auto | cpu | cuda
-    output_dir: str = "runs/train"
-    threads: Optional[Int] = None  # torch.set_num_threads for CPU runs
-    max_steps_per_epoch: Optional[Int] = None  # cap (smoke tests, benchmarks)
-    stop_epoch: Optional[Int] = None  # end this run after this many epochs (time-limited jobs); resume later
-    eval_every: Int = 1  # epochs between validations (the last epoch is always validated)
-    log_interval: Int = 50
+    output_dir: Folder = "runs/train"
+    threads: Optional[Int] = option(None, ge=1)  # torch.set_num_threads for CPU runs
+    max_steps_per_epoch: Optional[Int] = option(None, ge=1)  # cap (smoke tests, benchmarks)
+    stop_epoch: Optional[Int] = option(None, ge=1)  # stop after this many epochs (time-limited jobs); resume later
+    eval_every: Int = option(1, ge=1)  # epochs between validations (the last epoch is always validated)
+    log_interval: Int = option(50, ge=1)  # steps between progress-bar updates
 
     def replace(self, **changes: Any) -> "TrainConfig":
         """A copy with ``changes``, checked like a loaded config."""
@@ -105,9 +138,12 @@ class TrainConfig(Schema):
 def config_from_dict(values: dict) -> TrainConfig:
     """Build a config from a dict (defaults for absent keys).
 
+    Only the schema is checked (types, ranges, choices): a config stored in a checkpoint loads
+    wherever the checkpoint does. :func:`check_config` checks the rest before training.
+
     Raises:
         ValueError (:class:`fedmjp.config.ConfigError`): an unknown key (the valid ones listed) or
-            a value of the wrong type.
+            a value of the wrong type or out of range.
     """
     return parse(TrainConfig, values)
 
@@ -122,20 +158,117 @@ def parse_overrides(items: list[str]) -> dict:
 
     Dashes in keys become underscores; values are YAML data (:func:`fedmjp.config.parse_value`),
     checked against the schema.
+
+    Raises:
+        ValueError (:class:`fedmjp.config.ConfigError`): an item that is no ``--key value``, an
+            unknown key, or a value the key does not take.
     """
     out: dict = {}
     i = 0
     while i < len(items):
         item = items[i]
         if not item.startswith("--"):
-            raise ValueError(f"expected --key value, got {item!r}")
+            raise ConfigError(f"expected --key value, got {item!r}")
         key, eq, value = item[2:].partition("=")
         if not eq:
             if i + 1 >= len(items) or items[i + 1].startswith("--"):
-                raise ValueError(f"missing value for {item}")
+                raise ConfigError(f"missing value for {item} (--key value or --key=value)")
             value = items[i + 1]
             i += 1
         out[key.replace("-", "_")] = parse_value(value, item)
         i += 1
     parse(TrainConfig, out)  # unknown keys and wrong types fail here, before any training
     return out
+
+
+# ------------------------------------------------------------------------------ beyond the schema
+def check_config(cfg: TrainConfig) -> TrainConfig:
+    """Check what the schema cannot: the names timm looks up (``model``, ``opt``, ``auto_augment``)
+    with timm's own API, the schedule timm builds from ``sched``/``epochs``/``warmup_epochs``, the
+    ``device``, and the keys that depend on each other. Cheap (no model is built); run before anything
+    is written. Returns ``cfg``.
+
+    Raises:
+        ValueError (:class:`fedmjp.config.ConfigError`): the key, what it takes and what it got.
+    """
+    _check_model(cfg.model)
+    _check_optimizer(cfg.opt)
+    _check_schedule(cfg)
+    _check_auto_augment(cfg.auto_augment, cfg.img_size)
+    _check_device(cfg.device)
+    if (cfg.mixup > 0 or cfg.cutmix > 0) and cfg.batch_size < 2:
+        raise ConfigError(f"config key 'batch_size' must be >= 2 while mixup or cutmix is on (Mixup mixes pairs; "
+                          f"an odd image is dropped from each batch), got {cfg.batch_size}")
+    return cfg
+
+
+def _check_model(name: str) -> None:
+    if timm.is_model(name):
+        return
+    try:
+        if model_plugin(name) is not None:  # a plug-in architecture (docs/plugins.md)
+            return
+    except ValueError as err:  # fedmjp.plugins.PluginError: named a plug-in that cannot be loaded
+        raise ConfigError(f"config key 'model': {err}") from None
+    close = difflib.get_close_matches(name, timm.list_models(), n=3, cutoff=0.7)
+    raise ConfigError(
+        f"config key 'model': unknown model {name!r}" + (f" (did you mean {', '.join(close)}?)" if close else "")
+        + f"; valid: fedmjp's {', '.join(timm.list_models('mjp_*'))}, any of timm's "
+        "(python -c 'import timm; print(timm.list_models())'), or a plug-in's package.module:fn")
+
+
+def _check_optimizer(opt: str) -> None:
+    parts = opt.lower().split("_")  # timm.optim.create_optimizer_v2 reads [lookahead_]<name>
+    try:
+        if len(parts) > 2 or (len(parts) == 2 and parts[0] != "lookahead"):
+            raise ValueError(opt)
+        timm.optim.get_optimizer_info(parts[-1])
+    except ValueError:
+        names = ", ".join(map(str, timm.optim.list_optimizers()))
+        raise ConfigError(f"config key 'opt': unknown optimizer {opt!r}; valid: timm's {names}, "
+                          "each also as lookahead_<name>") from None
+    try:
+        timm.optim.get_optimizer_class(parts[-1])  # imports apex / bitsandbytes classes, needs CUDA for them
+    except (ImportError, AssertionError) as err:
+        raise ConfigError(f"config key 'opt': optimizer {opt!r} cannot be used here ({err})") from None
+
+
+def _check_schedule(cfg: TrainConfig) -> None:
+    """Build the schedule on a stand-in optimizer as :mod:`fedmjp.train` does (per update; a large
+    stand-in epoch, so that only what no data set can fix is refused: wsd/rsqrt need
+    epochs > warmup_epochs)."""
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    try:
+        create_scheduler_v2(optimizer, sched=cfg.sched, num_epochs=cfg.epochs, warmup_epochs=cfg.warmup_epochs,
+                            warmup_lr=cfg.warmup_lr, min_lr=cfg.min_lr, step_on_epochs=False,
+                            updates_per_epoch=cfg.max_steps_per_epoch or 10_000)
+    except ValueError as err:
+        raise ConfigError(f"config key 'sched': timm cannot build the {cfg.sched!r} schedule with epochs "
+                          f"{cfg.epochs} and warmup_epochs {cfg.warmup_epochs} ({err})") from None
+
+
+_AA_HELP = ("rand-m9-mstd0.5-inc1 (RandAugment: rand-<section>..., sections mN magnitude, nN ops, mstdF, incN), "
+            "augmix-m3-w3 (AugMix), an AutoAugment policy original, originalr, v0, v0r, 3a (optionally -mstdF), "
+            "or null for none")
+
+
+def _check_auto_augment(policy: Optional[str], img_size: int) -> None:
+    """Parse ``policy`` with the timm function :func:`timm.data.create_transform` would call."""
+    if not policy:
+        return
+    parse_fn = (rand_augment_transform if policy.startswith("rand") else augment_and_mix_transform
+                if policy.startswith("augmix") else auto_augment_transform)
+    hparams = {"translate_const": int(img_size * 0.45), "img_mean": (124, 116, 104)}
+    try:
+        parse_fn(policy, hparams)
+    except (AssertionError, ValueError, KeyError) as err:  # timm's parsers assert on an unknown policy/section
+        detail = f" ({err})" if str(err) else ""
+        raise ConfigError(f"config key 'auto_augment': timm cannot read {policy!r}{detail}; "
+                          f"valid: {_AA_HELP}") from None
+
+
+def _check_device(device: str) -> None:
+    try:
+        resolve_device(device)
+    except ValueError as err:
+        raise ConfigError(f"config key 'device': {err}") from None
