@@ -94,7 +94,7 @@ def train_missing(cfg: BenchmarkConfig, progress: bool = True) -> list[TrainJob]
     Raises:
         ConfigError: no ``train_data`` for the recipes, or a bad recipe.
     """
-    from fedmjp.train import run_training
+    from fedmjp.train import check_run, run_training
     from fedmjp.trainconfig import load_config
 
     todo = [job for job in train_jobs(cfg) if not job.done]
@@ -109,11 +109,20 @@ def train_missing(cfg: BenchmarkConfig, progress: bool = True) -> list[TrainJob]
         raise ConfigError(f"--train-missing needs the training data of the recipes: train_data={data!r} does not "
                           "exist (set train_data in the config or --set train_data=PATH to an ImageFolder or "
                           ".tar.gz with train/ and val/)")
-    for i, job in enumerate(todo, 1):
+    # every job's config, model, schedule, data and output folder checked before the first trains (a
+    # bad last recipe must not surface after hours of training the others)
+    configs = []
+    for job in todo:
+        train_cfg = load_config(job.recipe, {"data_path": str(data), "output_dir": str(job.checkpoint.parent)})
+        try:
+            check_run(train_cfg)
+        except ValueError as err:
+            raise ConfigError(f"model row {job.row!r}: training recipe {job.recipe}: {err}") from None
+        configs.append(train_cfg)
+    for i, (job, train_cfg) in enumerate(zip(todo, configs), 1):
         _logger.info("training %s (%d/%d) with %s into %s%s", job.row, i, len(todo), job.recipe,
                      job.checkpoint.parent,
                      f", resuming at epoch {job.epochs_done}" if job.epochs_done else "")
-        train_cfg = load_config(job.recipe, {"data_path": str(data), "output_dir": str(job.checkpoint.parent)})
         run_training(train_cfg, progress=progress)
         job.epochs_done = checkpoint_epochs(job.checkpoint)
         if job.export_to is not None and job.done:

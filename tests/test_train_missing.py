@@ -69,3 +69,20 @@ def test_train_missing_before_a_sweep(tmp_path: Path, capsys) -> None:
     assert "trained: ViT" in capsys.readouterr().out and load_checkpoint_state(ckpt)["epoch"] == 2
     rows = read_jsonl(out / "results.jsonl")
     assert len(rows) == 4 and all(r["trained"] and not r["failed"] for r in rows)
+
+
+def test_train_missing_checks_every_recipe_before_training_any(tmp_path: Path, capsys) -> None:
+    """A recipe that only timm's registry refuses (an unknown optimizer) in the second row stops the
+    run before the first row trains: nothing is written, the message names the row and the key."""
+    config, recipe, ckpt = _setup(tmp_path)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({**RECIPE, "opt": "no_such_optimizer"}))
+    cfg = yaml.safe_load(config.read_text())
+    second = {**cfg["models"][0], "name": "ViT2", "recipe": str(bad), "checkpoint": str(tmp_path / "ckpt2" / "last.pth")}
+    cfg["models"].append(second)
+    config.write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "out"
+    assert main(["--config", str(config), "--output", str(out), "--no-progress", "--train-missing"]) == 3
+    err = capsys.readouterr().err
+    assert "ViT2" in err and "'opt'" in err and "no_such_optimizer" in err
+    assert not ckpt.exists() and not ckpt.parent.exists() and not (tmp_path / "ckpt2").exists()
