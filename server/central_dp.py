@@ -13,6 +13,11 @@ adaptations, both stated here because they change what the wrapper is given:
   is called with the raw replies first. That is the point of including central DP in the table: it
   protects the released model against third parties, not the update against the server (expected
   and measured: the tapped update equals the undefended one).
+* Flower draws the noise from NumPy's global random state, unseeded, so a run's global weights after
+  a noised round (and every row attacked on them) differed from run to run and between a run and
+  its resume. Here the noise is Flower's formula (``compute_stdv``: std ``sigma * clip /
+  num_sampled_clients``, i.i.d. Gaussian per entry, in each array's dtype) drawn from a generator
+  seeded by (the run's seed, the round).
 
 Flower's wrapper skips the whole aggregation of a round in which any client replied with an error
 (``validate_replies``): such a round leaves the global weights unchanged.
@@ -23,10 +28,12 @@ import logging
 from collections.abc import Iterable
 from typing import Optional
 
+import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping
+from flwr.supercore.differential_privacy import compute_stdv
 
 from clients.records import encode_state
 
@@ -43,13 +50,16 @@ class TappedCentralDp(DifferentialPrivacyServerSideFixedClipping):
         noise_multiplier: sigma.
         clipping_norm: clip, the per-reply L2 bound.
         num_sampled_clients: clients per round (scales the noise on the mean).
+        seed: the run's seed; round r's noise is drawn from a generator seeded by (seed, r).
     """
 
     def __init__(self, strategy: TappedFedAvg, noise_multiplier: float, clipping_norm: float,
-                 num_sampled_clients: int) -> None:
+                 num_sampled_clients: int, seed: int = 0) -> None:
         super().__init__(strategy, noise_multiplier, clipping_norm, num_sampled_clients)
         self.tap, strategy.tap = strategy.tap, None
         self.inner = strategy
+        self.seed = int(seed)
+        self.server_round = 0
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
@@ -62,6 +72,7 @@ class TappedCentralDp(DifferentialPrivacyServerSideFixedClipping):
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[Optional[ArrayRecord], Optional[MetricRecord]]:
         """Tap every usable raw reply, then Flower's clip -> inner aggregation -> noise."""
+        self.server_round = int(server_round)
         replies = list(replies)
         if self.tap is not None:
             parsed = []
@@ -75,3 +86,13 @@ class TappedCentralDp(DifferentialPrivacyServerSideFixedClipping):
             for update in sorted(parsed, key=lambda u: u.node_id):
                 self.tap(update)
         return super().aggregate_train(server_round, replies)
+
+    def _add_noise_to_aggregated_arrays(self, aggregated_arrays: ArrayRecord) -> ArrayRecord:
+        """Flower's noise (same std, distribution and dtypes) from a generator seeded by (seed, round)
+        instead of NumPy's unseeded global state (tests/test_defences.py fails if Flower stops calling this hook)."""
+        rng = np.random.default_rng([self.seed, self.server_round])
+        std = compute_stdv(self.noise_multiplier, self.clipping_norm, self.num_sampled_clients)
+        arrays = aggregated_arrays.to_numpy_ndarrays()
+        for array in arrays:
+            array += rng.normal(0.0, std, array.shape).astype(array.dtype)
+        return ArrayRecord({k: Array(np.asarray(v)) for k, v in zip(aggregated_arrays.keys(), arrays)})

@@ -104,7 +104,7 @@ def _with_central_dp(strategy: Any, cfg: RunConfig) -> Any:
     from .central_dp import TappedCentralDp
 
     num_sampled = max(1, int(cfg.fraction_train * cfg.min_nodes))
-    return TappedCentralDp(strategy, spec.sigma, spec.clip, num_sampled)
+    return TappedCentralDp(strategy, spec.sigma, spec.clip, num_sampled, seed=cfg.seed)
 
 
 def run_rounds(grid: Grid, run_config: Mapping[str, Any], tap: Optional[Tap] = None) -> ServerOutcome:

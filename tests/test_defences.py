@@ -344,3 +344,28 @@ def test_utility_trains_and_scores_the_model_as_deployed_not_the_attackers_surge
     out = utility.defence_utility(cfg, row, federate=federate)
     assert seen == {"scored": [False, False], "april": [""]}
     assert 0.0 <= out["utility_top1"] <= 1.0
+
+
+def test_central_dp_noise_is_seeded_by_run_seed_and_round():
+    """Flower draws central DP's noise from NumPy's unseeded global state; the tapped wrapper draws it
+    from (seed, round): the same seed gives the same noised global weights (a resumed run reproduces
+    them), another seed other ones, and the noise still has Flower's std."""
+    import numpy as np
+    from flwr.supercore.differential_privacy import compute_stdv
+
+    cfg = {**APRIL, "precision": "float32", "num-server-rounds": 2,
+           "defence": json.dumps({"name": "central_dp", "clip": 0.01, "sigma": 1.0})}
+    finals = []
+    for i, seed in enumerate((0, 0, 1)):
+        np.random.seed(100 + i)  # NumPy's global state (Flower's source) differs between the runs
+        result = run_federation({**cfg, "seed": seed}, engine="inprocess", num_supernodes=2)
+        finals.append(result.final_state)
+    same, other = finals[0], finals[2]
+    assert all(torch.equal(same[k], finals[1][k]) for k in same)
+    assert any(not torch.equal(same[k], other[k]) for k in same)
+    # 2 rounds of noise of Flower's std on top of the (clipped, tiny) mean update
+    clean = run_federation({**cfg, "defence": json.dumps({"name": "none"}), "lr": 0.0}, engine="inprocess",
+                           num_supernodes=2).final_state
+    std = compute_stdv(1.0, 0.01, 2)
+    noise = torch.cat([(same[k] - clean[k]).flatten() for k in same if same[k].is_floating_point()])
+    assert 0.9 < float(noise.std()) / (std * 2 ** 0.5) < 1.1
