@@ -202,8 +202,38 @@ def build_eval_loader(state_config: dict, data_path: str, split: str = "val", ba
     return DataLoader(fixed_subset(ds, max_images, seed), batch_size=batch_size, shuffle=False, num_workers=num_workers)
 
 
+#: Exit status of ``python -m fedmjp.evaluate`` for a bad argument, checkpoint, data path or output
+#: dir (as argparse's for a bad argument); nothing is written then.
+EXIT_BAD_INPUT = 2
+
+
+def _gamma(text: str) -> float:
+    """A shuffle ratio in [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text!r}")
+    return value
+
+
 def _floats(text: str) -> list[float]:
-    return [float(v) for v in text.split(",") if v.strip()]
+    return [_gamma(v) for v in text.split(",") if v.strip()]
+
+
+def _count(minimum: int):
+    """An argparse type: an integer >= ``minimum``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -211,32 +241,32 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--checkpoint", required=True, help="last.pth written by fedmjp.train")
     p.add_argument("--data-path", required=True, help="ImageFolder root (or .tar.gz) with the split")
     p.add_argument("--split", default="val")
-    p.add_argument("--gamma", type=float, default=0.27, help="inference gamma of the main result")
+    p.add_argument("--gamma", type=_gamma, default=0.27, help="inference gamma of the main result")
     p.add_argument("--gamma-sweep", type=_floats, default=None,
                    help=f"comma-separated gammas for the sweep (e.g. {','.join(map(str, DEFAULT_SWEEP))})")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--num-workers", type=int, default=2)
-    p.add_argument("--max-images", type=int, default=None, help="fixed random subset of the split")
+    p.add_argument("--seed", type=_count(0), default=0)
+    p.add_argument("--batch-size", type=_count(1), default=128)
+    p.add_argument("--num-workers", type=_count(0), default=2)
+    p.add_argument("--max-images", type=_count(1), default=None, help="fixed random subset of the split")
     p.add_argument("--device", default="auto")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=_count(1), default=None)
     p.add_argument("--output-dir", default=None,
                    help="default: <checkpoint dir>/eval, or runs/eval/<name> for a .safetensors weights file")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = resolve_device(args.device)
-    model, state = model_from_checkpoint(args.checkpoint, "cpu")
-    model.to(device)
-    loader = build_eval_loader(state["config"], args.data_path, args.split, args.batch_size, args.num_workers,
-                               args.max_images, args.seed)
-    gammas = [args.gamma] + [g for g in (args.gamma_sweep or []) if g != args.gamma]
-    rows = evaluate_gammas(model, loader, gammas, args.seed, device, progress=True)
     ckpt = Path(args.checkpoint)
     # shipped weights (checkpoints/*.safetensors) keep their folder clean: results go under runs/
     default_out = Path("runs") / "eval" / ckpt.stem if ckpt.suffix == ".safetensors" else ckpt.parent / "eval"
     out = Path(args.output_dir) if args.output_dir else default_out
+    try:  # every input checked before the evaluation runs and anything is written
+        model, state, loader, device = _open_inputs(args, out)
+    except ValueError as err:  # ConfigError, ArchiveError and the checks' own messages
+        print(f"error: {' '.join(str(err).splitlines())}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    gammas = [args.gamma] + [g for g in (args.gamma_sweep or []) if g != args.gamma]
+    rows = evaluate_gammas(model, loader, gammas, args.seed, device, progress=True)
     out.mkdir(parents=True, exist_ok=True)
     main_row = {**rows[0], "checkpoint": str(args.checkpoint), "epoch": state.get("epoch")}
     with open(out / "eval.json", "w") as f:
@@ -248,6 +278,36 @@ def main(argv: Optional[list[str]] = None) -> int:
         csv_path, png_path = write_sweep(sweep, out, title=f"{Path(args.checkpoint).parent.name}")
         _logger.info("sweep written to %s and %s", csv_path, png_path)
     return 0
+
+
+def _open_inputs(args: argparse.Namespace, out: Path) -> tuple[nn.Module, dict, DataLoader, torch.device]:
+    """The model, its checkpoint state, the evaluation loader and the device; the output dir checked.
+
+    Raises:
+        ValueError: a device this machine lacks, a checkpoint that is missing or not fedmjp.train's,
+            a data path or split without class folders, an output dir that cannot be written.
+    """
+    import pickle
+
+    from .checkpoint import load_error_text
+    from .config import ConfigError
+    from .trainutils import check_output_dir
+
+    device = resolve_device(args.device)
+    if not Path(args.checkpoint).is_file():
+        raise ConfigError(f"--checkpoint {args.checkpoint}: no such file (a last.pth of fedmjp.train or a "
+                          "checkpoints/*.safetensors weights file)")
+    try:
+        model, state = model_from_checkpoint(args.checkpoint, "cpu")
+    except (pickle.UnpicklingError, RuntimeError, KeyError, TypeError, EOFError, OSError) as err:
+        raise ConfigError(f"--checkpoint {args.checkpoint}: cannot be read: {load_error_text(err)}") from None
+    check_output_dir(out, "--output-dir")
+    try:
+        loader = build_eval_loader(state["config"], args.data_path, args.split, args.batch_size, args.num_workers,
+                                   args.max_images, args.seed)
+    except FileNotFoundError as err:  # no such data path, split or class folder
+        raise ConfigError(f"--data-path {args.data_path} (split {args.split!r}): {err}") from None
+    return model.to(device), state, loader, device
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -56,6 +55,7 @@ from .trainutils import (
     CHECKPOINT_FORMAT,
     DistInfo,
     amp_dtype,
+    check_output_dir,
     epoch_seed,
     export_weights,
     init_distributed,
@@ -123,7 +123,7 @@ def check_run(cfg: TrainConfig, resume: Optional[str] = None) -> None:
     """
     check_config(cfg)
     _check_data_path(cfg.data_path)
-    _check_output_dir(cfg.output_dir)
+    check_output_dir(cfg.output_dir, "config key 'output_dir'")
     if resume and not Path(resume).is_file():
         raise ConfigError(f"--resume {resume}: no such checkpoint file (default: <output_dir>/last.pth when present)")
 
@@ -153,23 +153,6 @@ def _check_data_path(data_path: Optional[str]) -> None:
                 raise ConfigError(f"config key 'data_path': {folder} {what}; pass {_DATA_HELP}")
     except (FileNotFoundError, PermissionError) as err:  # no train/ folder; an unreadable folder
         raise ConfigError(f"config key 'data_path': {err}; pass {_DATA_HELP}") from None
-
-
-def _check_output_dir(output_dir: str) -> None:
-    """The output dir is a folder (or can be made one) that this process can write, checked with a
-    probe folder made and removed in it or in its nearest existing parent; nothing in it is touched."""
-    path = Path(output_dir)
-    existing = path
-    while not os.path.lexists(existing) and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        what = "is not a folder" if existing == path else f"cannot be created: {existing} is not a folder"
-        raise ConfigError(f"config key 'output_dir': {path} {what}")
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".fedmjp-write-check-", dir=existing))
-    except OSError as err:
-        raise ConfigError(f"config key 'output_dir': {path} cannot be {'written' if existing == path else 'created'} "
-                          f"({err.strerror or err} in {existing})") from None
 
 
 def run_training(cfg: TrainConfig, resume: Optional[str] = None, progress: bool = True) -> TrainResult:

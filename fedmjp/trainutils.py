@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import random
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -216,3 +217,26 @@ def unwrap(model: nn.Module) -> nn.Module:
         model = model.module
     return model
 
+
+def check_output_dir(output_dir: str | Path, what: str) -> None:
+    """The output dir is a folder (or can be made one) that this process can write, checked with a
+    probe folder made and removed in it or in its nearest existing parent; nothing in it is touched
+    (``os.access`` says yes for /proc as root). ``what`` names it in the error (``--output-dir``).
+
+    Raises:
+        ValueError (:class:`fedmjp.config.ConfigError`): it cannot be created or written.
+    """
+    from .config import ConfigError
+
+    path = Path(output_dir)
+    existing = path
+    while not os.path.lexists(existing) and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        state = "is not a folder" if existing == path else f"cannot be created: {existing} is not a folder"
+        raise ConfigError(f"{what}: {path} {state}")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".fedmjp-write-check-", dir=existing))
+    except OSError as err:
+        raise ConfigError(f"{what}: {path} cannot be {'written' if existing == path else 'created'} "
+                          f"({err.strerror or err} in {existing})") from None

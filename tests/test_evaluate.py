@@ -149,3 +149,36 @@ def test_cli_writes_json_csv_and_png(trained, tmp_path):
     assert [float(r["gamma"]) for r in rows] == [0.0, 0.5, 1.0]
     assert float(rows[0]["consistency"]) == 100.0 and float(rows[0]["diff_norm"]) == 0.0
     assert (out / "gamma_sweep.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("extra, named", [
+    (["--checkpoint", "{missing}"], "--checkpoint"),
+    (["--checkpoint", "{not_torch}"], "not a PyTorch weights file"),
+    (["--data-path", "{nowhere}"], "--data-path"),
+    (["--split", "nope"], "split 'nope'"),
+    (["--device", "cuda:99"], "cuda:99"),
+    (["--output-dir", "/proc/fedmjp-eval"], "--output-dir"),
+    (["--gamma", "2"], "--gamma"),
+    (["--gamma-sweep", "0,x"], "--gamma-sweep"),
+    (["--max-images", "0"], "--max-images"),
+    (["--batch-size", "0"], "--batch-size"),
+    (["--num-workers", "-1"], "--num-workers"),
+])
+def test_cli_refuses_bad_input_in_one_line(trained, tmp_path, capsys, extra, named):
+    """Each bad argument, checkpoint, data path, split, device or output dir: exit status 2, one line
+    on stderr naming it, no traceback and nothing written (the old CLI raised for all but one)."""
+    data, ckpt = trained
+    not_torch = tmp_path / "notes.pth"
+    not_torch.write_text("not a checkpoint")
+    values = {"missing": str(tmp_path / "none.pth"), "not_torch": str(not_torch), "nowhere": str(tmp_path / "nowhere")}
+    out = tmp_path / "eval"
+    args = {"--checkpoint": str(ckpt), "--data-path": str(data), "--num-workers": "0", "--output-dir": str(out)}
+    args.update(zip(extra[::2], (v.format(**values) for v in extra[1::2])))
+    try:
+        status = evaluate_main([x for kv in args.items() for x in kv])
+    except SystemExit as stop:  # argparse's own refusal of an argument's value
+        status = stop.code
+    err = capsys.readouterr().err
+    assert status == 2 and named in err and "Traceback" not in err
+    assert len([line for line in err.splitlines() if "error" in line]) == 1
+    assert not out.exists()
