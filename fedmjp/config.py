@@ -223,7 +223,8 @@ def _message(schema: type[BaseModel], error: Mapping[str, Any], where: str) -> s
         return f"config key {key!r}: unknown value {value!r}; valid: {', '.join(map(str, get_args(_bare(tp))))}"
     got = {k: getattr(m, k) for m in (info.metadata if info else ()) for k in ("ge", "gt", "le", "lt") if hasattr(m, k)}
     lo, hi = got.get("gt", got.get("ge")), got.get("lt", got.get("le"))
-    bounds = (f"in {'(' if 'gt' in got else '['}{lo}, {hi}{')' if 'lt' in got else ']'}" if lo is not None and hi is not None
+    left, right = "(" if "gt" in got else "[", ")" if "lt" in got else "]"
+    bounds = (f"in {left}{lo}, {hi}{right}" if lo is not None and hi is not None
               else f"{'>' if 'gt' in got else '>='} {lo}" if lo is not None
               else f"{'<' if 'lt' in got else '<='} {hi}" if hi is not None else "")
     if bounds and kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than", "finite_number"):

@@ -32,7 +32,6 @@ import torch.nn as nn
 import yaml
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.optim import create_optimizer_v2
-from timm.scheduler import create_scheduler_v2
 
 from . import datadir
 from .allocator import tune_malloc
@@ -50,7 +49,7 @@ from .train_data import (
     build_mixup,
     resolve_data_path,
 )
-from .trainconfig import TrainConfig, check_config, load_config, parse_overrides
+from .trainconfig import TrainConfig, build_schedule, check_config, load_config, parse_overrides
 from .trainutils import (
     CHECKPOINT_FORMAT,
     DistInfo,
@@ -206,13 +205,7 @@ def _train(cfg: TrainConfig, info: DistInfo, resume: Optional[str], progress: bo
     # Passing the module lets timm honour model.no_weight_decay() (PE, cls token, E_unk; not the
     # PE with pe_init=official) and skip decay on biases and norms.
     optimizer = create_optimizer_v2(model, opt=cfg.opt, lr=lr, weight_decay=cfg.weight_decay, eps=cfg.opt_eps)
-    try:
-        scheduler, _ = create_scheduler_v2(optimizer, sched=cfg.sched, num_epochs=cfg.epochs,
-                                           warmup_epochs=cfg.warmup_epochs, warmup_lr=warmup_lr, min_lr=min_lr,
-                                           step_on_epochs=False, updates_per_epoch=steps_per_epoch)
-    except ValueError as err:  # wsd/rsqrt: a decay phase too short for this many steps
-        raise ConfigError(f"config key 'sched': timm cannot build the {cfg.sched!r} schedule for {cfg.epochs} epochs "
-                          f"of {steps_per_epoch} steps, {cfg.warmup_epochs} of them warm-up ({err})") from None
+    scheduler = build_schedule(optimizer, cfg, steps_per_epoch, warmup_lr, min_lr)
     dtype = amp_dtype(cfg.amp, info.device)
     scaler = torch.amp.GradScaler(info.device.type) if dtype == torch.float16 else None
 

@@ -233,18 +233,28 @@ def _check_optimizer(opt: str) -> None:
         raise ConfigError(f"config key 'opt': optimizer {opt!r} cannot be used here ({err})") from None
 
 
-def _check_schedule(cfg: TrainConfig) -> None:
-    """Build the schedule on a stand-in optimizer as :mod:`fedmjp.train` does (per update; a large
-    stand-in epoch, so that only what no data set can fix is refused: wsd/rsqrt need
-    epochs > warmup_epochs)."""
-    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+def build_schedule(optimizer: torch.optim.Optimizer, cfg: TrainConfig, updates_per_epoch: int, warmup_lr: float,
+                   min_lr: float) -> Any:
+    """timm's schedule of ``cfg`` (stepped per update, as :mod:`fedmjp.train` steps it).
+
+    Raises:
+        ValueError (:class:`fedmjp.config.ConfigError`): timm cannot build it (wsd/rsqrt: a decay
+            phase too short for these epochs and steps).
+    """
     try:
-        create_scheduler_v2(optimizer, sched=cfg.sched, num_epochs=cfg.epochs, warmup_epochs=cfg.warmup_epochs,
-                            warmup_lr=cfg.warmup_lr, min_lr=cfg.min_lr, step_on_epochs=False,
-                            updates_per_epoch=cfg.max_steps_per_epoch or 10_000)
+        return create_scheduler_v2(optimizer, sched=cfg.sched, num_epochs=cfg.epochs, warmup_epochs=cfg.warmup_epochs,
+                                   warmup_lr=warmup_lr, min_lr=min_lr, step_on_epochs=False,
+                                   updates_per_epoch=updates_per_epoch)[0]
     except ValueError as err:
-        raise ConfigError(f"config key 'sched': timm cannot build the {cfg.sched!r} schedule with epochs "
-                          f"{cfg.epochs} and warmup_epochs {cfg.warmup_epochs} ({err})") from None
+        raise ConfigError(f"config key 'sched': timm cannot build the {cfg.sched!r} schedule for {cfg.epochs} epochs "
+                          f"of {updates_per_epoch} steps, {cfg.warmup_epochs} of them warm-up ({err})") from None
+
+
+def _check_schedule(cfg: TrainConfig) -> None:
+    """Build the schedule on a stand-in optimizer (a large stand-in epoch, so that only what no data
+    set can fix is refused: wsd/rsqrt need epochs > warmup_epochs)."""
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    build_schedule(optimizer, cfg, cfg.max_steps_per_epoch or 10_000, cfg.warmup_lr, cfg.min_lr)
 
 
 _AA_HELP = ("rand-m9-mstd0.5-inc1 (RandAugment: rand-<section>..., sections mN magnitude, nN ops, mstdF, incN), "
