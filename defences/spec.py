@@ -173,8 +173,9 @@ for _keys in DEFENCES.values():
 #: Defences applied to the finished update (the rest change local training or the server).
 UPDATE_TRANSFORMS = ("local_dp", "prune", "quantize")
 #: The number keys of the defences and their type.
-NUMBER_KEYS: dict[str, type] = {key: info.annotation for schema in SCHEMAS.values()
-                                for key, info in core.keys(schema).items() if info.annotation in (int, float)}
+NUMBER_KEYS: dict[str, type] = {key: number for schema in SCHEMAS.values()
+                                for key, info in core.keys(schema).items()
+                                for number in (int, float) if info.annotation is number}
 
 
 def validate_defence(spec: Any) -> DefenceSpec:
