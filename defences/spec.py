@@ -173,9 +173,8 @@ for _keys in DEFENCES.values():
 #: Defences applied to the finished update (the rest change local training or the server).
 UPDATE_TRANSFORMS = ("local_dp", "prune", "quantize")
 #: The number keys of the defences and their type.
-NUMBER_KEYS: dict[str, type] = {key: number for schema in SCHEMAS.values()
-                                for key, info in core.keys(schema).items()
-                                for number in (int, float) if info.annotation is number}
+NUMBER_KEYS: dict[str, type] = {key: int if info.annotation is int else float for schema in SCHEMAS.values()
+                                for key, info in core.keys(schema).items() if info.annotation in (int, float)}
 
 
 def validate_defence(spec: Any) -> DefenceSpec:
