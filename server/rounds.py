@@ -111,7 +111,9 @@ def run_rounds(grid: Grid, run_config: Mapping[str, Any], tap: Optional[Tap] = N
     """Run ``num-server-rounds`` rounds of FedSGD or FedAvg on ``grid``; returns the outcome.
 
     With ``out-dir`` set in the config, every update is also stored there (:class:`FolderTap`) and
-    the outcome is saved, so runs whose server lives in another process can be read back.
+    the outcome is saved, so runs whose server lives in another process can be read back. With
+    ``secagg`` the rounds run under Flower's SecAgg+ (:mod:`server.secagg`) and the tap sees one
+    aggregate per round.
     """
     cfg = resolve_config(run_config)
     model = load_global_model(cfg)
