@@ -117,6 +117,8 @@ class Federation(Schema):
     lr: Float = option(0.01, ge=0.0, client="lr")
     partition: Partitioner = option("iid", client="partitioner")
     precision: Precision = option("float32", client="precision")  # client forward/backward dtype
+    # Flower's SecAgg+: the server sees one aggregate per round, attacked as one batch of clients x batch_size images
+    secagg: bool = option(False, client="secagg")
     options: dict = {}  # run-config keys on top (RunConfig's schema)
 
 

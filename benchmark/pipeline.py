@@ -30,6 +30,7 @@ from fedmjp.data import DataError, ImageSet, load_images
 from fedmjp.devices import resolve_device
 
 from . import scoring
+from .aggregates import tapped_batch, tapped_partitions
 from .config import (
     SETTING_GROUPS,
     BenchmarkConfig,
@@ -251,17 +252,15 @@ def expected_updates(cfg: BenchmarkConfig) -> list[tuple[int, int]]:
     """(round, partition) pairs the attacker attacks (dry run: round 1, partition 0 only)."""
     if cfg.dry_run:
         return [(1, 0)]
-    return [(r, p) for r in range(1, cfg.federation.rounds + 1) for p in range(cfg.federation.clients)]
+    return [(r, p) for r in range(1, cfg.federation.rounds + 1) for p in tapped_partitions(cfg)]
 
 
 def expected_keys(cfg: BenchmarkConfig, row: ModelRow, group: str, settings: list[str]) -> set[RowKey]:
     """Row keys a complete federation of this (row, group) stores (from the private batches)."""
-    from clients.partition import private_batch
-
     run_config = client_run_config(cfg, row, group)
     keys = set()
     for rnd, part in expected_updates(cfg):
-        batch = private_batch(run_config, part, rnd, cfg.federation.clients)
+        batch = tapped_batch(run_config, part, rnd, cfg.federation.clients)
         for b, image_id in enumerate(batch.image_ids):
             for s in settings:
                 for entry in attack_entries(cfg):
@@ -273,14 +272,12 @@ def grid_image_ids(cfg: BenchmarkConfig, run_config: dict) -> set[str]:
     """The fixed grid selection: the first ``report.grid_images`` images attacked, in (round,
     partition, batch index) order. Private batches do not depend on the model row or the setting
     group, so every grid row shows the same images."""
-    from clients.partition import private_batch
-
     k = cfg.report.grid_images
     ids: list[str] = []
     for rnd, part in expected_updates(cfg):
         if len(ids) >= k:
             break
-        ids += private_batch(run_config, part, rnd, cfg.federation.clients).image_ids
+        ids += tapped_batch(run_config, part, rnd, cfg.federation.clients).image_ids
     return set(ids[:k])
 
 
@@ -606,11 +603,10 @@ class GroupAttacker:
     def submit_round(self, updates: list) -> None:
         """Top-1 of the round's images, then one runner job per attacker over the updates that
         still miss rows of that attacker; the round goes to :attr:`dispatch` until they are done."""
-        from clients.partition import private_batch
-
         rnd = int(updates[0].server_round)
         clients = self.cfg.federation.clients
-        batches = [private_batch(self.run_config, int(u.partition_id), rnd, clients) for u in updates]
+        batches = [tapped_batch(self.run_config, int(u.partition_id), rnd, clients, getattr(u, "partition_ids", None))
+                   for u in updates]
         keys = [round_keys(self.row.name, self.p.attackers, self.settings, rnd, int(u.partition_id), b.image_ids)
                 for u, b in zip(updates, batches)]
         todo = [i for i, k in enumerate(keys) if not all(v in self.done for v in k.values())]
@@ -700,8 +696,6 @@ class GroupAttacker:
         and a resumed run does not wait for them. The server does not know a failed client's
         partition; the missing (round, partition) pairs are what was expected and not tapped. A
         federation where no update reached the attacker at all is an error."""
-        from clients.partition import private_batch
-
         failures = list(getattr(result, "failures", None) or [])
         for f in failures:
             _logger.warning("%s/%s: round %d, node %d: %s", self.row.name, self.group, f.server_round, f.node_id,
@@ -710,7 +704,7 @@ class GroupAttacker:
         attackers = [(a.label, a.name) for a in self.p.attackers]
         for rnd, part in self.rounds.missing():
             reasons = sorted({f.reason for f in failures if f.server_round == rnd and f.partition_id in (None, part)})
-            batch = private_batch(self.run_config, part, rnd, self.cfg.federation.clients)
+            batch = tapped_batch(self.run_config, part, rnd, self.cfg.federation.clients)
             rows += [r for r in client_failure_rows(self.ctx, rnd, part, batch, reasons, attackers, self.settings)
                      if r.key not in self.done]
         if rows:

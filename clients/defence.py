@@ -30,7 +30,7 @@ from fedmjp.devices import resolve_device
 
 from .partition import PrivateBatch, partition_indices, private_image_set, stable_seed
 from .runconfig import RunConfig, resolve_config
-from .update import client_loss, gradients, local_sgd, local_update, model_logits, round_model
+from .update import client_loss, gradients, local_sgd, local_update, model_logits, round_model, stochastic_forward
 
 
 def _soft_loss(model: torch.nn.Module, images: torch.Tensor, targets: torch.Tensor, mask: Optional[torch.Tensor],
@@ -110,14 +110,16 @@ def defended_local_update(cfg: Mapping[str, Any] | RunConfig, state: Mapping[str
     info: dict[str, float] = {}
     if isinstance(spec, (DpSgd, Mixup)):
         model = round_model(cfg, state, device)
+        with stochastic_forward(model, cfg, partition_id, server_round):
+            if isinstance(spec, DpSgd):
+                sent, loss = _dp_sgd_update(model, batch, cfg, spec, gen, device)
+            else:
+                sent, loss = _mixup_update(model, batch, cfg, spec, partition_id, num_partitions, gen, device)
         if isinstance(spec, DpSgd):
-            sent, loss = _dp_sgd_update(model, batch, cfg, spec, gen, device)
             n_owned = len(partition_indices(cfg, partition_id, num_partitions))
             q = min(1.0, cfg.batch_size / n_owned)
             steps = server_round * (1 if cfg.mode == "fedsgd" else cfg.local_steps)
             info["dp-epsilon"] = dp_sgd_epsilon(q, spec.sigma, steps, spec.delta)
-        else:
-            sent, loss = _mixup_update(model, batch, cfg, spec, partition_id, num_partitions, gen, device)
     else:
         sent = apply_update_defence(clean, spec, gen)
     norm = update_norm(clean)

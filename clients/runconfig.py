@@ -31,6 +31,18 @@ server-eval        false (default): the server evaluates nothing. true: after ev
                    private images
 defence            JSON of a :mod:`defences` spec, e.g. '{"name": "local_dp", "clip": 1.0}';
                    ``fedavg`` sets mode fedavg and local-steps (see :mod:`clients.defence`)
+train-mode         false (default): the client's forward is deterministic (eval mode). true:
+                   its stochastic layers act, seeded by (seed, partition, round): drop-path at
+                   ``drop-path`` (DeiT's linear rule over depth) and dropout layers of the model;
+                   the server is not told (:mod:`clients.update`)
+drop-path          the deepest block's drop-path rate in train mode, in [0, 1) (DeiT: 0.1)
+secagg             false (default): the server sees every client's update. true: Flower's
+                   SecAgg+ (``SecAggPlusWorkflow`` / ``secaggplus_mod``); the server sees only
+                   the example-weighted mean of the round's clients (docs/federation.md)
+secagg-*           SecAgg+'s parameters: num-shares and reconstruction-threshold (proportions, of
+                   the sampled clients and of the shares), clipping-range (each update entry is
+                   clipped to +-range before quantisation), quantization-range (levels over
+                   the clipping range)
 =================  ==========================================================================
 """
 from __future__ import annotations
@@ -42,7 +54,7 @@ from typing import Annotated, Any, Literal, Mapping, Union, get_args
 from pydantic import ConfigDict
 
 from defences.spec import DefenceSpec, FedAvg, validate_defence
-from fedmjp.config import ByShape, Float, Int, Schema, defaults, keys, option, parse
+from fedmjp.config import ByShape, ConfigError, Float, Int, Schema, defaults, keys, option, parse
 from fedmjp.settings import Setting
 
 Mode = Literal["fedsgd", "fedavg"]
@@ -51,6 +63,10 @@ Precision = Literal["float32", "float64"]
 MODES: tuple[str, ...] = get_args(Mode)
 PARTITIONERS: tuple[str, ...] = get_args(Partitioner)
 PRECISIONS: tuple[str, ...] = get_args(Precision)
+#: Flower's SecAgg+ default quantisation levels (2**22) and its modulus (2**32, also its maximum):
+#: the masked sum of K clients stays exact while K * quantization-range <= modulus.
+SECAGG_QUANTIZATION_RANGE = 2 ** 22
+SECAGG_MODULUS = 2 ** 32
 JsonOrMapping = Annotated[Union[str, dict], ByShape()]  # JSON (a TOML value cannot nest) or, in Python, a dict
 
 class RunConfig(Schema):
@@ -95,6 +111,13 @@ class RunConfig(Schema):
     slow_partition: Int = option(-1, round=True)
     slow_seconds: Float = option(0.0, round=True)
     defence: JsonOrMapping = option('{"name": "none"}', round=True)
+    train_mode: bool = False
+    drop_path: Float = option(0.0, ge=0.0, lt=1.0)  # 1 would drop every residual branch
+    secagg: bool = False
+    secagg_num_shares: Float = option(1.0, gt=0.0, le=1.0)
+    secagg_reconstruction_threshold: Float = option(0.5, gt=0.0, le=1.0)
+    secagg_clipping_range: Float = option(8.0, gt=0.0)
+    secagg_quantization_range: Int = option(SECAGG_QUANTIZATION_RANGE, ge=2, le=SECAGG_MODULUS // 2)
 
     def wire(self) -> dict[str, Any]:
         """The keys and values as Flower carries them (flat, hyphenated, scalars)."""
@@ -127,7 +150,27 @@ def resolve_config(run_config: Mapping[str, Any] | RunConfig) -> RunConfig:
     if isinstance(cfg.model_kwargs, Mapping):
         cfg.model_kwargs = json.dumps(dict(cfg.model_kwargs), sort_keys=True)
     cfg.defence = _resolve_defence(cfg)
+    _check_combinations(cfg)
     return cfg
+
+
+def _check_combinations(cfg: RunConfig) -> None:
+    """Keys valid alone but not together (each message names the keys and what they take)."""
+    if cfg.drop_path > 0 and not cfg.train_mode:
+        raise ConfigError(f"drop-path={cfg.drop_path} needs train-mode=true (drop-path acts only in the "
+                          "client's train-mode forward); set train-mode=true or drop-path=0.0")
+    if not cfg.secagg:
+        return
+    if cfg.min_nodes < 2:
+        raise ConfigError(f"secagg=true needs min-nodes >= 2 (SecAgg+ masks each update with its "
+                          f"neighbours'), got min-nodes={cfg.min_nodes}")
+    if cfg.min_nodes * cfg.secagg_quantization_range > SECAGG_MODULUS:
+        raise ConfigError(f"secagg-quantization-range={cfg.secagg_quantization_range} is too large for "
+                          f"min-nodes={cfg.min_nodes}: the sum of the clients' quantised updates must stay "
+                          f"below SecAgg+'s modulus 2**32 (quantization-range * clients <= {SECAGG_MODULUS})")
+    if cfg.defence_spec().name == "central_dp":
+        raise ConfigError("secagg=true does not combine with defence central_dp (its server-side wrapper "
+                          "clips each reply, which SecAgg+ hides); use local_dp for noise under SecAgg+")
 
 
 def _resolve_defence(cfg: RunConfig) -> str:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Callable, Mapping, Optional
 
 import torch
@@ -18,7 +20,7 @@ import torch.nn.functional as F
 from fedmjp.devices import resolve_device
 from fedmjp.factory import build_model, model_input
 
-from .partition import PrivateBatch, private_batch
+from .partition import PrivateBatch, private_batch, stable_seed
 from .runconfig import RunConfig, model_spec, resolve_config
 
 
@@ -113,10 +115,86 @@ def fedavg_update(model: nn.Module, batch: PrivateBatch, local_steps: int, lr: f
     return local_sgd(model, lambda: client_loss(model, batch, dal_weight, device), local_steps, lr)
 
 
+class SeededDropPath(nn.Module):
+    """Drop-path (stochastic depth, timm's rule: scaled by 1/keep) that acts whatever the module's
+    mode and draws from its own generator, so a client's train-mode forward is reproducible and
+    threads of the in-process engine do not share torch's global generator."""
+
+    def __init__(self, rate: float, generator: torch.Generator) -> None:
+        super().__init__()
+        self.rate, self.generator = float(rate), generator
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rate == 0.0:
+            return x
+        keep = 1.0 - self.rate
+        mask = torch.empty((x.shape[0],) + (1,) * (x.ndim - 1), dtype=x.dtype, device=x.device)
+        return x * mask.bernoulli_(keep, generator=self.generator).div_(keep)
+
+
+class SeededDropout(nn.Module):
+    """Element-wise dropout (scaled by 1/keep) from its own generator, active whatever the mode."""
+
+    def __init__(self, rate: float, generator: torch.Generator) -> None:
+        super().__init__()
+        self.rate, self.generator = float(rate), generator
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        keep = 1.0 - self.rate
+        mask = torch.empty_like(x).bernoulli_(keep, generator=self.generator)
+        return x * mask.div_(keep)
+
+
+@contextmanager
+def stochastic_forward(model: nn.Module, cfg: RunConfig, partition_id: int, server_round: int
+                       ) -> Iterator[None]:
+    """With ``train-mode`` on, the model's stochastic layers act inside the block: every block's
+    drop-path sites (``drop_path1``/``drop_path2``) at DeiT's linear rule (0 at the first block,
+    ``drop-path`` at the last) and every ``nn.Dropout`` of rate > 0 the model spec built, all drawing
+    from one generator seeded by (seed, partition, round). The modules are swapped in and restored
+    afterwards; the model itself stays in eval mode, so nothing else that depends on the mode (the
+    MJP model's own training shuffle) changes what the client computes.
+
+    Raises:
+        ValueError: ``drop-path`` > 0 on a model without drop-path sites (it would silently do nothing).
+    """
+    if not cfg.train_mode:
+        yield
+        return
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(stable_seed(cfg.seed, "train-mode", partition_id, server_round))
+    swapped: list[tuple[nn.Module, str, nn.Module]] = []
+    blocks = list(getattr(model, "blocks", []))
+    for i, block in enumerate(blocks):
+        rate = cfg.drop_path * i / max(len(blocks) - 1, 1)
+        for name in ("drop_path1", "drop_path2"):
+            if isinstance(getattr(block, name, None), nn.Module):
+                swapped.append((block, name, getattr(block, name)))
+    if cfg.drop_path > 0 and not swapped:
+        raise ValueError(f"drop-path={cfg.drop_path}: model {cfg.model_arch!r} has no drop-path sites "
+                         "(blocks with drop_path1/drop_path2)")
+    for parent in list(model.modules()):
+        for name, child in parent.named_children():
+            if isinstance(child, nn.Dropout) and child.p > 0:
+                swapped.append((parent, name, child))
+    for parent, name, original in swapped:
+        if isinstance(original, nn.Dropout):
+            setattr(parent, name, SeededDropout(original.p, gen))
+        else:
+            index = blocks.index(parent)
+            setattr(parent, name, SeededDropPath(cfg.drop_path * index / max(len(blocks) - 1, 1), gen))
+    try:
+        yield
+    finally:
+        for parent, name, original in swapped:
+            setattr(parent, name, original)
+
+
 def local_update(cfg: Mapping[str, Any] | RunConfig, state: Mapping[str, torch.Tensor], partition_id: int,
                  server_round: int, num_partitions: Optional[int] = None,
                  device: Optional[torch.device] = None) -> tuple[dict[str, torch.Tensor], float, PrivateBatch]:
-    """A client's whole round: batch, model at ``state``, FedSGD gradients or FedAvg delta.
+    """A client's whole round: batch, model at ``state``, FedSGD gradients or FedAvg delta (with
+    ``train-mode``, under :func:`stochastic_forward`).
 
     Returns:
         (update, loss, batch).
@@ -125,10 +203,11 @@ def local_update(cfg: Mapping[str, Any] | RunConfig, state: Mapping[str, torch.T
     device = device or resolve_device(cfg.device)
     batch = private_batch(cfg, partition_id, server_round, num_partitions)
     model = round_model(cfg, state, device)
-    if cfg.mode == "fedsgd":
-        update, loss = fedsgd_gradients(model, batch, cfg.dal_weight, device)
-    else:
-        update, loss = fedavg_update(model, batch, cfg.local_steps, cfg.lr, cfg.dal_weight, device)
+    with stochastic_forward(model, cfg, partition_id, server_round):
+        if cfg.mode == "fedsgd":
+            update, loss = fedsgd_gradients(model, batch, cfg.dal_weight, device)
+        else:
+            update, loss = fedavg_update(model, batch, cfg.local_steps, cfg.lr, cfg.dal_weight, device)
     return update, loss, batch
 
 

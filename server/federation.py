@@ -9,7 +9,8 @@ in Ray actor processes).
 :class:`LocalGrid`, a :class:`flwr.serverapp.Grid` that calls the ClientApp object directly in
 worker threads. It bypasses: process isolation and Ray resource scheduling, Flower's message store
 and TTL handling, message ids and serialisation between processes (Message objects are passed by
-reference; ArrayRecords already hold serialised bytes). It keeps: the ServerApp main, the strategy
+reference; ArrayRecords already hold serialised bytes; each node gets its own copy of the config
+records, as serialisation would give it). It keeps: the ServerApp main, the strategy
 (sampling, configure/aggregate, timeout), the ClientApp handlers, per-node Contexts with Flower's
 ``partition-id``/``num-partitions`` node config, and error replies for clients that raise
 (ErrorCode CLIENT_APP_RAISED_EXCEPTION, as Flower's simulation sends).
@@ -33,7 +34,8 @@ from .offline import keep_flower_offline
 # Before the Flower imports below, so nothing Flower does at import or run time sees them unset.
 keep_flower_offline()
 
-from flwr.app import Context, Error, Message, RecordDict  # noqa: E402
+from flwr.app import ConfigRecord, Context, Error, Message, RecordDict  # noqa: E402
+from flwr.app.message import make_message  # noqa: E402
 from flwr.clientapp import ClientApp  # noqa: E402
 from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode  # noqa: E402
 from flwr.serverapp import Grid  # noqa: E402
@@ -121,7 +123,7 @@ class LocalGrid(Grid):
     def _deliver(self, message: Message) -> Message:
         context = self.contexts[message.metadata.dst_node_id]
         try:
-            return self.client_app(message, context)
+            return self.client_app(_own_config_records(message), context)
         except Exception as ex:  # a failing client becomes an error reply, as in Flower's engines
             _logger.warning("ClientApp on node %d raised: %s", message.metadata.dst_node_id, ex)
             _logger.debug("%s", traceback.format_exc())
@@ -159,6 +161,21 @@ class LocalGrid(Grid):
     def close(self) -> None:
         """Stop accepting work; clients still running (timed out) finish in the background."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _own_config_records(message: Message) -> Message:
+    """``message`` with its own copy of every ConfigRecord (arrays and metrics shared).
+
+    Flower's engines serialise each message, so every node reads its own records. A server may put
+    one content object into the messages of several nodes (SecAgg+'s set-up stage does), and a
+    handler may edit its config (Flower's ``secaggplus_mod`` pops the stage key): passed by
+    reference, the first node's edit would reach the others.
+    """
+    if not message.has_content():
+        return message
+    content = RecordDict({key: ConfigRecord(dict(record)) if isinstance(record, ConfigRecord) else record
+                          for key, record in message.content.items()})
+    return make_message(metadata=message.metadata, content=content)
 
 
 def simulation_backend_config(client_cpus: float = 1.0, num_cpus: Optional[int] = None,

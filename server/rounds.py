@@ -111,7 +111,9 @@ def run_rounds(grid: Grid, run_config: Mapping[str, Any], tap: Optional[Tap] = N
     """Run ``num-server-rounds`` rounds of FedSGD or FedAvg on ``grid``; returns the outcome.
 
     With ``out-dir`` set in the config, every update is also stored there (:class:`FolderTap`) and
-    the outcome is saved, so runs whose server lives in another process can be read back.
+    the outcome is saved, so runs whose server lives in another process can be read back. With
+    ``secagg`` the rounds run under Flower's SecAgg+ (:mod:`server.secagg`) and the tap sees one
+    aggregate per round.
     """
     cfg = resolve_config(run_config)
     model = load_global_model(cfg)
@@ -121,16 +123,19 @@ def run_rounds(grid: Grid, run_config: Mapping[str, Any], tap: Optional[Tap] = N
         for t in taps:
             t(update)
 
+    metadata = server_metadata(cfg, model)
+    # The public split (images of the source no client owns), never the clients' private images.
+    eval_data = public_eval_set(cfg) if cfg.server_eval else None
+    if cfg.secagg:
+        return _run_secagg_rounds(grid, cfg, model, tap_all if taps else None, metadata, eval_data)
     common = dict(
-        tap=tap_all if taps else None, metadata=server_metadata(cfg, model),
+        tap=tap_all if taps else None, metadata=metadata,
         fraction_train=cfg.fraction_train, fraction_evaluate=0.0,
         min_train_nodes=1, min_available_nodes=cfg.min_nodes,
     )
     tapped = FedSGD(lr=cfg.lr, **common) if cfg.mode == "fedsgd" else TappedFedAvg(**common)
     strategy = _with_central_dp(tapped, cfg)
     train_config = ConfigRecord({k: v for k, v in cfg.wire().items() if k in ROUND_KEYS})
-    # The public split (images of the source no client owns), never the clients' private images.
-    eval_data = public_eval_set(cfg) if cfg.server_eval else None
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> Optional[MetricRecord]:
         model.load_state_dict(decode_state(arrays), strict=True)
@@ -149,10 +154,36 @@ def run_rounds(grid: Grid, run_config: Mapping[str, Any], tap: Optional[Tap] = N
             row.update({k: float(v) for k, v in result.evaluate_metrics_serverapp[r].items()})
         history.append(row)
     final = decode_state(result.arrays) if result.arrays is not None else clone_state(model.state_dict())
-    outcome = ServerOutcome(history, list(tapped.failures), final, dict(tapped.node_partitions))
+    return _finish(cfg, ServerOutcome(history, list(tapped.failures), final, dict(tapped.node_partitions)))
+
+
+def _finish(cfg: RunConfig, outcome: ServerOutcome) -> ServerOutcome:
+    """Save the outcome where ``out-dir`` says and log each round."""
     if cfg.out_dir:
         outcome.save(cfg.out_dir)
-    for row in history:
+    for row in outcome.history:
         _logger.info("round %d: %d/%d replies, train-loss %.4f", row["round"], row["replies"], row["sampled"],
                      row.get("train-loss", float("nan")))
     return outcome
+
+
+def _run_secagg_rounds(grid: Grid, cfg: RunConfig, model: torch.nn.Module, tap: Optional[Tap],
+                       metadata: dict[str, Any], eval_data: Any) -> ServerOutcome:
+    """The rounds under Flower's SecAgg+ (:mod:`server.secagg`): the tap sees one aggregate per round."""
+    from flwr.app import Context, RecordDict
+
+    from .secagg import SecAggStrategy, run_secagg
+
+    def evaluate_fn(server_round: int, state: dict[str, torch.Tensor]) -> dict[str, float]:
+        model.load_state_dict(state, strict=True)
+        loss, acc = loss_and_top1(model, eval_data.images, eval_data.labels)
+        return {"eval-loss": loss, "eval-acc": acc}
+
+    strategy = SecAggStrategy(cfg, model, tap, metadata, evaluate_fn if eval_data is not None else None)
+    # The legacy workflow runs on a Context of its own (its state holds the protocol's records).
+    context = Context(run_id=grid.run.run_id, node_id=0, node_config={}, state=RecordDict(), run_config=cfg.wire())
+    run_secagg(grid, context, strategy)
+    history = [dict(strategy.rounds.get(r, {"round": r, "sampled": 0, "replies": 0, "failures": 0}))
+               for r in range(1, cfg.num_server_rounds + 1)]
+    return _finish(cfg, ServerOutcome(history, list(strategy.failures), clone_state(strategy.state),
+                                      dict(strategy.node_partitions)))

@@ -3,6 +3,11 @@
 The tap receives one :class:`TappedUpdate` per client reply, before aggregation. It holds only what
 a real Flower server holds: the reply's arrays and metrics, the node id, the global weights it sent,
 and the round configuration it sent. The ground truth (x, x~) never passes through here.
+
+Under secure aggregation (``secagg = true``, :mod:`server.secagg`) the server holds no client's
+update: the tap receives one :class:`TappedUpdate` per round, the aggregate of the round's K
+clients (``num_clients`` K, ``num_examples`` their K*B images, node and partition id
+:data:`AGGREGATE_ID`, the clients it covers in ``node_ids`` / ``partition_ids``).
 """
 from __future__ import annotations
 
@@ -18,6 +23,10 @@ import torch
 _logger = logging.getLogger(__name__)
 
 UPDATE_KINDS = ("gradients", "delta")
+
+#: node_id and partition_id of a K-client aggregate (no single node or partition; -1 already means
+#: "reported no partition" for a client's own update).
+AGGREGATE_ID = -2
 
 
 @dataclass
@@ -38,7 +47,11 @@ class TappedUpdate:
         num_examples: examples the client reports to have used.
         metrics: the reply's metric record (loss, ...).
         metadata: what the server configured or knows: mode, setting, gamma, batch-size, lr,
-            local-steps, input mean/std, image size, model spec.
+            local-steps, input mean/std, image size, model spec (and, for an aggregate,
+            ``aggregation``: ``secaggplus-mean``).
+        num_clients: K, the clients whose updates this one averages (1: one client's own reply).
+        node_ids, partition_ids: for an aggregate, the nodes and partitions it covers, in the same
+            order (empty for a client's own reply: ``node_id`` / ``partition_id`` say it).
     """
 
     server_round: int
@@ -50,6 +63,14 @@ class TappedUpdate:
     num_examples: int
     metrics: dict[str, float]
     metadata: dict[str, Any] = field(default_factory=dict)
+    num_clients: int = 1
+    node_ids: list[int] = field(default_factory=list)
+    partition_ids: list[int] = field(default_factory=list)
+
+    @property
+    def is_aggregate(self) -> bool:
+        """Whether this is a K-client aggregate (secure aggregation) rather than one client's reply."""
+        return self.node_id == AGGREGATE_ID
 
 
 @dataclass
@@ -73,7 +94,8 @@ class FolderTap:
     process, e.g. ``flwr run`` or the deployment engine).
 
     Layout: ``round-0001-global.pt`` (the state sent in that round, once) and
-    ``round-0001-node-<id>.pt`` (arrays plus a JSON header with the other fields).
+    ``round-0001-node-<id>.pt`` (arrays plus a JSON header with the other fields), or
+    ``round-0001-aggregate.pt`` for a secure-aggregation round's aggregate.
     """
 
     def __init__(self, folder: str | Path) -> None:
@@ -89,7 +111,8 @@ class FolderTap:
         # The header's fields only (asdict would deep-copy the arrays and global state first).
         header = {f.name: getattr(update, f.name) for f in fields(update) if f.name not in ("arrays", "global_state")}
         payload = {"header": json.dumps(header), "arrays": dict(update.arrays)}  # a dict: weights_only loads it
-        torch.save(payload, self.folder / f"round-{r:04d}-node-{update.node_id}.pt")
+        name = "aggregate" if update.is_aggregate else f"node-{update.node_id}"
+        torch.save(payload, self.folder / f"round-{r:04d}-{name}.pt")
 
 
 def load_tapped_updates(folder: str | Path) -> list[TappedUpdate]:
@@ -97,7 +120,8 @@ def load_tapped_updates(folder: str | Path) -> list[TappedUpdate]:
     folder = Path(folder)
     globals_: dict[int, dict[str, torch.Tensor]] = {}
     updates = []
-    for path in sorted(folder.glob("round-*-node-*.pt")):
+    paths = [*folder.glob("round-*-node-*.pt"), *folder.glob("round-*-aggregate.pt")]
+    for path in sorted(paths):
         payload = torch.load(path, map_location="cpu", weights_only=True)
         header = json.loads(payload["header"])
         r = int(header["server_round"])

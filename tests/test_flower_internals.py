@@ -104,12 +104,20 @@ def _check_grid_interface() -> None:
     assert not LocalGrid.__abstractmethods__
 
 
+def _check_make_message() -> None:
+    from flwr.app.message import make_message
+
+    # LocalGrid rebuilds each delivered message from its metadata and a copied content.
+    assert list(inspect.signature(make_message).parameters) == ["metadata", "content", "error"]
+
+
 PINS: dict[str, Callable[[], None]] = {
     "flwr.supercore.run.Run.create_empty": _check_run_create_empty,
     "flwr.supercore.task_identity.TaskIdentity": _check_task_identity_feeds_message,
     "flwr.common.constant.ErrorCode.CLIENT_APP_RAISED_EXCEPTION": _check_error_reply,
     "flwr.app.Context": _check_context,
     "flwr.serverapp.Grid": _check_grid_interface,
+    "flwr.app.message.make_message": _check_make_message,
 }
 
 
