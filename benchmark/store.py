@@ -487,5 +487,5 @@ def save_png(image: torch.Tensor, path: Path) -> None:
 
 def load_png(path: Path) -> np.ndarray:
     """8-bit RGB PNG -> [H, W, 3] uint8."""
-    with Image.open(path) as img:
+    with Image.open(path, formats=["PNG"]) as img:  # fedmjp writes these: PNG only
         return np.asarray(img.convert("RGB"))

@@ -70,9 +70,12 @@ class AddConstant(UpdateDefence):
 
 MODELS_PY = '''
 """A model function: fedmjp's CIFAR ViT with two blocks."""
+from timm.models import register_model
+
 from fedmjp.models import mjp_vit_cifar_patch4_32
 
 
+@register_model
 def tiny_vit(pretrained=False, **kwargs):
     return mjp_vit_cifar_patch4_32(pretrained=pretrained, **{"depth": 2, **kwargs})
 '''
