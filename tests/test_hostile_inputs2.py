@@ -110,7 +110,7 @@ def test_a_yaml_alias_bomb_is_refused_before_it_expands(tmp_path: Path, capsys, 
 @pytest.mark.parametrize("text, words", [
     ("x: " + "[" * 100_000 + "]" * 100_000 + "\n", ["nests deeper"]),
     ("x: '" + "y" * (2 << 20) + "'\n", ["longer than the limit"]),
-])
+], ids=["deep", "huge"])
 def test_deep_or_huge_configs_are_refused(tmp_path: Path, capsys, text: str, words: list[str]) -> None:
     config = tmp_path / "c.yaml"
     config.write_text(text)
@@ -208,3 +208,29 @@ def test_fuzz_image_bytes_of_other_formats_are_corrupt(tmp_path_factory, fmt: st
     images = load_folder(folder, 32, on_corrupt="skip")
     assert images.names == ["y.png"]
     assert len(images.skipped) == 1 and "corrupt" in images.skipped[0][1]
+
+
+# ------------------------------------------------------------------ 3. mixed results after a code change
+def test_a_resume_by_changed_code_is_refused_naming_the_file_unless_forced(tmp_path: Path, capsys) -> None:
+    """provenance.json holds a fingerprint of every source file of the project; rows made by other
+    code (here: a stored record whose attacks/april.py differs, dirty flag equal) refuse the resume
+    and name the file; --force resumes and records what differed."""
+    import json
+
+    config, out = small_config(tmp_path), tmp_path / "out"
+    assert cli(config, out, "--dry-run") == 0
+    record = json.loads((out / "provenance.json").read_text())
+    assert record["code"]["files"]["attacks/april.py"] and len(record["code"]["fingerprint"]) == 64
+    assert not any(name.startswith("tests/") for name in record["code"]["files"])  # a test edit changes nothing
+    record["code"]["files"]["attacks/april.py"] = "0" * 16
+    record["code"]["fingerprint"] = "0" * 64
+    (out / "provenance.json").write_text(json.dumps(record))
+    capsys.readouterr()
+    assert cli(config, out, "--dry-run") == 6
+    one_line_error(capsys.readouterr().err, "code.files.attacks/april.py", "--force")
+    assert cli(config, out, "--dry-run", "--force") == 0
+    now = json.loads((out / "provenance.json").read_text())
+    assert now["code"]["fingerprint"] != "0" * 64
+    assert any("attacks/april.py" in d for d in now["resumes"][-1]["forced_differences"])
+    assert cli(config, out, "--dry-run") == 0  # the record now describes this code
+    assert len(json.loads((out / "provenance.json").read_text())["resumes"]) == 3
