@@ -234,3 +234,27 @@ def test_a_resume_by_changed_code_is_refused_naming_the_file_unless_forced(tmp_p
     assert any("attacks/april.py" in d for d in now["resumes"][-1]["forced_differences"])
     assert cli(config, out, "--dry-run") == 0  # the record now describes this code
     assert len(json.loads((out / "provenance.json").read_text())["resumes"]) == 3
+
+
+# ------------------------------------------------------------------ 5. non-finite values where they arise
+def test_a_checkpoint_of_nans_is_refused_naming_the_key(tmp_path: Path, capsys) -> None:
+    """An all-NaN checkpoint is a checkpoint error (exit 5) naming a key, for the benchmark, and a
+    ValueError for evaluation (fedmjp.evaluate scored such a model 18.75 % top-1 before)."""
+    from fedmjp.factory import create_model
+    from fedmjp.trainutils import model_from_checkpoint
+    from helpers import tiny_config
+
+    row = dict(tiny_config()["models"][0])
+    model = create_model(row["arch"], **{"variant": row["variant"], **row["kwargs"]})
+    state = {k: torch.full_like(v, float("nan")) if v.is_floating_point() else v
+             for k, v in model.state_dict().items()}
+    bad = tmp_path / "nan.pth"
+    torch.save(state, bad)
+    row.pop("april", None)
+    assert cli(small_config(tmp_path, models=[dict(row, checkpoint=str(bad))]), tmp_path / "out") == 5
+    one_line_error(capsys.readouterr().err, str(bad), "NaN", "cls_token")
+    train_ckpt = tmp_path / "last.pth"
+    torch.save({"model": state, "model_name": row["arch"], "model_kwargs": {"variant": row["variant"],
+                                                                          **row["kwargs"]}}, train_ckpt)
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        model_from_checkpoint(train_ckpt)
