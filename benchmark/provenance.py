@@ -3,10 +3,11 @@
 
 A resume refuses (:class:`~benchmark.errors.OutputConflictError`, exit status 6) when the git
 commit, a library version, the device or a checkpoint's sha256 differs from the stored record:
-rows computed by different code or weights are never mixed in one table. A change of the *dirty*
-flag alone (uncommitted edits appeared or were committed away) only warns, because editing a
-README or a test must not lock a long run out of resuming; the record cannot tell which files
-changed, so a dirty run is as trustworthy as its author's note.
+rows computed by different code or weights are never mixed in one table. The code is recorded by
+commit and by a fingerprint of the project's source files (:func:`code_fingerprint`), so an
+uncommitted edit of an attack refuses the resume and names the file, while editing a README or a
+test changes nothing. A change of the *dirty* flag alone only warns. ``--force`` resumes anyway;
+every resume is recorded in the file's ``resumes`` list with what differed.
 """
 from __future__ import annotations
 
@@ -62,6 +63,35 @@ def _code_version(root: Path) -> dict[str, Any]:
     return {"commit": commit or "unknown", "dirty": bool(status.strip())}
 
 
+#: The project's packages whose source makes a row (the code fingerprint covers their ``.py`` files).
+CODE_PACKAGES = ("patchgrid", "fedmjp", "attacks", "defences", "metrics", "clients", "server", "benchmark")
+
+
+def code_fingerprint() -> dict[str, Any]:
+    """``{"fingerprint": sha256, "files": {path: sha256[:16]}}`` of the ``.py`` files of
+    :data:`CODE_PACKAGES` where this process imports them from (a checkout or an installed copy),
+    read once per process like :func:`code_version`. Unlike the commit and the dirty flag it changes
+    with every edit of the code and with no edit of anything else (README, tests), so a resume can
+    tell rows of other code apart and name the files that differ."""
+    return dict(_code_fingerprint())
+
+
+@functools.cache
+def _code_fingerprint() -> dict[str, Any]:
+    import importlib.util
+
+    files: dict[str, str] = {}
+    for package in CODE_PACKAGES:
+        spec = importlib.util.find_spec(package)
+        for location in (spec.submodule_search_locations or []) if spec else []:
+            base = Path(location)
+            for path in sorted(base.rglob("*.py")):
+                if "__pycache__" not in path.parts:
+                    files[f"{package}/{path.relative_to(base).as_posix()}"] = sha256_file(path)[:16]
+    total = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+    return {"fingerprint": total, "files": files}
+
+
 def library_versions() -> dict[str, str]:
     """Installed versions of :data:`LIBRARIES` ("not installed" where absent)."""
     out = {}
@@ -88,7 +118,7 @@ def collect(cfg: BenchmarkConfig, device: torch.device) -> dict[str, Any]:
             checkpoints[row.name] = sha256_file(row.checkpoint)
     backbone = cfg.metrics.lpips_backbone
     files = {"lpips_backbone": sha256_file(backbone)} if backbone and Path(backbone).is_file() else {}
-    return {"code": code_version(), "libraries": library_versions(), "device": device_record(device),
+    return {"code": {**code_version(), **code_fingerprint()}, "libraries": library_versions(), "device": device_record(device),
             "python": platform.python_version(), "checkpoints": checkpoints, "files": files}
 
 
@@ -130,14 +160,17 @@ def read_record(folder: Path) -> dict[str, Any] | None:
         "check (as for a run older than the record)")
 
 
-def check_or_write(folder: Path, record: Mapping[str, Any], replace: bool = False) -> None:
-    """Write ``provenance.json`` for a new run; on resume compare with the stored one.
+def check_or_write(folder: Path, record: Mapping[str, Any], replace: bool = False, force: bool = False) -> None:
+    """Write ``provenance.json`` for a new run; on resume compare with the stored one and record the
+    resume (``resumes``: when, and what differed) in the rewritten file.
 
     Args:
         replace: write ``record`` over a stored one (a run folder that holds no finished rows).
+        force: resume although the code, libraries, device or checkpoints differ (``--force``): the
+            differences are logged and recorded in ``resumes``.
     Raises:
-        OutputConflictError: anything but the dirty flag differs (the message lists every difference),
-            or the stored file is damaged.
+        OutputConflictError: anything but the dirty flag differs (the message lists every difference,
+            a changed source file by name), or the stored file is damaged.
         OutputWriteError: the file cannot be written (:func:`benchmark.files.write_text`).
     """
     from .files import write_text
@@ -150,12 +183,26 @@ def check_or_write(folder: Path, record: Mapping[str, Any], replace: bool = Fals
             _logger.warning("%s has no %s (an older run): resuming without a provenance check", folder, PROVENANCE)
         write_text(path, json.dumps(record, indent=2, sort_keys=True) + "\n", sync=True)
         return
-    diffs = differences(stored, record)
+    current = {k: v for k, v in record.items() if k != "resumes"}
+    diffs = differences({k: v for k, v in stored.items() if k != "resumes"}, current)
+    if "fingerprint" not in stored.get("code", {}):  # recorded before code fingerprints existed
+        diffs = [d for d in diffs if not d.startswith(("code.fingerprint", "code.files."))]
+        _logger.warning("%s of %s holds no code fingerprint (an older run): source changes since its rows "
+                        "cannot be detected", PROVENANCE, folder)
     refuse = [d for d in diffs if not d.startswith(WARN_ONLY)]
-    if refuse:
+    if refuse and not force:
         raise OutputConflictError(
             f"output folder {folder} holds rows produced by different code, libraries, device or checkpoints; "
             f"results are never mixed. Differences (stored -> now): {'; '.join(refuse)}. "
-            "Use a new --output folder, or restore what produced the stored rows to resume.")
+            "Use a new --output folder, restore what produced the stored rows, or resume with --force to mix "
+            f"them knowingly (recorded in {PROVENANCE})")
     for d in diffs:
-        _logger.warning("resuming %s although %s (uncommitted edits; see %s)", folder, d, PROVENANCE)
+        _logger.warning("resuming %s although %s%s", folder, d, "" if d in refuse else " (uncommitted edits)")
+    import datetime
+
+    resume = {"at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "forced_differences": refuse, "warned_differences": [d for d in diffs if d not in refuse]}
+    # The record describes the newest code; the first record and every resume stay in `resumes`.
+    history = list(stored.get("resumes") or [{"record": {k: v for k, v in stored.items() if k != "resumes"}}])
+    write_text(path, json.dumps({**current, "resumes": [*history, resume]}, indent=2, sort_keys=True) + "\n",
+               sync=True)

@@ -315,7 +315,8 @@ class RunFolder:
                 write_text(self.config_path, text, sync=True)
             if provenance is not None:
                 fresh = not resume or not self.results_path.is_file() or not self.rows()
-                check_or_write(self.folder, provenance, replace=fresh or self.force and not self.rows())
+                check_or_write(self.folder, provenance, replace=fresh or self.force and not self.rows(),
+                               force=self.force)
             if retried:
                 _logger.info("%d row(s) that failed because an earlier attempt of the run failed are computed "
                              "again (moved to %s)", retried, RETRIED)
@@ -487,5 +488,5 @@ def save_png(image: torch.Tensor, path: Path) -> None:
 
 def load_png(path: Path) -> np.ndarray:
     """8-bit RGB PNG -> [H, W, 3] uint8."""
-    with Image.open(path) as img:
+    with Image.open(path, formats=["PNG"]) as img:  # fedmjp writes these: PNG only
         return np.asarray(img.convert("RGB"))

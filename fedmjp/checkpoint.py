@@ -78,7 +78,23 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
             break
     if not isinstance(obj, Mapping) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
         raise CheckpointError(f"checkpoint {path} holds no state dict of tensors")
+    bad = nonfinite_keys(obj)
+    if bad:
+        raise CheckpointError(f"checkpoint {path} holds NaN or infinite values in {describe_keys(bad)}; it "
+                              "cannot give a meaningful model (a diverged training?): use an earlier checkpoint")
     return {k.removeprefix("module."): v for k, v in obj.items()}
+
+
+def nonfinite_keys(state: Mapping[str, Any]) -> list[str]:
+    """The keys of ``state`` whose floating-point tensor holds a NaN or an infinity."""
+    return [k for k, v in state.items()
+            if isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all())]
+
+
+def describe_keys(keys: list[str], limit: int = 3) -> str:
+    """``'a', 'b', 'c' and 4 more`` for an error message."""
+    shown = ", ".join(repr(k) for k in keys[:limit])
+    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
 
 
 def is_official_format(state: Mapping[str, torch.Tensor]) -> bool:

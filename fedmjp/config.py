@@ -32,6 +32,8 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Fie
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
+from .yaml_limits import MAX_CHARS, MAX_DEPTH, YamlLimitError, check_limits
+
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -76,7 +78,9 @@ for _cls in (ConfigLoader, ConfigDumper):
 
 
 def load_yaml(text: str) -> Any:
-    """YAML text as data (:class:`ConfigLoader`: safe, YAML 1.2 floats)."""
+    """YAML text as data (:class:`ConfigLoader`: safe, YAML 1.2 floats), after the size, depth and
+    alias-expansion limits of :mod:`fedmjp.yaml_limits` (a ``yaml.YAMLError`` when over one)."""
+    check_limits(text, ConfigLoader)
     return yaml.load(text, Loader=ConfigLoader)  # noqa: S506 (a SafeLoader subclass)
 
 
@@ -258,7 +262,12 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
+        if path.stat().st_size > 4 * MAX_CHARS:  # refused before reading (4 bytes per character at most)
+            raise ConfigError(f"config file {path} is {path.stat().st_size:,} bytes; a config is a few kB "
+                              f"(limit {MAX_CHARS:,} characters)")
         data = load_yaml(path.read_text())
+    except YamlLimitError as err:
+        raise ConfigError(f"config file {path} is refused: {err}") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"config file {path} is not valid YAML: {' '.join(str(err).split())}") from err
     if not isinstance(data, (dict, type(None))):
@@ -271,6 +280,8 @@ def parse_value(text: str, what: str) -> Any:
     -> dict), read by :func:`load_yaml`."""
     try:
         return load_yaml(text) if text.strip() else None
+    except YamlLimitError as err:
+        raise ConfigError(f"{what}: value is refused: {err}") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{what}: value is not a YAML scalar: {' '.join(str(err).split())}") from err
 
@@ -282,6 +293,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         raise ConfigError(f"override {text!r} must look like key=value (e.g. federation.rounds=3)")
     if not key.strip() or any(not part for part in key.strip().split(".")):
         raise ConfigError(f"override {text!r} has an empty key part")
+    if key.count(".") >= MAX_DEPTH:
+        raise ConfigError(f"override key {key[:60]!r}... has more than {MAX_DEPTH} parts; no config key is that deep")
     return key.strip().split("."), parse_value(raw, f"override {text!r}")
 
 

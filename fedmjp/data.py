@@ -18,7 +18,7 @@ import logging
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import BinaryIO, Optional, Sequence
 
 import numpy as np
 import torch
@@ -31,6 +31,22 @@ from . import datadir
 _logger = logging.getLogger(__name__)
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm")
+#: Pillow formats an image file may be decoded as, whatever its name says: the decoders of the
+#: extensions above, all in-process. Anything else (PostScript/EPS, which Pillow hands to the
+#: Ghostscript program, PDF, ICNS, ...) is a corrupt image, never reaches its plug-in.
+IMAGE_FORMATS = ("PNG", "JPEG", "BMP", "TIFF", "WEBP", "PPM", "GIF")
+
+
+def open_image(fp: "str | Path | BinaryIO") -> Image.Image:
+    """``PIL.Image.open`` limited to :data:`IMAGE_FORMATS` (``UnidentifiedImageError`` otherwise):
+    every image file fedmjp reads goes through here."""
+    return Image.open(fp, formats=IMAGE_FORMATS)
+
+
+def rgb_loader(path: str) -> Image.Image:
+    """An RGB image for torchvision's ``ImageFolder(loader=...)`` (its default loader opens any format)."""
+    with open_image(path) as img:
+        return img.convert("RGB")
 
 # scikit-image images that ship inside its wheel (no pooch download). Colour first, then greyscale
 # ones (converted to RGB), so small --num-images values stay natural colour photographs.
@@ -206,7 +222,7 @@ def load_folder(
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-                with Image.open(path) as img:
+                with open_image(path) as img:
                     width, height = img.size
                     if width * height > MAX_IMAGE_PIXELS:  # checked on the header, before decoding
                         raise ValueError(f"{width}x{height} pixels is more than the {MAX_IMAGE_PIXELS} "

@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader
 from torchvision import datasets
 from tqdm import tqdm
 
+from .data import rgb_loader
 from .devices import resolve_device
 from .factory import model_input
 from .jigsaw import JigsawPlan, make_plan, shuffle_images
@@ -198,7 +199,7 @@ def build_eval_loader(state_config: dict, data_path: str, split: str = "val", ba
     ``max_images`` takes a fixed random subset."""
     cfg = config_from_dict(state_config)
     root = resolve_data_path(data_path, data_cache or cfg.data_cache)
-    ds = datasets.ImageFolder(str(root / split), transform=build_transform(cfg, is_train=False))
+    ds = datasets.ImageFolder(str(root / split), loader=rgb_loader, transform=build_transform(cfg, is_train=False))
     return DataLoader(fixed_subset(ds, max_images, seed), batch_size=batch_size, shuffle=False, num_workers=num_workers)
 
 

@@ -13,8 +13,10 @@ A spec is a mapping::
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import logging
+import os
 import threading
 from typing import Any, Mapping, Sequence
 
@@ -60,10 +62,63 @@ def create_model(arch: str, **kwargs: Any) -> nn.Module:
     """``timm.create_model(arch, pretrained=False, **kwargs)`` with the ``mjp_*`` models registered:
     the one place a model object is constructed (central training builds any timm ViT here; the
     benchmark goes through :func:`build_model`). Uses the global RNG for the fresh weights."""
+    loaders = sorted(set(kwargs) & LOADER_KWARGS)
+    if loaders:
+        # timm.create_model reads these itself: checkpoint_path loads a file with timm's own loader
+        # (outside fedmjp's weights_only load and the checkpoint hash in provenance), the others
+        # fetch or describe pretrained weights. A row's checkpoint goes in its `checkpoint` key.
+        raise ValueError(f"model kwargs {loaders} are not constructor arguments: name a checkpoint in the "
+                         "model row's `checkpoint` key (train: `resume`/`initial_checkpoint`)")
     plugin = model_plugin(arch) if not timm.is_model(arch) else None
-    if plugin is not None:  # an architecture from another package (fedmjp.models.model_plugin)
-        return plugin(pretrained=False, **kwargs)
-    return timm.create_model(arch, pretrained=False, **kwargs)
+    fn = functools.partial(plugin, pretrained=False) if plugin is not None else \
+        functools.partial(timm.create_model, arch, pretrained=False)
+    _check_model_memory(arch, fn, kwargs)
+    try:
+        return fn(**kwargs)
+    except MemoryError:
+        raise ValueError(f"model {arch!r} with kwargs {kwargs} does not fit in memory") from None
+    except Exception as err:
+        # A constructor's reaction to kwargs it cannot take (depth 0: IndexError, heads 0:
+        # ZeroDivisionError, width not divisible: AssertionError, ...) is a config error naming them.
+        raise ValueError(f"model {arch!r} cannot be built with kwargs {kwargs}: {type(err).__name__}: "
+                         f"{' '.join(str(err).split()) or 'no message'}") from None
+
+
+#: Keyword arguments of ``timm.create_model`` that load or describe weights, not build a model.
+LOADER_KWARGS = frozenset({"checkpoint_path", "pretrained", "pretrained_cfg", "pretrained_cfg_overlay", "cache_dir"})
+#: Fraction of the machine's memory one model's parameters may take (its gradients, the optimiser's
+#: state, the attack's copies and the clients' copies need the rest).
+MODEL_MEMORY_FRACTION = 0.25
+
+
+def _check_model_memory(arch: str, fn: Any, kwargs: Mapping[str, Any]) -> None:
+    """Refuse kwargs whose model's parameters would take more than :data:`MODEL_MEMORY_FRACTION` of
+    the available memory, counted on the meta device (no memory, no initialisation cost beyond
+    shapes) before the real build allocates them (``embed_dim: 1e6`` would otherwise run the machine
+    out of memory first)."""
+    def count(**kw: Any) -> int:
+        with torch.device("meta"):
+            meta = fn(**kw)
+        return sum(p.numel() for p in meta.parameters()) + sum(b.numel() for b in meta.buffers())
+
+    try:
+        depth = kwargs.get("depth")
+        if isinstance(depth, int) and depth > 2:
+            # A ViT's size is linear in its depth; building a million blocks even on the meta
+            # device takes minutes, so the count is extrapolated from depths 1 and 2.
+            one, two = count(**{**kwargs, "depth": 1}), count(**{**kwargs, "depth": 2})
+            numel = one + (depth - 1) * (two - one)
+        else:
+            numel = count(**kwargs)
+    except Exception:  # noqa: BLE001 - a build that fails on meta fails the same way for real, with its message
+        return
+    # The machine's memory, not what is free now: a bound that does not move with other processes.
+    need, memory = numel * 4, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > MODEL_MEMORY_FRACTION * memory:
+        raise ValueError(f"model {arch!r} with kwargs {dict(kwargs)} has {numel:,} parameters ({need / 2**30:.1f} "
+                         f"GiB in float32), more than {MODEL_MEMORY_FRACTION:.0%} of this machine's "
+                         f"{memory / 2**30:.1f} GiB of memory; choose smaller kwargs (embed_dim, depth, mlp_ratio, "
+                         "num_classes)")
 
 
 def spec_kwargs(spec: Mapping[str, Any]) -> dict[str, Any]:

@@ -85,6 +85,9 @@ def april_surgery(model: VisionTransformer, index: int = 0) -> VisionTransformer
     """Turn block ``index`` of a (trained) timm ViT into design A in place, as breaching's
     ``vit_small_april`` does: drop ``norm1`` and the residual around attention. Parameter names of
     the block's other layers are unchanged."""
+    if not 0 <= index < len(model.blocks):
+        raise ValueError(f"april_surgery needs block {index}, but the model has {len(model.blocks)} block(s) "
+                         "(model kwargs depth)")
     block = model.blocks[index]
     if isinstance(block, AprilBlock):
         return model
@@ -143,6 +146,9 @@ class MJPVisionTransformer(VisionTransformer):
         for side in (img_size if isinstance(img_size, (tuple, list)) else (img_size, img_size)):
             if side % patch_size:
                 raise ValueError(f"img_size {img_size} is not divisible by patch_size {patch_size}")
+        depth = kwargs.get("depth", 12)
+        if not (isinstance(depth, int) and depth >= 1):  # the attacks and APRIL read blocks[0]
+            raise ValueError(f"depth must be an integer >= 1, got {depth!r}")
         if kwargs.get("no_embed_class") or kwargs.get("dynamic_img_size"):
             raise ValueError("MJP models need no_embed_class=False and dynamic_img_size=False")
         if variant == "nope":

@@ -44,6 +44,7 @@ from torch import nn
 from torchvision import datasets
 
 from . import datadir
+from .data import rgb_loader
 from .corruptions import (
     SEVERITIES,
     cached_corruption,
@@ -219,7 +220,7 @@ def load_uint8(state_config: dict, data_path: str, split: str, n: int | None, se
     cfg = config_from_dict(state_config)
     pil_steps, _ = _split_transform(state_config)
     root = resolve_data_path(data_path, cfg.data_cache)
-    ds = datasets.ImageFolder(str(root / split))
+    ds = datasets.ImageFolder(str(root / split), loader=rgb_loader)
     sub = fixed_subset(ds, n, seed)
     indices = np.asarray(getattr(sub, "indices", range(len(ds))), dtype=np.int64)
     images, labels = [], []

@@ -35,6 +35,10 @@ _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
 _REFERENCE = re.compile(rf"{_IDENT}(?:\.{_IDENT})*:{_IDENT}(?:\.{_IDENT})*")
 
 
+#: The origin of a plug-in named by a ``package.module:Name`` reference in a config (not an entry point).
+REFERENCE_ORIGIN = "module reference"
+
+
 class PluginError(ValueError):
     """A plug-in reference that cannot be loaded or is not the kind of object its group takes."""
 
@@ -72,7 +76,7 @@ def find(kind: str, name: Any) -> Optional[Plugin]:
         return None
     plugin = entry_points(kind).get(name)
     if plugin is None and is_reference(name):
-        plugin = Plugin(name, name, "module reference")
+        plugin = Plugin(name, name, REFERENCE_ORIGIN)
     return plugin
 
 
@@ -98,14 +102,31 @@ def load(kind: str, plugin: Plugin, base: Optional[type] = None) -> Any:
             raise PluginError(f"{what}: module {module_name!r} not found; install the package that provides it "
                               "(it must be importable wherever fedmjp and its clients run)") from err
         raise PluginError(f"{what}: importing {module_name!r} failed: {err}") from err
-    except Exception as err:  # the plug-in's own import-time error, reported with the reference
-        raise PluginError(f"{what}: importing {module_name!r} failed: {type(err).__name__}: {err}") from err
+    except (Exception, SystemExit) as err:  # the plug-in's own import-time error, reported with the reference
+        # SystemExit too: a module calling sys.exit() on import would otherwise end the run with
+        # its status (0: "success" with nothing done).
+        raise PluginError(f"{what}: importing {module_name!r} failed: {type(err).__name__}: {err}") from None
     for part in attribute.split("."):
         if not hasattr(obj, part):
             raise PluginError(f"{what}: {module_name!r} has no attribute {attribute!r}")
         obj = getattr(obj, part)
+    if kind == "model" and plugin.origin == REFERENCE_ORIGIN and not _timm_registered(obj):
+        # A reference in a config reaches only the documented kinds of object: an arbitrary
+        # callable (torch.hub:load, a loader, ...) called with the config's kwargs would execute
+        # whatever the config points it at. Entry points are declared by an installed package.
+        raise PluginError(f"{what}: {plugin.value} is not a model function registered with timm; decorate it "
+                          "with @timm.models.register_model (docs/plugins.md, Models) or declare it as a "
+                          "fedmjp.models entry point")
     if base is not None and not (isinstance(obj, type) and issubclass(obj, base)):
         got = obj.__name__ if isinstance(obj, type) else type(obj).__name__
         raise PluginError(f"{what}: {plugin.value} is not a subclass of {base.__module__}.{base.__qualname__} "
                           f"(got {got})")
     return obj
+
+
+def _timm_registered(obj: Any) -> bool:
+    """True when ``obj`` is the model function timm's registry holds under its own name."""
+    from timm.models import is_model, model_entrypoint
+
+    name = getattr(obj, "__name__", None)
+    return isinstance(name, str) and callable(obj) and is_model(name) and model_entrypoint(name) is obj

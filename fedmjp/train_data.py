@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset, RandomSampler, SequentialSampl
 from torchvision import datasets, transforms
 
 from . import datadir
+from .data import rgb_loader
 from .trainconfig import TrainConfig
 
 _logger = logging.getLogger(__name__)
@@ -193,8 +194,8 @@ def fixed_subset(ds: Dataset, n: Optional[int], seed: int) -> Dataset:
 
 def build_datasets(cfg: TrainConfig, root: Path) -> tuple[Dataset, Dataset, int]:
     """(train, val, num_classes) from ``root/train`` and ``root/val``."""
-    train = datasets.ImageFolder(str(root / "train"), transform=build_transform(cfg, True))
-    val = datasets.ImageFolder(str(root / "val"), transform=build_transform(cfg, False))
+    train = datasets.ImageFolder(str(root / "train"), loader=rgb_loader, transform=build_transform(cfg, True))
+    val = datasets.ImageFolder(str(root / "val"), loader=rgb_loader, transform=build_transform(cfg, False))
     if train.classes != val.classes:
         raise ValueError(f"train/ and val/ of {root} have different class folders")
     return (fixed_subset(train, cfg.train_subset, cfg.seed), fixed_subset(val, cfg.val_subset, cfg.seed + 1),

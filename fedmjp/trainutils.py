@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .checkpoint import WEIGHTS_FORMAT, read_safetensors
+from .checkpoint import WEIGHTS_FORMAT, describe_keys, nonfinite_keys, read_safetensors
 from .devices import resolve_device
 from .factory import create_model
 from .trainconfig import TrainConfig
@@ -206,6 +206,10 @@ def model_from_checkpoint(path: str | Path, map_location: str | torch.device = "
     state = weights_state(path) if Path(path).suffix == ".safetensors" else load_checkpoint_state(path, map_location)
     if "model_name" not in state:
         raise ValueError(f"{path} has no 'model_name': not written by fedmjp.train")
+    bad = nonfinite_keys(state["model"]) if isinstance(state.get("model"), dict) else []
+    if bad:  # a model of NaNs predicts one class and would score as if it worked
+        raise ValueError(f"{path}: the model holds NaN or infinite values in {describe_keys(bad)} (a diverged "
+                         "training?); use an earlier checkpoint")
     model = create_model(state["model_name"], **dict(state.get("model_kwargs", {})))
     model.load_state_dict(state["model"])
     return model.eval(), state

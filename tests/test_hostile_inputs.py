@@ -398,8 +398,11 @@ def test_failed_run_is_retried_and_the_fixed_checkpoint_runs(tmp_path: Path, cap
     spec = C.model_spec(C.validate(C.load_config(small_config(tmp_path / "spec"))), 0)
     state = build_model(dict(spec, april=None)).state_dict()
     ckpt = tmp_path / "model.pth"
-    torch.save({k: torch.full_like(v, float("nan")) if v.is_floating_point() else v for k, v in state.items()}, ckpt)
-    config, out = small_config(tmp_path, models=[dict(row, checkpoint=str(ckpt))]), tmp_path / "out"
+    # finite weights whose forward pass overflows: every client's update is non-finite (a NaN
+    # checkpoint is refused when it is read, exit 5, tests/test_hostile_inputs2.py)
+    torch.save({k: torch.full_like(v, 3e38) if v.is_floating_point() else v for k, v in state.items()}, ckpt)
+    config = small_config(tmp_path, models=[dict(row, checkpoint=str(ckpt))], **{"federation.precision": "float32"})
+    out = tmp_path / "out"
     assert cli(config, out) == 7
     assert all(r["failed"] for r in read_jsonl(out / "results.jsonl"))
     assert cli(config, out) == 7  # a failed run is not a finished run: its rows are tried again

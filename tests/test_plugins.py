@@ -70,9 +70,12 @@ class AddConstant(UpdateDefence):
 
 MODELS_PY = '''
 """A model function: fedmjp's CIFAR ViT with two blocks."""
+from timm.models import register_model
+
 from fedmjp.models import mjp_vit_cifar_patch4_32
 
 
+@register_model
 def tiny_vit(pretrained=False, **kwargs):
     return mjp_vit_cifar_patch4_32(pretrained=pretrained, **{"depth": 2, **kwargs})
 '''
@@ -176,7 +179,8 @@ def test_a_plugin_model_builds_by_name_and_by_reference(plugin_package: Path) ->
     ("attack", f"{PACKAGE}.attacks:Missing", f"'{PACKAGE}.attacks' has no attribute 'Missing'"),
     ("attack", f"{PACKAGE}.defences:AddConstant", "is not a subclass of attacks.base.Attack (got AddConstant)"),
     ("defence", f"{PACKAGE}.attacks:MeanImage", "is not a subclass of defences.spec.UpdateDefence (got MeanImage)"),
-    ("model", f"{PACKAGE}.models:__name__", "is not callable (got str)"),
+    ("model", f"{PACKAGE}.models:__name__", "is not a model function registered with timm"),
+    ("model", f"{PACKAGE}.models:register_model", "is not a model function registered with timm"),
 ])
 def test_a_bad_reference_is_named_with_what_went_wrong(plugin_package: Path, tmp_path: Path, kind: str,
                                                        reference: str, message: str,

@@ -116,10 +116,10 @@ def iter_train_images(data_path: Path, split: str = "train") -> Iterator[np.ndar
     """[H, W, 3] uint8 RGB arrays of the ``split`` images of an ImageFolder (a folder with
     ``<split>/<class>/*.jpg``) or of a .tar/.tar.gz of one, read in sorted name order (an archive
     is streamed, nothing is extracted)."""
-    from PIL import Image
+    from fedmjp.data import open_image
 
     def decode(raw) -> np.ndarray:
-        with Image.open(raw) as img:
+        with open_image(raw) as img:
             return np.asarray(img.convert("RGB"))
 
     if data_path.is_dir():

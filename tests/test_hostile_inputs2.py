@@ -1,0 +1,260 @@
+"""Hostile inputs, second round (issue 44): one test per cause, on the tiny runs of
+tests/test_hostile_inputs.py, then Hypothesis fuzzing of YAML structure (aliases, nesting, sizes)
+and of image bytes in formats outside the allow-list. docs/security.md describes the rules tested.
+"""
+from __future__ import annotations
+
+import io
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from PIL import Image
+
+from test_hostile_inputs import cli, one_line_error, small_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------ 1. code execution from a config
+def test_a_model_reference_to_any_callable_is_refused(tmp_path: Path, capsys) -> None:
+    """torch.hub:load named as an arch with kwargs pointing at a hubconf.py: refused before it is
+    called (a model reference must be a timm-registered model function), nothing executed."""
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    marker = tmp_path / "EXECUTED"
+    (hub / "hubconf.py").write_text(f"open({str(marker)!r}, 'w').write('x')\ndef m(**kw):\n    return None\n")
+    config, out = small_config(tmp_path), tmp_path / "out"
+    code = cli(config, out, "--set", "models.0.arch=torch.hub:load", "--set",
+               f"models.0.kwargs={{repo_or_dir: {hub}, model: m, source: local}}")
+    assert code == 3
+    one_line_error(capsys.readouterr().err, "torch.hub:load", "registered with timm")
+    assert not marker.exists() and not out.exists()
+
+
+def test_a_plugin_that_exits_on_import_is_a_config_error(tmp_path: Path, capsys, monkeypatch) -> None:
+    """A module calling sys.exit(0) at import must not end the run with 'success' and nothing done."""
+    (tmp_path / "exits_on_import.py").write_text("import sys\nsys.exit(0)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        code = cli(small_config(tmp_path), tmp_path / "out", "--set", "attacks=[{name: 'exits_on_import:Thing'}]")
+    finally:
+        sys.modules.pop("exits_on_import", None)
+    assert code == 3
+    one_line_error(capsys.readouterr().err, "exits_on_import", "SystemExit")
+
+
+# ------------------------------------------------------------------ 2. code execution from an image
+_EPS = (b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 8 8\n%%EndComments\n"
+        b"0 0 moveto 8 8 lineto stroke\nshowpage\n%%EOF\n")
+
+
+def test_a_postscript_file_named_png_never_reaches_ghostscript(tmp_path: Path, monkeypatch) -> None:
+    """Image files are opened with a format allow-list: EPS (decoded by running the gs program) is a
+    corrupt file whatever its name, and Pillow's Ghostscript hand-off is never called."""
+    from PIL import EpsImagePlugin
+
+    from fedmjp.data import load_folder
+
+    def no_ghostscript(*args, **kwargs):
+        raise AssertionError("Ghostscript was called on an input image")
+
+    monkeypatch.setattr(EpsImagePlugin, "Ghostscript", no_ghostscript)
+    (tmp_path / "9.png").write_bytes(_EPS)
+    Image.fromarray((torch.rand(8, 8, 3) * 255).byte().numpy()).save(tmp_path / "ok.png")
+    images = load_folder(tmp_path, 32, on_corrupt="skip")
+    assert images.names == ["ok.png"]
+    assert [Path(p).name for p, _ in images.skipped] == ["9.png"] and "corrupt" in images.skipped[0][1]
+
+
+def test_a_training_image_folder_refuses_other_formats(tmp_path: Path) -> None:
+    """torchvision's ImageFolder opens any format by default; the training loader does not."""
+    from PIL import UnidentifiedImageError
+
+    from fedmjp.data import rgb_loader
+
+    (tmp_path / "x.jpg").write_bytes(_EPS)
+    with pytest.raises(UnidentifiedImageError):
+        rgb_loader(str(tmp_path / "x.jpg"))
+
+
+# ------------------------------------------------------------------ 7. resources: YAML, models
+def _bomb(levels: int = 9, width: int = 10) -> str:
+    lines = ["a0: &a0 [" + ", ".join(["x"] * width) + "]"]
+    for i in range(1, levels):
+        lines.append(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * width) + "]")
+    return "{" + ", ".join(line.replace(": ", ": ", 1) for line in lines) + f", top: *a{levels - 1}}}"
+
+
+@pytest.mark.parametrize("where", ["models.0.kwargs", "attack.options", "federation"])
+def test_a_yaml_alias_bomb_is_refused_before_it_expands(tmp_path: Path, capsys, where: str) -> None:
+    """10^9 values in ~600 bytes of anchors: refused by the loader in milliseconds, naming the file."""
+    config = small_config(tmp_path)
+    text = config.read_text() + "\nbomb: " + _bomb() + "\n"
+    config.write_text(text)
+    start = time.monotonic()
+    assert cli(config, tmp_path / "out") == 3
+    assert time.monotonic() - start < 30
+    one_line_error(capsys.readouterr().err, str(config), "aliases")
+    # the same bomb as a --set value into a free-form mapping
+    start = time.monotonic()
+    assert cli(small_config(tmp_path), tmp_path / "out", "--set", f"{where}={_bomb()}") == 3
+    assert time.monotonic() - start < 30
+    one_line_error(capsys.readouterr().err, "aliases")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("text, words", [
+    ("x: " + "[" * 100_000 + "]" * 100_000 + "\n", ["nests deeper"]),
+    ("x: '" + "y" * (2 << 20) + "'\n", ["longer than the limit"]),
+], ids=["deep", "huge"])
+def test_deep_or_huge_configs_are_refused(tmp_path: Path, capsys, text: str, words: list[str]) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text(text)
+    assert cli(config, tmp_path / "out") == 3
+    one_line_error(capsys.readouterr().err, str(config), *words)
+
+
+def test_a_deep_override_key_is_refused(tmp_path: Path, capsys) -> None:
+    key = ".".join(["a"] * 50_000)
+    assert cli(small_config(tmp_path), tmp_path / "out", "--set", f"{key}=1") == 3
+    one_line_error(capsys.readouterr().err, "more than")
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ("{depth: 0}", ["depth", ">= 1"]),
+    ("{embed_dim: 1}", ["embed_dim", "AssertionError"]),
+    ("{num_heads: 0}", ["num_heads", "ZeroDivisionError"]),
+    ("{embed_dim: 300000, num_heads: 1}", ["parameters", "memory"]),
+    ("{depth: 1000000000}", ["parameters", "memory"]),
+    ("{checkpoint_path: /nonexistent.pth}", ["checkpoint_path", "checkpoint"]),
+])
+def test_bad_model_kwargs_are_config_errors(tmp_path: Path, capsys, kwargs: str, words: list[str]) -> None:
+    """Whatever a constructor raises for kwargs it cannot take, and kwargs whose model would not fit
+    in memory (counted on the meta device first), are config errors naming them (exit 3)."""
+    start = time.monotonic()
+    assert cli(small_config(tmp_path), tmp_path / "out", "--set", f"models.0.kwargs={kwargs}") == 3
+    assert time.monotonic() - start < 60
+    one_line_error(capsys.readouterr().err, *words)
+    assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------ fuzzing
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+
+def _yaml_tree(depth: int) -> st.SearchStrategy:
+    leaf = st.one_of(st.integers(-5, 5), st.sampled_from(["x", "1e-3", "null", "true"]))
+    return st.recursive(leaf, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                      st.dictionaries(st.sampled_from("abcd"), inner, max_size=3)),
+                        max_leaves=depth)
+
+
+@settings(max_examples=40, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tree=_yaml_tree(20), nest=st.integers(0, 200), aliases=st.integers(0, 12), width=st.integers(1, 12),
+       key=st.sampled_from(["models.0.kwargs", "attack.options", "federation", "defence", "report", "data"]))
+def test_fuzz_yaml_structure_gives_a_config_error_or_a_config(tree, nest: int, aliases: int, width: int,
+                                                              key: str) -> None:
+    """Any YAML tree, nested up to 200 deep, with up to 12 levels of aliases of width 12 (up to
+    12^12 values expanded): a config or a one-line ConfigError, fast, never another exception."""
+    from benchmark import config as C
+    from helpers import tiny_config
+
+    body = yaml.safe_dump(tree, default_flow_style=True).strip().removesuffix("...").strip()
+    body = "[" * nest + body + "]" * nest
+    if aliases:
+        body = "{" + _bomb(aliases, width)[1:-1] + f", v: {body}}}"
+    base = C.apply_overrides(C.conform(tiny_config()), [])
+    start = time.monotonic()
+    try:
+        C.validate(C.apply_overrides(base, [f"{key}={body}"]))
+    except C.ConfigError as err:
+        assert str(err).strip() and "\n" not in str(err).strip(), str(err)
+    assert time.monotonic() - start < 20
+
+
+_FORMATS = ["EPS", "PDF", "ICNS", "ICO", "IM", "PCX", "SGI", "TGA", "XBM", "DDS", "QOI", "SPIDER", "MSP"]
+
+
+@settings(max_examples=40, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(fmt=st.sampled_from(_FORMATS), suffix=st.sampled_from([".png", ".jpg", ".bmp", ".tiff", ".webp"]),
+       side=st.integers(1, 16), truncate=st.integers(0, 300))
+def test_fuzz_image_bytes_of_other_formats_are_corrupt(tmp_path_factory, fmt: str, suffix: str, side: int,
+                                                       truncate: int) -> None:
+    """An image in a format outside the allow-list (written by Pillow, whole or cut short), under a
+    name of an allowed one: skipped as corrupt, never decoded by that format's plug-in."""
+    from fedmjp.data import load_folder
+
+    folder = tmp_path_factory.mktemp("fmt")
+    if fmt == "EPS":
+        payload = _EPS
+    else:
+        buf = io.BytesIO()
+        img = Image.new("RGB" if fmt not in ("XBM", "MSP") else "1", (side * 2, side * 2), "white")
+        try:
+            img.save(buf, fmt)
+        except (OSError, ValueError, KeyError):
+            return  # Pillow cannot write this format here
+        payload = buf.getvalue()
+    if truncate and truncate < len(payload):
+        payload = payload[:truncate]
+    (folder / f"x{suffix}").write_bytes(payload)
+    Image.new("RGB", (8, 8), "red").save(folder / "y.png")
+    images = load_folder(folder, 32, on_corrupt="skip")
+    assert images.names == ["y.png"]
+    assert len(images.skipped) == 1 and "corrupt" in images.skipped[0][1]
+
+
+# ------------------------------------------------------------------ 3. mixed results after a code change
+def test_a_resume_by_changed_code_is_refused_naming_the_file_unless_forced(tmp_path: Path, capsys) -> None:
+    """provenance.json holds a fingerprint of every source file of the project; rows made by other
+    code (here: a stored record whose attacks/april.py differs, dirty flag equal) refuse the resume
+    and name the file; --force resumes and records what differed."""
+    import json
+
+    config, out = small_config(tmp_path), tmp_path / "out"
+    assert cli(config, out, "--dry-run") == 0
+    record = json.loads((out / "provenance.json").read_text())
+    assert record["code"]["files"]["attacks/april.py"] and len(record["code"]["fingerprint"]) == 64
+    assert not any(name.startswith("tests/") for name in record["code"]["files"])  # a test edit changes nothing
+    record["code"]["files"]["attacks/april.py"] = "0" * 16
+    record["code"]["fingerprint"] = "0" * 64
+    (out / "provenance.json").write_text(json.dumps(record))
+    capsys.readouterr()
+    assert cli(config, out, "--dry-run") == 6
+    one_line_error(capsys.readouterr().err, "code.files.attacks/april.py", "--force")
+    assert cli(config, out, "--dry-run", "--force") == 0
+    now = json.loads((out / "provenance.json").read_text())
+    assert now["code"]["fingerprint"] != "0" * 64
+    assert any("attacks/april.py" in d for d in now["resumes"][-1]["forced_differences"])
+    assert cli(config, out, "--dry-run") == 0  # the record now describes this code
+    assert len(json.loads((out / "provenance.json").read_text())["resumes"]) == 3
+
+
+# ------------------------------------------------------------------ 5. non-finite values where they arise
+def test_a_checkpoint_of_nans_is_refused_naming_the_key(tmp_path: Path, capsys) -> None:
+    """An all-NaN checkpoint is a checkpoint error (exit 5) naming a key, for the benchmark, and a
+    ValueError for evaluation (fedmjp.evaluate scored such a model 18.75 % top-1 before)."""
+    from fedmjp.factory import create_model
+    from fedmjp.trainutils import model_from_checkpoint
+    from helpers import tiny_config
+
+    row = dict(tiny_config()["models"][0])
+    model = create_model(row["arch"], **{"variant": row["variant"], **row["kwargs"]})
+    state = {k: torch.full_like(v, float("nan")) if v.is_floating_point() else v
+             for k, v in model.state_dict().items()}
+    bad = tmp_path / "nan.pth"
+    torch.save(state, bad)
+    row.pop("april", None)
+    assert cli(small_config(tmp_path, models=[dict(row, checkpoint=str(bad))]), tmp_path / "out") == 5
+    one_line_error(capsys.readouterr().err, str(bad), "NaN", "cls_token")
+    train_ckpt = tmp_path / "last.pth"
+    torch.save({"model": state, "model_name": row["arch"], "model_kwargs": {"variant": row["variant"],
+                                                                          **row["kwargs"]}}, train_ckpt)
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        model_from_checkpoint(train_ckpt)
