@@ -251,6 +251,7 @@ def test_script_exit_status(tmp_path: Path) -> None:
     assert "error: image folder" in proc.stderr
 
 
+@pytest.mark.slow
 def test_flower_simulation_engine_gives_the_same_rows(full_run: Path, tmp_path: Path) -> None:
     """One federation through Flower's Ray simulation: the same rows as the in-process engine."""
     out = tmp_path / "sim"
