@@ -25,7 +25,8 @@ from PIL import Image
 from pydantic import BaseModel
 
 from benchmark import config as C
-from benchmark.report import GridLayout, grid_columns, to_latex
+from benchmark.pictures import GridLayout, grid_columns
+from benchmark.tables import to_latex
 from benchmark.store import read_jsonl
 from fedmjp.config import keys
 
