@@ -241,7 +241,7 @@ def bench_closed(args: argparse.Namespace) -> None:
     from defences import quantize_update
 
     md = dict(mean=MEAN, std=STD)
-    for size in (32, 224):
+    for size in (int(s) for s in args.closed_sizes.split(",")):
         torch.manual_seed(0)
         model = (timm.create_model("mjp_vit_cifar_patch4_32", variant="plain", first_block="april", depth=4)
                  if size == 32 else timm.create_model("deit_small_patch16_224")).eval().double()
@@ -342,7 +342,7 @@ def bench_table(args: argparse.Namespace) -> None:
                 print(f"  {size:3d}  {name:16s} {case:24s} {dt:11.2f}  {psnr:7.1f}  {note}", flush=True)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", type=Path, default=Path(os.environ.get("FEDMJP_DATA", "")) / "imagenet-sample",
                    help="ImageNet-sample JPEGs (default: $FEDMJP_DATA/imagenet-sample)")
@@ -358,10 +358,11 @@ def main() -> None:
     p.add_argument("--mjp-images", type=int, default=4)
     p.add_argument("--mjp-refine", default="prior", help="mjp_adaptive's refine option")
     p.add_argument("--closed-images", type=int, default=2, help="images per size for --only closed")
+    p.add_argument("--closed-sizes", default="32,224", help="comma-separated image sizes for --only closed")
     p.add_argument("--table-images", type=int, default=2, help="images at 32 px for --only table (224 px: 1)")
     p.add_argument("--ig-224-steps", type=int, default=5, help="ig_closed_start steps at 224 px (--only table)")
     p.add_argument("--only", choices=("april", "ig", "mjp", "closed", "table"), default=None)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.only in (None, "april"):

@@ -65,7 +65,7 @@ def attention_sharpness(model: nn.Module, images: torch.Tensor) -> list[dict]:
     return stats
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", action="append", required=True, help="trained weights (repeatable)")
     p.add_argument("--data-path", required=True, help="CIFAR-10 ImageFolder or .tar.gz with val/")

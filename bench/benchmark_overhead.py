@@ -184,7 +184,7 @@ def flags_for(args: argparse.Namespace, num_images: int) -> list[str]:
     return flags
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default=str(ROOT / "configs" / "paper.yaml"))
     p.add_argument("--num-images", type=int, nargs="+", default=[9],
@@ -194,7 +194,7 @@ def main() -> int:
     p.add_argument("--set", dest="overrides", action="append", default=[])
     p.add_argument("--parts", action="store_true",
                    help="also time each part of the benchmark's work bare (victims, Acc. forward, attack, metrics)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if len(args.num_images) > 2 or any(n < 1 for n in args.num_images):
         p.error("--num-images takes one or two positive sizes")
     logging.basicConfig(level=logging.WARNING)
@@ -208,7 +208,7 @@ def main() -> int:
     load_before = os.getloadavg()
     # warm-up of the benchmark side: one update of the first model row (imports, LPIPS, images, kernels)
     first = cfgs[sizes[0]]
-    run_once(flags_for(args, sizes[0]) + ["--dry-run", "--models", first["models"][0]["name"]])
+    run_once(flags_for(args, sizes[0]) + ["--dry-run", "--models", first.models[0].name])
     work = {n: bare_work(cfgs[n]) for n in sizes}  # models, batches and one warm-up gradient per model
     bench: dict[int, list[float]] = {n: [] for n in sizes}
     bare: dict[int, list[float]] = {n: [] for n in sizes}
@@ -223,7 +223,7 @@ def main() -> int:
                     bare[n].append(seconds)
     load_after = os.getloadavg()
     med = {n: (statistics.median(bench[n]), statistics.median(bare[n])) for n in sizes}
-    print(f"\n{len(first['models'])} model rows, settings {''.join(first['settings'])}, "
+    print(f"\n{len(first.models)} model rows, settings {''.join(first.settings)}, "
           f"{torch.get_num_threads()} torch threads, {args.repeats} repeat(s), "
           f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after")
     for n in sizes:

@@ -122,7 +122,7 @@ def run(model: torch.nn.Module, x: torch.Tensor, dtype: torch.dtype, defences: d
         print(f"  {dname:16s}" + "".join(f"{c:>{width}s}" for c in row), flush=True)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", type=Path, default=Path(os.environ.get("FEDMJP_DATA", "")) / "imagenet-sample",
                    help="ImageNet-sample JPEGs (default: $FEDMJP_DATA/imagenet-sample)")
@@ -135,7 +135,7 @@ def main() -> None:
     p.add_argument("--sections", default="designA,float32,standard",
                    help="32 px sections to run: designA, float32, standard")
     p.add_argument("--threads", type=int, default=0)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     priors = tuple(args.priors.split(","))
     sections = set(args.sections.split(","))
     if args.threads:

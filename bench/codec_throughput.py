@@ -24,11 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout witho
 from fedmjp.allocator import tune_malloc  # noqa: E402
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", default="mjp_deit_small_patch16_224")
     p.add_argument("--repeats", type=int, default=7)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     tune_malloc()
     import torch
     from flwr.app import ArrayRecord

@@ -57,7 +57,7 @@ def summarize(name: str, wall: float, per_round: list[float]) -> dict:
             "startup_s": wall - len(per_round) * steady}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--rounds", type=int, default=4)
@@ -66,7 +66,7 @@ def main() -> None:
     p.add_argument("-c", "--run-config", action="append", default=[], help="run-config overrides (flwr -c syntax)")
     p.add_argument("--skip-inprocess", action="store_true")
     p.add_argument("--json", type=Path, default=None, help="also write the numbers here")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     for noisy in ("flwr", "server", "clients"):
         logging.getLogger(noisy).setLevel(logging.ERROR)

@@ -63,7 +63,7 @@ def timed(fn: Callable[[], object]) -> tuple[object, float]:
     return out, time.perf_counter() - t0
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=999)
     parser.add_argument("--unique", type=int, default=111, help="distinct source images")
@@ -80,7 +80,7 @@ def main() -> None:
     parser.add_argument("--backbone", type=Path, default=None,
                         help="AlexNet features file (default: metrics' route: env var, $FEDMJP_DATA/lpips, torch hub cache)")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
     from fedmjp.allocator import tune_malloc

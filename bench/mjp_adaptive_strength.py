@@ -133,7 +133,7 @@ def basin(model: torch.nn.Module, update: dict, xin: torch.Tensor, eps_list: lis
     return lines
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--images", type=Path, default=None, help="folder of images (default: scikit-image's)")
     p.add_argument("--num-images", type=int, default=4)
@@ -153,7 +153,7 @@ def main() -> None:
     p.add_argument("--basin", default=None, help="comma-separated noise scales: run the basin test instead")
     p.add_argument("--basin-iterations", type=int, default=400)
     p.add_argument("--basin-part", choices=("both", "a", "b"), default="both")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     images = load_images(args.images, args.first + args.num_images, 32)[args.first:]
     extra = {k: v for k, v in (("span_iterations", args.span_iterations), ("starts", args.starts)) if v is not None}
     makers = {"april": lambda: attacks.create_attack("april_analytic"),

@@ -48,7 +48,7 @@ def step_mjp(model, opt, x, y, dal_weight: float) -> float:
     return time.perf_counter() - t0
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="deit_tiny_patch16_224")
     parser.add_argument("--batch", type=int, default=32)
@@ -58,7 +58,7 @@ def main() -> None:
     parser.add_argument("--gamma", type=float, default=0.27)
     parser.add_argument("--per-sample", action="store_true", help="one mask per sample instead of per batch")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave default)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 

@@ -65,7 +65,7 @@ class PreAugmented(Dataset):
         return self.x[i], i % self.num_classes
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--img-size", type=int, default=32)
     p.add_argument("--patch-size", type=int, default=4)

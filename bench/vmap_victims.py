@@ -63,7 +63,7 @@ def set_fused(model: torch.nn.Module, fused: bool) -> None:
             m.fused_attn = fused
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", default="mjp_deit_small_patch16_224")
     p.add_argument("--variant", default="plain", choices=["plain", "nope", "mjp", "jp"])
@@ -72,7 +72,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--images", default="$FEDMJP_DATA/imagenet-sample",
                    help="an image folder (default: $FEDMJP_DATA/imagenet-sample; 'embedded' for the built-in set)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.clients < 1 or args.repeats < 1:
         p.error("--clients and --repeats must be positive")
 

@@ -7,7 +7,8 @@
 - :mod:`.rows`: ``ResultRow``, the schema of ``results.jsonl`` and its one row key.
 - :mod:`.store`: the output folder (rows appended as produced, stored images).
 - :mod:`.files`: atomic, link-refusing writes every file of an output folder goes through.
-- :mod:`.report`: tables and grids built only from the output folder.
+- :mod:`.aggregate`: per-row statistics (means, medians, bootstrap intervals, the strongest rows).
+- :mod:`.tables`, :mod:`.pictures`: tables, distributions and grids built only from the output folder.
 - :mod:`.cli`: the command line; :mod:`.errors`: exit statuses.
 """
 from .config import DEFAULTS, SETTINGS, apply_overrides, load_config, validate

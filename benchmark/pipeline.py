@@ -46,7 +46,8 @@ from .errors import (
     InputDataError,
     ModelCheckpointError,
 )
-from .report import Tables, write_distributions, write_grids, write_tables
+from .pictures import write_distributions, write_grids
+from .tables import Tables, write_tables
 from .rows import RowContext, RowKey, client_failure_rows
 from .store import RunFolder, slug
 

@@ -13,7 +13,7 @@ run folder itself holds:
   top-1 (``correct``), ``defence_cos`` (cosine of the sent update to the clean one), ``dp_epsilon``;
   with several attackers also a ``strongest`` row per (grid point, model, setting), the per-image
   best reconstruction over the attackers picked by PSNR against the ground truth
-  (:data:`benchmark.report.STRONGEST_NOTE`), with ``winners`` saying which attacker won how often;
+  (:data:`benchmark.aggregate.STRONGEST_NOTE`), with ``winners`` saying which attacker won how often;
 * ``sweep_<metric>.png`` (metric against the grid point, one curve per model and setting) and
   ``privacy_utility.png`` (PSNR and LPIPS of the ``strongest`` row against utility, one curve per
   model row and defence, so an MJP row swept over gamma is a curve beside the defences).
@@ -144,12 +144,12 @@ def sweep_table(rows: list[dict]) -> pd.DataFrame:
     PSNR capped at ``metrics.PSNR_CAP_DB`` before averaging, as in the benchmark's table."""
     import metrics as M
 
-    from .report import STRONGEST, rows_frame, winners, with_strongest
+    from .aggregate import STRONGEST, rows_frame, winners, with_strongest
 
     df = rows_frame(rows)  # metric columns numeric ("inf" strings of the store -> inf)
     if df.empty:
         return df
-    # with several attackers: the per-image best of them as attack "strongest" (report.STRONGEST_NOTE)
+    # with several attackers: the per-image best of them as attack "strongest" (aggregate.STRONGEST_NOTE)
     df = with_strongest(df, extra_keys=("sweep_index",) if "sweep_index" in df else ())
     for col in ("defence_cos", "dp_epsilon", "utility_top1", "utility_top1_start"):
         if col in df:
@@ -204,8 +204,8 @@ def write_sweep_plots(frame: pd.DataFrame, folder: Path, keys: list[str]) -> lis
 
 def strongest(frame: pd.DataFrame) -> pd.DataFrame:
     """Per (grid point, model, setting): the ``strongest`` row (per image, the best attacker;
-    :func:`benchmark.report.strongest_rows`) where several attackers ran, else the one attacker's row."""
-    from .report import STRONGEST
+    :func:`benchmark.aggregate.strongest_rows`) where several attackers ran, else the one attacker's row."""
+    from .aggregate import STRONGEST
 
     keys = ["sweep_index", "model", "setting"]
     has = frame.groupby(keys)["attack"].transform(lambda a: (a == STRONGEST).any())

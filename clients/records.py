@@ -17,7 +17,7 @@ the weights it gets and encodes its reply. Here:
 * :class:`LazyState` is a reply as the server keeps it: checked on read-only views of the message's
   bytes (no copy) and each array copied into a tensor only when something reads it. In the paper
   protocol the closed-form attack and the top-1 read-out read 3 of a DeiT-S gradient's 150 arrays
-  (~2 MB of 88 MB), so the server no longer copies every reply (15-19 ms each).
+  (~2 MB of 88 MB), so the server does not copy every reply (15-19 ms each).
 
 One copy is the floor for data that must end up in a fresh tensor (or a fresh bytes object).
 ``python bench/codec_throughput.py`` (DeiT-S state, 88 MB, 2 shared cores, load 3.7): encode 22.7

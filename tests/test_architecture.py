@@ -67,6 +67,7 @@ WRONG_ARROWS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("contract, path, line, arrow", WRONG_ARROWS, ids=[w[0] for w in WRONG_ARROWS])
 def test_a_wrong_arrow_breaks_its_contract(tmp_path: Path, contract: str, path: str, line: str, arrow: str) -> None:
     for package in PACKAGES:
@@ -89,12 +90,14 @@ def run_mypy(monkeypatch: pytest.MonkeyPatch, *args: str) -> tuple[int, str]:
     return status, stdout + stderr
 
 
+@pytest.mark.slow
 def test_typed_modules_pass_mypy(monkeypatch: pytest.MonkeyPatch) -> None:
     status, out = run_mypy(monkeypatch)
     assert status == 0, out
     assert "Success: no issues found" in out, out
 
 
+@pytest.mark.slow
 def test_mypy_reads_the_schema_types(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A misread schema field is an error: the check can fail, and it sees ``cfg.federation.rounds``
     as the schema's int (not Any)."""

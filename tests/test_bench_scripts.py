@@ -1,6 +1,6 @@
-"""The bench scripts' own computations on tiny inputs (the timings themselves are the scripts' job):
-the vmap route gives the clients' gradients, and the parts of the benchmark's work run on a tiny
-config and cover every update."""
+"""The bench scripts on tiny inputs (the timings themselves are the scripts' job): every script in
+bench/ runs its ``main()`` end to end on its smallest arguments, the vmap route gives the clients'
+gradients, and the parts of the benchmark's work run on a tiny config and cover every update."""
 from __future__ import annotations
 
 import importlib.util
@@ -15,6 +15,43 @@ from benchmark import config as C
 
 ROOT = Path(__file__).resolve().parents[1]
 
+#: Each bench script's smallest arguments. ``{imagenet}``, ``{cifar}``, ``{data}``, ``{lpips}`` name
+#: the team's data sets (the test skips where they are missing), ``{tmp}`` a fresh folder. A script
+#: in bench/ that is neither here nor in SKIPPED fails test_every_bench_is_listed.
+SMALLEST: dict[str, list[str]] = {
+    "attack_throughput": ["--data", "{imagenet}", "--april-images", "1", "--april-depth", "1", "--batch", "1",
+                          "--ig-iterations", "1", "--ig-depth", "1", "--ig-dim", "48", "--repeats", "1",
+                          "--mjp-images", "1", "--closed-images", "1", "--closed-sizes", "32"],
+    "attention_entropy": ["--checkpoint", str(ROOT / "checkpoints" / "cifar_deit.safetensors"),
+                          "--data-path", "{cifar}", "--images", "2", "--out", "{tmp}/rows.json"],
+    "benchmark_overhead": ["--config", str(ROOT / "configs" / "default.yaml"), "--num-images", "1",
+                           "--setting", "a", "--parts", "--set", "attacks=[{name: pe_closed_form}]",
+                           "--set", "models=[{name: DeiT, arch: mjp_vit_cifar_patch4_32, kwargs: {depth: 1}, "
+                           "variant: plain, april: surgery, checkpoint: null}]"],
+    "closed_forms": ["--data", "{imagenet}", "--images", "1", "--defences", "none", "--priors", "smooth",
+                     "--sections", "designA"],
+    "codec_throughput": ["--arch", "mjp_vit_cifar_patch4_32", "--repeats", "1"],
+    "fl_overhead": ["--clients", "1", "--rounds", "1", "--skip-inprocess", "--num-cpus", "1",
+                    "-c", "model-kwargs='{\"depth\": 1}'", "--json", "{tmp}/fl.json"],
+    "metrics_throughput": ["--data", "{data}", "--backbone", "{lpips}", "--pairs", "2", "--unique", "1",
+                           "--size", "32", "--threads", "1", "--lpips-batch", "2", "--repeats", "1",
+                           "--warmup", "1"],
+    "mjp_adaptive_strength": ["--num-images", "1", "--weights", "fresh", "--depth", "1", "--attacks", "april"],
+    "mjp_overhead": ["--batch", "1", "--repeats", "1", "--steps", "1", "--warmup", "0"],
+    "train_throughput": ["--embed-dim", "48", "--depth", "1", "--heads", "1", "--batch-size", "2", "--steps", "1",
+                         "--rounds", "1", "--no-aug", "--device", "cpu", "--amp", "none"],
+    "vmap_victims": ["--arch", "mjp_vit_cifar_patch4_32", "--clients", "2", "--repeats", "1",
+                     "--images", "embedded"],
+}
+#: Scripts whose main() the tests do not run, with the reason.
+SKIPPED: dict[str, str] = {}
+#: Scripts whose smallest run still takes more than a few seconds (marked slow).
+SLOW = {"attack_throughput", "benchmark_overhead", "fl_overhead"}
+#: The data sets behind the placeholders of SMALLEST.
+PLACEHOLDERS = {"{imagenet}": "imagenet-sample", "{cifar}": "cifar10.tar.gz",
+                "{lpips}": "lpips/alexnet_features.pth"}
+BENCHES = sorted(p.stem for p in (ROOT / "bench").glob("*.py"))
+
 
 def load_bench(name: str):
     spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
@@ -22,6 +59,31 @@ def load_bench(name: str):
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def test_every_bench_is_listed() -> None:
+    unlisted = [b for b in BENCHES if b not in SMALLEST and b not in SKIPPED]
+    assert not unlisted, f"add the smallest arguments of bench/{unlisted[0]}.py to SMALLEST (or a reason to SKIPPED)"
+    assert not (set(SMALLEST) | set(SKIPPED)) - set(BENCHES), "SMALLEST/SKIPPED name a script that is not in bench/"
+
+
+@pytest.mark.parametrize("name", [pytest.param(b, marks=[pytest.mark.slow] if b in SLOW else [])
+                                  for b in BENCHES if b not in SKIPPED])
+def test_bench_main_runs_on_its_smallest_arguments(name: str, team_data, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str],
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    argv = []
+    for arg in SMALLEST[name]:
+        for mark, dataset in PLACEHOLDERS.items():
+            if mark in arg:
+                arg = arg.replace(mark, str(team_data.path(dataset)))
+        if "{data}" in arg:
+            arg = arg.replace("{data}", str(team_data.path("imagenet-sample").parent))
+        argv.append(arg.replace("{tmp}", str(tmp_path)))
+    caplog.set_level("INFO")
+    code = load_bench(name).main(argv)
+    assert code in (None, 0)
+    assert capsys.readouterr().out or caplog.text, "the bench reported nothing"
 
 
 @pytest.mark.parametrize("variant,setting", [("plain", "a"), ("mjp", "b")])

@@ -25,7 +25,8 @@ from PIL import Image
 from pydantic import BaseModel
 
 from benchmark import config as C
-from benchmark.report import GridLayout, grid_columns, to_latex
+from benchmark.pictures import GridLayout, grid_columns
+from benchmark.tables import to_latex
 from benchmark.store import read_jsonl
 from fedmjp.config import keys
 
@@ -251,6 +252,7 @@ def test_script_exit_status(tmp_path: Path) -> None:
     assert "error: image folder" in proc.stderr
 
 
+@pytest.mark.slow
 def test_flower_simulation_engine_gives_the_same_rows(full_run: Path, tmp_path: Path) -> None:
     """One federation through Flower's Ray simulation: the same rows as the in-process engine."""
     out = tmp_path / "sim"

@@ -1,4 +1,4 @@
-"""The tables' bootstrap interval of the mean (benchmark.report.bootstrap_ci, scipy.stats.bootstrap):
+"""The tables' bootstrap interval of the mean (fedmjp.stats.bootstrap_ci, scipy.stats.bootstrap):
 seeded, finite values only, and a point interval where there is nothing to resample."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import warnings
 import numpy as np
 import pytest
 
-from benchmark.report import BOOTSTRAP_RESAMPLES, bootstrap_ci
+from fedmjp.stats import BOOTSTRAP_RESAMPLES, bootstrap_ci
 
 
 def test_the_interval_is_seeded_and_ignores_non_finite_values() -> None:

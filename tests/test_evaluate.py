@@ -166,7 +166,7 @@ def test_cli_writes_json_csv_and_png(trained, tmp_path):
 ])
 def test_cli_refuses_bad_input_in_one_line(trained, tmp_path, capsys, extra, named):
     """Each bad argument, checkpoint, data path, split, device or output dir: exit status 2, one line
-    on stderr naming it, no traceback and nothing written (the old CLI raised for all but one)."""
+    on stderr naming it, no traceback and nothing written."""
     data, ckpt = trained
     not_torch = tmp_path / "notes.pth"
     not_torch.write_text("not a checkpoint")

@@ -1,4 +1,4 @@
-"""fedmjp.paper_tables and fedmjp.corruptions: bootstrap intervals, the seeded corruption cache, the
+"""experiments.paper_tables and experiments.corruptions: bootstrap intervals, the seeded corruption cache, the
 command end to end (on generated images, and on the CIFAR-10 validation set where present), bad inputs."""
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from helpers import make_imagefolder
 
-from fedmjp.corruptions import cached_corruption, corrupt_images, image_seed, images_key
+from experiments.corruptions import cached_corruption, corrupt_images, image_seed, images_key
 from fedmjp.evaluate import build_eval_loader, evaluate_gammas
-from fedmjp.paper_tables import bootstrap_interval, interval, mean_stat
-from fedmjp.paper_tables import main as tables_main
+from experiments.paper_tables import bootstrap_interval, interval, mean_stat
+from experiments.paper_tables import main as tables_main
 from fedmjp.trainutils import model_from_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]

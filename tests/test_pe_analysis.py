@@ -1,4 +1,4 @@
-"""fedmjp.pe_analysis: the paper's position-embedding analyses (Fig. 1, Tables 6 and 8).
+"""experiments.pe_analysis: the paper's position-embedding analyses (Fig. 1, Tables 6 and 8).
 
 The read-outs are checked on embeddings whose answer is known: a 2-D sin-cos PE encodes the grid
 exactly (regression error ~0), random Gaussian vectors encode nothing (error at the chance level, the
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedmjp import pe_analysis as pa
+from experiments import pe_analysis as pa
 from fedmjp.factory import create_model
 from fedmjp.trainutils import save_checkpoint
 
@@ -130,7 +130,7 @@ def test_cli_end_to_end_on_the_shipped_checkpoints(tmp_path, capsys):
         assert heading in text
     for label in ("| DeiT |", "| DeiT+MJP |", "| fresh |", "| 2-D sin-cos |"):
         assert text.count(label) == 3, label  # models table, Table 6, Table 8
-    assert "2026-11-25" in text and "python -m fedmjp.pe_analysis --checkpoints" in text
+    assert "2026-11-25" in text and "python -m experiments.pe_analysis --checkpoints" in text
     # The table's numbers are the analysis of the file's PE.
     src, _ = pa.load_checkpoint_pe(SHIPPED[1])
     reg = pa.regression_mae(src.pe, src.grid)
@@ -189,7 +189,7 @@ def test_mixed_architectures_are_one_error_line(tmp_path, capsys):
 
 def test_error_exit_of_the_module_has_no_traceback(tmp_path):
     missing = tmp_path / "missing.safetensors"
-    proc = subprocess.run([sys.executable, "-m", "fedmjp.pe_analysis", "--checkpoints", str(missing),
+    proc = subprocess.run([sys.executable, "-m", "experiments.pe_analysis", "--checkpoints", str(missing),
                            "--out", str(tmp_path / "x.md")], capture_output=True, text=True, cwd=ROOT, check=False,
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
     assert proc.returncode == 2

@@ -18,7 +18,7 @@ from helpers import run as _run
 import attacks
 from attacks.base import Attack, register_attack
 from benchmark import scoring
-from benchmark.report import bootstrap_ci
+from fedmjp.stats import bootstrap_ci
 from benchmark.store import read_jsonl
 from fedmjp.data import load_images
 from fedmjp.factory import build_model, model_input
@@ -158,7 +158,7 @@ def test_unexpected_attack_error_is_recorded_and_fails_the_run(tmp_path: Path, c
     # the grid has one row per model and attacker, and the strongest row
     from PIL import Image
 
-    from benchmark.report import GridLayout, grid_columns
+    from benchmark.pictures import GridLayout, grid_columns
 
     assert Image.open(out / "grid_c.png").size == GridLayout(4, len(grid_columns("c")), 32).size
 

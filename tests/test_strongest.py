@@ -18,7 +18,8 @@ import pytest
 import yaml
 from helpers import register_condition_failure
 
-from benchmark.report import STRONGEST, bootstrap_ci, rows_frame, strongest_rows
+from benchmark.aggregate import STRONGEST, rows_frame, strongest_rows
+from fedmjp.stats import bootstrap_ci
 from benchmark.store import read_jsonl
 from benchmark.sweep import gather_rows, strongest, sweep_table
 from run_benchmark import main

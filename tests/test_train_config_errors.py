@@ -1,8 +1,8 @@
 """``python -m fedmjp.train`` with a bad value: one line ``error: ...`` naming the key (or file), exit
 status 2, no traceback, and nothing written (no output dir; an existing one's files untouched).
 
-Each case is a value the old command either crashed on with a traceback (after creating the output
-dir) or trained with silently. The command is called in-process (``fedmjp.train.main``)."""
+Each case is a value that, unchecked, crashes with a traceback (after creating the output dir) or
+trains silently. The command is called in-process (``fedmjp.train.main``)."""
 from __future__ import annotations
 
 import os

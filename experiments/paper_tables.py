@@ -1,13 +1,13 @@
 """The paper's Tables 1-3 and its common-corruption robustness (Table 2 / Table 10, ImageNet-C) at
 CIFAR scale, for a DeiT and a DeiT+MJP checkpoint side by side, with bootstrap intervals:
 
-    python -m fedmjp.paper_tables --checkpoints DEIT MJP --data-path DIR_OR_TAR --out docs/paper_tables.md
+    python -m experiments.paper_tables --checkpoints DEIT MJP --data-path DIR_OR_TAR --out docs/paper_tables.md
 
 Part 1 (Tables 1 and 3): top-1 on x and on the MJP-shuffled x~ at each ``--gammas`` value,
 Consistency and Diff. Norm (:func:`fedmjp.evaluate.evaluate_gammas`, one mask per image, seed
 ``--seed``), over the split (``--max-images`` for a fixed subset), and a sweep over
 ``--gamma-sweep``. Part 2 (common corruptions): top-1 on ``--corruption-images`` images of the split
-under the 15 ImageNet-C corruptions at severities 1-5 (:mod:`fedmjp.corruptions`; seeded per
+under the 15 ImageNet-C corruptions at severities 1-5 (:mod:`experiments.corruptions`; seeded per
 image, cached), the corruption error per corruption (error = 100 - top-1, averaged over the
 severities), mCE unnormalised (mean over corruptions and severities) and relative to the first
 checkpoint (per corruption, the summed error over severities divided by the baseline's, times 100,
@@ -33,7 +33,6 @@ import platform
 import shlex
 import sys
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,8 +42,15 @@ import torch
 from torch import nn
 from torchvision import datasets
 
-from . import datadir
-from .data import rgb_loader
+from fedmjp import datadir
+from fedmjp.data import rgb_loader
+from fedmjp.devices import resolve_device
+from fedmjp.evaluate import DEFAULT_SWEEP, build_eval_loader, cls_and_logits, evaluate_gammas
+from fedmjp.stats import bootstrap_interval, mean_stat
+from fedmjp.train_data import ArchiveError, build_transform, fixed_subset, resolve_data_path
+from fedmjp.trainconfig import config_from_dict
+from fedmjp.trainutils import model_from_checkpoint
+
 from .corruptions import (
     SEVERITIES,
     cached_corruption,
@@ -52,11 +58,6 @@ from .corruptions import (
     corruption_names,
     images_key,
 )
-from .devices import resolve_device
-from .evaluate import DEFAULT_SWEEP, build_eval_loader, cls_and_logits, evaluate_gammas
-from .train_data import ArchiveError, build_transform, fixed_subset, resolve_data_path
-from .trainconfig import config_from_dict
-from .trainutils import model_from_checkpoint
 
 _logger = logging.getLogger(__name__)
 
@@ -68,53 +69,8 @@ _LABELS = {"plain": "DeiT", "mjp": "DeiT+MJP"}
 #: parameters only some MJP variants have (E_unk, the DAL head, index embeddings).
 _VARIANT_PARAMS = ("unk_embed", "dal_head", "index_embed")
 
-Stat = Callable[[np.ndarray], np.ndarray]
-
-
 # ----------------------------------------------------------------------------------------------
-# bootstrap intervals over images
-
-def bootstrap_interval(stat: Stat, n: int, seed: int = 0, n_resamples: int = 9999, confidence: float = 0.95,
-                       method: str = "BCa") -> tuple[float, float, float]:
-    """(point estimate, low, high) of ``stat`` over ``n`` images with a bootstrap interval.
-
-    ``stat(idx)`` takes integer image indices of shape [..., m] (a resample along the last axis)
-    and returns the statistic for each leading index, shape [...]. Resampling indices (rather than
-    values) lets one statistic read several per-image arrays of the same images, which makes a
-    two-model comparison paired and allows ratios of sums (the relative corruption error).
-    scipy.stats.bootstrap does the resampling, the BCa jackknife and the interval.
-    """
-    from scipy import stats
-
-    point = float(stat(np.arange(n)))
-    if n < 2:
-        return point, math.nan, math.nan
-    with warnings.catch_warnings():
-        # all-equal resamples (e.g. Consistency 100 % on every image) give a degenerate interval
-        warnings.simplefilter("ignore", stats.DegenerateDataWarning)
-        warnings.simplefilter("ignore", RuntimeWarning)
-        res = stats.bootstrap((np.arange(n),), lambda idx, axis=-1: stat(np.moveaxis(idx, axis, -1)),
-                              vectorized=True, n_resamples=n_resamples, confidence_level=confidence,
-                              method=method, batch=max(1, min(n_resamples, 4_000_000 // max(n, 1) // 4)),
-                              rng=np.random.default_rng(seed))
-    low, high = float(res.confidence_interval.low), float(res.confidence_interval.high)
-    dist = np.asarray(res.bootstrap_distribution)
-    if np.ptp(dist) <= 1e-9 * max(1.0, abs(point)):
-        # every resample gives the point value up to float64 rounding (e.g. a ratio of equal sums):
-        # BCa's acceleration divides rounding noise by rounding noise, so the interval is the point
-        return point, point, point
-    if not (math.isfinite(low) and math.isfinite(high)):
-        # BCa is undefined where every resample gives the point value: the interval is that point
-        low, high = (point, point) if np.ptp(dist) == 0 else (float(np.percentile(dist, 2.5)),
-                                                               float(np.percentile(dist, 97.5)))
-    return point, low, high
-
-
-def mean_stat(values: np.ndarray, scale: float = 100.0) -> Stat:
-    """Mean of per-image values (times ``scale``) as a :func:`bootstrap_interval` statistic."""
-    values = np.asarray(values, dtype=np.float64)
-    return lambda idx: scale * values[idx].mean(axis=-1)
-
+# bootstrap intervals over images (fedmjp.stats)
 
 def interval(values: np.ndarray, scale: float = 100.0, **kw) -> dict:
     point, low, high = bootstrap_interval(mean_stat(values, scale), len(values), **kw)
@@ -446,7 +402,7 @@ def render(mjp: dict | None, corr: dict | None, loaded: Sequence[Loaded], meta: 
     base, comp = (x.label for x in loaded)
     L = [f"# MJP at CIFAR-10 scale: Tables 1-3 and common corruptions, {base} vs {comp}", "",
          ("The paper's (Masked Jigsaw Puzzle, CVPR 2023) accuracy/consistency tables and its ImageNet-C "
-         "robustness claim, measured on the CIFAR-10 checkpoints. Written by `fedmjp.paper_tables`; "
+         "robustness claim, measured on the CIFAR-10 checkpoints. Written by `experiments.paper_tables`; "
          "regenerate with the command below."), "",
          f"- Command: `{meta['command']}`",
          (f"- Date: {meta['date']}; machine: {meta['machine']}; torch {torch.__version__}, "
@@ -507,7 +463,7 @@ def render(mjp: dict | None, corr: dict | None, loaded: Sequence[Loaded], meta: 
               f"`--corruption-images`), the {len(corr['corruptions'])} ImageNet-C corruptions of the "
               f"`imagecorruptions` package at severities {', '.join(map(str, sev))}, each image seeded by "
               f"(seed {corr['seed']}, image index, corruption, severity) and cached as uint8 under "
-              "`$FEDMJP_CACHE/corruptions/` (`fedmjp.corruptions`). The package keeps ImageNet-C's parameters for "
+              "`$FEDMJP_CACHE/corruptions/` (`experiments.corruptions`). The package keeps ImageNet-C's parameters for "
               "224 px images; on 32 px images they are relatively much stronger (e.g. a defocus disk of "
               "radius up to 10 px, frost and snow textures at ImageNet scale), so these are ImageNet-C's "
               "corruptions applied to CIFAR-10, not CIFAR-10-C (whose parameters were re-tuned for 32 px)."), "",
@@ -594,7 +550,7 @@ def _positive(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m fedmjp.paper_tables", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.paper_tables", description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoints", nargs=2, required=True, metavar=("DEIT", "DEIT_MJP"),
                    help="the baseline (DeiT) and the compared (DeiT+MJP) checkpoint, .safetensors or last.pth")
     p.add_argument("--data-path", required=True, help="ImageFolder root or .tar.gz with the split "
@@ -663,7 +619,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> Path:
         plot_corruptions(corr, out.parent / figures["corruptions"])
         parts["corruptions"] = (time.time() - t0, time.process_time() - c0)
     shown = [_display_path(a) if a in (args.data_path, *args.checkpoints) else a for a in argv]
-    meta = {"command": "python -m fedmjp.paper_tables " + shlex.join(shown),
+    meta = {"command": "python -m experiments.paper_tables " + shlex.join(shown),
             "date": datetime.date.today().isoformat(), "machine": _machine(), "threads": torch.get_num_threads(),
             "wall_s": time.time() - t_wall, "cpu_s": time.process_time() - t_cpu, "n_resamples": args.n_resamples,
             "boot_seed": args.bootstrap_seed, "seed": args.seed, "batch_size": args.batch_size,

@@ -13,7 +13,7 @@ the same width (a PE that encodes the grid exactly, as the reference that makes 
 The vectors analysed are ``pos_embed[0, prefix:]``: the [CLS] entry is dropped, and E_unk (the MJP
 "unknown" embedding) is a separate parameter, ``unk_embed`` [1, 1, D], so it is not among them.
 
-    python -m fedmjp.pe_analysis --checkpoints checkpoints/cifar_deit.safetensors \\
+    python -m experiments.pe_analysis --checkpoints checkpoints/cifar_deit.safetensors \\
         checkpoints/cifar_deit_mjp.safetensors --out docs/pe_analysis.md
 
 writes ``docs/pe_analysis.md`` and the figure ``docs/pe_analysis.png`` (``--figure`` to move it).
@@ -68,7 +68,7 @@ class PESource:
 # ----------------------------------------------------------------------------------- inputs
 def grid_coords(grid: tuple[int, int]) -> np.ndarray:
     """[N, 2] (row, col) of each patch position in the row-major order of timm's patch tokens."""
-    from .dal import grid_targets
+    from fedmjp.dal import grid_targets
 
     return grid_targets(grid).numpy().astype(np.int64)
 
@@ -104,7 +104,7 @@ def patch_pe(model: nn.Module, where: str) -> tuple[np.ndarray, tuple[int, int]]
 def load_checkpoint_pe(path: str | Path) -> tuple[PESource, dict]:
     """The patch PE of a fedmjp checkpoint (shipped ``.safetensors`` or a training ``last.pth``) and
     the checkpoint's dict. Raises :class:`PEAnalysisError` with one line naming the file."""
-    from .trainutils import model_from_checkpoint
+    from fedmjp.trainutils import model_from_checkpoint
 
     path = Path(path)
     if not path.is_file():
@@ -127,7 +127,7 @@ def fresh_pe(model_name: str, model_kwargs: dict, seed: int) -> PESource:
     """The PE of the architecture freshly initialised as ``fedmjp.train`` does it: the torch RNG seeded
     with ``seed``, then :func:`fedmjp.factory.create_model` (timm's trunc-normal std 0.02 for the PE).
     The global RNG state is restored afterwards."""
-    from .factory import create_model
+    from fedmjp.factory import create_model
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -461,14 +461,14 @@ def run(checkpoints: Sequence[str | Path], out: str | Path, figure: str | Path |
     out = Path(out)
     figure = Path(figure) if figure is not None else out.with_suffix(".png")
     plot_projections(results, figure)
-    command = command or "python -m fedmjp.pe_analysis --checkpoints " + " ".join(map(str, checkpoints)) + f" --out {out}"
+    command = command or "python -m experiments.pe_analysis --checkpoints " + " ".join(map(str, checkpoints)) + f" --out {out}"
     write_report(results, out, figure, command, date or datetime.date.today().isoformat(),
                  machine or machine_description(), states, fresh_note)
     return out, figure
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fedmjp.pe_analysis", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.pe_analysis", description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoints", nargs="+", required=True,
                    help="fedmjp checkpoints (.safetensors weights or training last.pth) of one architecture")
     p.add_argument("--out", required=True, help="Markdown report to write, e.g. docs/pe_analysis.md")
@@ -478,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--date", default=None, help="date written on the report (default: today)")
     p.add_argument("--machine", default=None, help="machine written on the report (default: detected)")
     args = p.parse_args(argv)
-    command = "python -m fedmjp.pe_analysis " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    command = "python -m experiments.pe_analysis " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     try:
         out, figure = run(args.checkpoints, args.out, args.figure, args.seed, args.date, args.machine, command)
     except PEAnalysisError as err:
