@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from typing import Optional
 
 import torch
@@ -58,7 +59,7 @@ def head_names(model: nn.Module) -> tuple[Optional[str], Optional[str]]:
     return found.get("w"), found.get("b")
 
 
-def batch_labels(model: nn.Module, grads: dict, meta: AttackMetadata, seed: int = 0
+def batch_labels(model: nn.Module, grads: Mapping[str, torch.Tensor], meta: AttackMetadata, seed: int = 0
                  ) -> tuple[torch.Tensor, dict]:
     """The labels an attack at batch size n uses: given, else recovered counts; (labels [n], stats).
 
@@ -70,9 +71,10 @@ def batch_labels(model: nn.Module, grads: dict, meta: AttackMetadata, seed: int 
     wname, bname = head_names(model)
     if bname is None or bname not in grads:
         raise AttackFailure("labels are not given and the update has no classifier bias gradient to count them from")
-    head = model.get_classifier()
-    got = recover_label_counts(grads[bname], grads[wname] if wname in grads else None, head.weight, head.bias,
-                               meta.num_images, seed=seed)
+    head = getattr(model, "get_classifier")()
+    assert isinstance(head, nn.Linear)  # head_names found its bias
+    weight_grad = grads[wname] if wname is not None and wname in grads else None
+    got = recover_label_counts(grads[bname], weight_grad, head.weight, head.bias, meta.num_images, seed=seed)
     return got.labels, {"labels_source": "recovered", "label_method": got.method, "label_fit": got.residual,
                         "label_notes": got.notes}
 
@@ -116,20 +118,21 @@ class BatchMatch(Attack):
         params = dict(work.named_parameters())
         chosen = [params[nm] for nm in names]
         target = [grads[nm].to(self.device, torch.float64) for nm in names]
-        tnorm = sum(t.pow(2).sum() for t in target)
+        tnorm = torch.stack([t.pow(2).sum() for t in target]).sum()
         if not float(tnorm) > 0:
             raise AttackFailure("the update is zero on every parameter the forward pass uses")
 
         def data_term(x: torch.Tensor) -> torch.Tensor:
             loss = F.cross_entropy(work(x), y)
             g = torch.autograd.grad(loss, chosen, create_graph=True)
-            return sum((a - b).pow(2).sum() for a, b in zip(g, target)) / tnorm
+            return torch.stack([(a - b).pow(2).sum() for a, b in zip(g, target)]).sum() / tnorm
 
         gen = torch.Generator().manual_seed(self.seed)
         best_x, best_val, runs = None, float("inf"), []
         for trial in range(self.restarts):
             x = (torch.randn(n, *meta.image_size, generator=gen, dtype=torch.float64) * self.init_scale)
             x = x.to(self.device).requires_grad_(True)
+            start = float(data_term(x).detach())
             opt = torch.optim.LBFGS([x], lr=1, max_iter=self.iterations, history_size=50,
                                     line_search_fn="strong_wolfe", tolerance_grad=1e-20, tolerance_change=1e-30)
 
@@ -141,7 +144,7 @@ class BatchMatch(Attack):
 
             opt.step(closure)
             val = float(data_term(x.detach()).detach())
-            runs.append({"objective": val, "iterations": int(opt.state[opt._params[0]].get("n_iter", 0))})
+            runs.append({"objective_start": start, "objective": val, "iterations": int(opt.state[opt._params[0]].get("n_iter", 0))})
             if val < best_val:  # NaN never wins
                 best_x, best_val = x.detach().clone(), val
         if best_x is None:

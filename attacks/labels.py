@@ -69,7 +69,7 @@ def _bias_fallback(bias_grad: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def recover_label_counts(bias_grad: torch.Tensor, weight_grad: torch.Tensor | None, weight: torch.Tensor | None,
-                         bias: torch.Tensor | None, n: int, starts: int = 8, iterations: int = 200,
+                         bias: torch.Tensor | None, n: int, starts: int = 32, iterations: int = 200,
                          tol: float = 1e-6, seed: int = 0) -> LabelCounts:
     """Label counts of a batch of ``n`` images from the head's update (see the module docstring).
 
