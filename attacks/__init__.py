@@ -16,10 +16,12 @@ from .mjp_adaptive import MJPAdaptive, detect_shuffled, mjp_reduction
 from .jigsaw_solver import solve_jigsaw
 from .pe_closed_form import PEClosedForm, PESystem, pe_closed_form_system, pe_conditions
 from .april_robust import AprilRobust
+from .batch_match import BatchMatch
+from .labels import LabelCounts, recover_label_counts
 
 __all__ = [
     "BREACHING_ATTACKS", "AprilAnalytic", "AprilConditionError", "AprilOptimization", "Attack", "AttackFailure",
-    "AttackMetadata", "AttackResult", "BreachingAttack", "GradientMatching", "InvertingGradientsBatched", "MJPAdaptive",
+    "AttackMetadata", "AttackResult", "BatchMatch", "BreachingAttack", "LabelCounts", "GradientMatching", "InvertingGradientsBatched", "MJPAdaptive",
     "attack_names", "check_conditions", "compute_per_sample_updates", "compute_update", "create_attack", "detect_shuffled",
-    "load_attack_config", "mjp_reduction", "recover_labels", "register_attack", "solve_jigsaw", "update_to_gradients",
+    "load_attack_config", "mjp_reduction", "recover_label_counts", "recover_labels", "register_attack", "solve_jigsaw", "update_to_gradients",
 ]

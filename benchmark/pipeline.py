@@ -413,7 +413,9 @@ def row_context(cfg: BenchmarkConfig, row: ModelRow, group: str, run_config: dic
     return RowContext(model=row.name, label=row.label, trained=row.trained, arch=row.spec["arch"],
                       variant=row.spec["variant"], april=row.spec["april"], group=group, seed=cfg.seed,
                       defence=validate_defence(json.loads(run_config["defence"])),
-                      image_index={name: i for i, name in enumerate(image_names)})
+                      image_index={name: i for i, name in enumerate(image_names)},
+                      federation={"batch_size": cfg.federation.batch_size, "local_steps": cfg.federation.local_steps,
+                                  "labels": "known" if cfg.attack.labels == "known" else "recovered"})
 
 
 def round_keys(model: str, attackers: list[Attacker], settings: list[str], rnd: int, part: int,

@@ -247,6 +247,7 @@ class RowContext:
     Attributes:
         defence: the clients' defence spec (typed, as the run config sends it; ``label`` for tables).
         image_index: image id -> position in the attack set (the batch's own index where missing).
+        federation: the batch size, local steps and label threat model of the rows (``extra`` columns).
     """
 
     model: str
@@ -259,6 +260,9 @@ class RowContext:
     seed: int
     defence: DefenceSpec
     image_index: Mapping[str, int] = field(default_factory=dict)
+    #: columns every row of the federation carries after ``failed``: ``batch_size``, ``local_steps``
+    #: and ``labels`` (the threat model: ``known`` or ``recovered``)
+    federation: Mapping[str, Any] = field(default_factory=dict)
 
     def defence_columns(self, metrics: Mapping[str, Any]) -> dict[str, Any]:
         """The defence fields of a row: the defence's name and label, and what the client reported

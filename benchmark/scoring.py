@@ -117,6 +117,34 @@ def pair_reconstructions(reconstruction: torch.Tensor, reference: torch.Tensor,
     return [int(c) for c in cols[rows.argsort()]]
 
 
+def label_accuracy(true: torch.Tensor, used: torch.Tensor | None) -> float:
+    """Fraction of a batch's labels [n] that the attack's label multiset [n] holds (order-free: a
+    summed update has no order); NaN where the attack reports no labels."""
+    if used is None or used.numel() != true.numel():
+        return float("nan")
+    t = torch.bincount(true.long().cpu(), minlength=1)
+    u = torch.bincount(used.long().cpu(), minlength=1)
+    k = max(t.numel(), u.numel())
+    t, u = _pad_counts(t, k), _pad_counts(u, k)
+    return float(torch.minimum(t, u).sum()) / max(true.numel(), 1)
+
+
+def _pad_counts(counts: torch.Tensor, k: int) -> torch.Tensor:
+    return torch.cat([counts, counts.new_zeros(k - counts.numel())])
+
+
+def batch_columns(ctx: RowContext, batch: Any, result: Any) -> dict[str, Any]:
+    """The batch columns of a row: the federation's ``batch_size``, ``local_steps`` and ``labels``
+    (threat model), how reconstructions were paired with images (``assignment``:
+    ``linear_sum_assignment`` on per-pair pixel MSE for a batch, ``single`` at batch 1) and the
+    ``label_accuracy`` of the labels the attack used (1 where they were given)."""
+    n = len(batch.image_ids)
+    out = dict(ctx.federation)
+    out["assignment"] = "linear_sum_assignment" if n > 1 else "single"
+    out["label_accuracy"] = label_accuracy(batch.labels, getattr(result, "labels", None))
+    return out
+
+
 @torch.no_grad()
 def top1(model: nn.Module, batch: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-1 correctness of ``model`` on the batch's model input (x, or x~ with E_unk at the
@@ -330,7 +358,8 @@ def score_round(ctx: RowContext, attacker: tuple[str, str], setting: str, update
                 scores=row_scores, failed=bool(attack_failed or metric_row["failed"]), reason=reason,
                 error=attack_failed and result.error is not None,
                 attack_stats={k: v for k, v in stats.items() if k not in ("failed", "reason")},
-                time_attack_s=t_attack, time_score_s=t_score, image_stored=image_id in grid_ids, **defence)
+                time_attack_s=t_attack, time_score_s=t_score, image_stored=image_id in grid_ids, **defence,
+                extra=batch_columns(ctx, batch, result))
             out.append(ScoredImage(row, recons[j][b]))
         start += len(batch.image_ids)
     return out

@@ -94,6 +94,10 @@ def run_sweep(cfg: BenchmarkConfig, output: str, federate: Callable[..., Any] | 
     write_text(csv, frame.to_csv(index=False))
     keys = list(dict.fromkeys(k for p in points for k in p))
     plots = write_sweep_plots(frame, top.folder, keys if isinstance(cfg.sweep, dict) else keys + ["(points)"])
+    from .batch_plot import batch_plot
+
+    by_batch = batch_plot(frame, top.folder / "batch_size.png")  # None unless the sweep varies B
+    plots += [by_batch] if by_batch is not None else []
     return {"folder": str(top.folder), "points": [str(f) for f in folders], "csv": str(csv),
             "plots": [str(p) for p in plots], "rows": len(rows)}
 

@@ -1,0 +1,74 @@
+"""Label counts at batch size B from the head's update: how often ``recover_label_counts`` is exact.
+
+    FEDMJP_DATA=... python bench/batch_labels.py --batch-sizes 2,4,8 --updates 20
+
+Random batches (classes may repeat) of the first ``--pool`` CIFAR-10 validation images, the shipped
+CIFAR checkpoints (design A), float64 updates; per B: exact counts of the fit and of the bias's
+sign rule (the B most negative entries, one image each), and the methods the recovery took."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+import timm
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import attacks  # noqa: E402
+import fedmjp  # noqa: E402,F401  (registers the models)
+from attacks.labels import recover_label_counts  # noqa: E402
+from fedmjp.checkpoint import load_checkpoint  # noqa: E402
+from fedmjp.data import load_images  # noqa: E402
+
+_logger = logging.getLogger("batch_labels")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", default="$FEDMJP_DATA/cifar10.tar.gz")
+    p.add_argument("--batch-sizes", default="2,4,8")
+    p.add_argument("--updates", type=int, default=20)
+    p.add_argument("--pool", type=int, default=200)
+    p.add_argument("--starts", type=int, default=32)
+    p.add_argument("--iterations", type=int, default=200)
+    p.add_argument("--models", default="cifar_deit:plain,cifar_deit_mjp:mjp")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    torch.set_num_threads(1)
+    ims = load_images(args.data, 32, args.pool, 10)
+    for entry in args.models.split(","):
+        ck, variant = entry.split(":")
+        torch.manual_seed(0)
+        model = timm.create_model("mjp_vit_cifar_patch4_32", variant=variant, first_block="april", depth=4)
+        load_checkpoint(model, ROOT / "checkpoints" / f"{ck}.safetensors")
+        model = model.eval().double()
+        mean = torch.tensor(model.default_cfg["mean"]).double()[:, None, None]
+        std = torch.tensor(model.default_cfg["std"]).double()[:, None, None]
+        gen = torch.Generator().manual_seed(0)
+        for B in [int(b) for b in args.batch_sizes.split(",")]:
+            exact = exact_bias = 0
+            methods: dict[str, int] = {}
+            t0 = time.perf_counter()
+            for _ in range(args.updates):
+                idx = torch.randperm(len(ims), generator=gen)[:B]
+                y = ims.labels[idx]
+                upd = attacks.compute_update(model, (ims.images[idx].double() - mean) / std, y)
+                got = recover_label_counts(upd["head.bias"], upd["head.weight"], model.head.weight, model.head.bias,
+                                           B, starts=args.starts, iterations=args.iterations)
+                true = torch.bincount(y, minlength=10)
+                exact += bool((got.counts == true).all())
+                methods[got.method] = methods.get(got.method, 0) + 1
+                rule = torch.zeros(10, dtype=torch.long)
+                rule[upd["head.bias"].argsort()[:B]] = 1
+                exact_bias += bool((rule == true).all())
+            _logger.info("%s B=%d: counts exact %d/%d (bias rule %d/%d), methods %s, %.1f s", ck, B, exact,
+                         args.updates, exact_bias, args.updates, methods, time.perf_counter() - t0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""``batch_size.png``: the strongest attacker's PSNR and LPIPS against the clients' batch size B.
+
+Written by a sweep over ``federation.batch_size`` (``--sweep federation.batch_size=1,2,4,8``): one
+curve per model row and defence, per setting, from ``sweep.csv``'s ``strongest`` rows (per image
+the best attacker after each update's reconstructions were paired with its images by
+``linear_sum_assignment``, as :func:`benchmark.sweep.strongest` picks them)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from .files import save_figure
+
+BATCH_KEY = "federation.batch_size"
+
+
+def batch_plot(frame: pd.DataFrame, path: Path) -> Path | None:
+    """Plot PSNR (left) and LPIPS (right) of the strongest row against B; None where the sweep
+    does not vary ``federation.batch_size`` or no row was scored.
+
+    Args:
+        frame: :func:`benchmark.sweep.sweep_table`'s frame (one row per grid point, model,
+            setting, attack; a ``sweep.federation.batch_size`` column).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .report import STRONGEST
+
+    col = f"sweep.{BATCH_KEY}"
+    if frame.empty or col not in frame:
+        return None
+    # the strongest row where several attackers ran, else the one attacker's (as sweep.strongest)
+    keys = ["sweep_index", "model", "setting"]
+    has = frame.groupby(keys)["attack"].transform(lambda a: (a == STRONGEST).any())
+    best = frame[(frame["attack"] == STRONGEST) | ~has]
+    metrics = [m for m in ("psnr", "lpips") if m in best and best[m].notna().any()]
+    if not metrics:
+        return None
+    fig, axes = plt.subplots(1, len(metrics), figsize=(5.0 * len(metrics), 3.8), squeeze=False)
+    for ax, metric in zip(axes[0], metrics):
+        for (model, defence, setting), g in best.groupby(["model", "defence", "setting"]):
+            g = g.sort_values(col)
+            ax.plot(pd.to_numeric(g[col]), g[metric], marker="o", label=f"{model}, {defence} ({setting})")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size B per client update")
+        ax.set_ylabel(f"{metric} of the strongest attacker")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    save_figure(fig, path, dpi=120)
+    plt.close(fig)
+    return path
