@@ -28,7 +28,7 @@ from fedmjp.data import load_images  # noqa: E402
 _logger = logging.getLogger("batch_labels")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default="$FEDMJP_DATA/cifar10.tar.gz")
     p.add_argument("--batch-sizes", default="2,4,8")
@@ -37,7 +37,7 @@ def main() -> None:
     p.add_argument("--starts", type=int, default=32)
     p.add_argument("--iterations", type=int, default=200)
     p.add_argument("--models", default="cifar_deit:plain,cifar_deit_mjp:mjp")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(1)
     ims = load_images(args.data, 32, args.pool, 10)

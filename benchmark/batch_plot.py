@@ -28,7 +28,7 @@ def batch_plot(frame: pd.DataFrame, path: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .report import STRONGEST
+    from .aggregate import STRONGEST
 
     col = f"sweep.{BATCH_KEY}"
     if frame.empty or col not in frame:
