@@ -15,13 +15,15 @@ part, so a run stopped by a timeout still leaves the parts it finished):
   the fit at 224 px) on an MJP-shuffled update; CPU reference at 32 px.
 - ``ig_closed_start``: seconds per step and to convergence on one 224 px image (8-bit quantised, its
   start ``pe_closed_form``), ``device=`` the device; CPU reference: 10 steps at 32 px.
-- ``metrics``: LPIPS and SSIM pairs per second, device against CPU values on the same pairs.
+- ``metrics``: LPIPS and SSIM pairs per second, device against CPU values on the same pairs (LPIPS
+  on a seeded random AlexNet trunk where no trained weights are found, recorded as such).
 - ``train_deit_s``, ``train_cifar``: central training images/s (configs/train/deit_s_mjp.yaml at
   224 px with bf16 autocast, configs/train/cifar_deit_mjp.yaml as the recipe sets it); the float32
   loss of one batch on the device against the CPU.
 - ``preset_default``, ``preset_cifar``: ``run_benchmark.py --device DEV`` end to end (the CIFAR
   preset on its two shipped checkpoints, ``ig_closed_start`` capped); the same run on the CPU, its
-  per-row PSNR compared.
+  per-row PSNR compared. ``--quick``: two rows, two images on two clients, every attacker at its
+  cheapest options, the CIFAR preset on the bundled images where the archive is missing.
 - ``projection``: the paper preset (configs/paper.yaml: 999 images, settings a/b/c) per attacker on
   one device from the measured per-image figures, and the plan for several GPUs.
 
@@ -144,7 +146,9 @@ def test_images(ctx: Context, n: int, size: int) -> torch.Tensor:
 
 
 def vit(ctx: Context, size: int, variant: str, dtype: torch.dtype) -> torch.nn.Module:
-    """A seeded design-A ViT on the CPU: DeiT-S/16 at 224 px, the presets' CIFAR model (depth 2) at 32."""
+    """A seeded design-A ViT on the CPU: DeiT-S/16 at 224 px, the presets' CIFAR model (depth 2) at 32.
+    Depth 2 is the least at which the closed forms are exact: with block 0 the last block, only its
+    class token reaches the head, and the patch tokens' gradients do not determine the image."""
     import timm
 
     torch.manual_seed(0)
@@ -300,8 +304,8 @@ def part_closed_forms(ctx: Context) -> dict:
 
 def part_april_robust(ctx: Context, seconds: float) -> dict:
     # at 224 px one alternation is ~10^2 CG steps over 150k unknowns (docs/attacks.md): 4 alternations
-    opts224 = dict(iterations=4, cg_tol=1e-8, cg_maxiter=200) if ctx.size == 224 else dict(iterations=2, cg_maxiter=50)
-    small = dict(iterations=2, cg_maxiter=50) if ctx.quick else {}
+    small = dict(iterations=1, cg_maxiter=20) if ctx.quick else {}
+    opts224 = dict(iterations=4, cg_tol=1e-8, cg_maxiter=200) if ctx.size == 224 else small
     ref = compare_attack(ctx, make_case(ctx, 32, "plain", torch.float64, quantize=8), "april_robust", small,
                          exact=False)
     case = make_case(ctx, ctx.size, "plain", torch.float64, quantize=8)
@@ -315,16 +319,19 @@ def part_april_robust(ctx: Context, seconds: float) -> dict:
 
 def part_mjp_adaptive(ctx: Context, seconds: float) -> dict:
     # reuse=False: the CPU run must not take the device run's cached estimate of the same update
-    small = dict(refine="span", span_iterations=3 if ctx.quick else 20, starts=2, probe_iterations=2 if ctx.quick else 5,
-                 reuse=False)
+    # --quick: no TV refinement of the prior's start (300 L-BFGS steps, most of a 32 px call's time);
+    # the span fit, its probe of two starts and the jigsaw still run
+    cheap = dict(tv_prior=False) if ctx.quick else {}
+    small = dict(refine="span", span_iterations=2 if ctx.quick else 20, starts=2, probe_iterations=1 if ctx.quick else 5,
+                 reuse=False, **cheap)
     ref = compare_attack(ctx, make_case(ctx, 32, "mjp", torch.float64), "mjp_adaptive", small, exact=False)
-    opts = (dict(refine="span", span_iterations=5, starts=2, probe_iterations=2) if ctx.quick
+    opts = (dict(refine="span", span_iterations=2, starts=2, probe_iterations=1, **cheap) if ctx.quick
             else dict(refine="span", span_iterations=150, starts=2, probe_iterations=10))
     # the prior's estimate alone, for the span fit's share of the time
     case = make_case(ctx, ctx.size, "mjp", torch.float64)
     attacks.mjp_adaptive.ESTIMATES.clear()  # its full cost, no reused estimate
     res, dt = run_attack(ctx, "mjp_adaptive", {**opts, "reuse": False}, case.model_dev, case.update_dev, case.meta)
-    prior, dt_prior = run_attack(ctx, "mjp_adaptive", dict(refine="prior", reuse=False), case.model_dev,
+    prior, dt_prior = run_attack(ctx, "mjp_adaptive", dict(refine="prior", reuse=False, **cheap), case.model_dev,
                                  case.update_dev, case.meta)
     st = res.stats[0]
     return dict(reference_32px=ref, size=ctx.size, options=opts, s_per_image=round(dt, 3),
@@ -342,18 +349,19 @@ def part_ig_closed_start(ctx: Context, seconds: float) -> dict:
     base = dict(restarts=1, start_attacks=["pe_closed_form"])
     small = make_case(ctx, 32, "plain", torch.float64, quantize=8)
     small.model_dev, small.model_cpu = small.model_dev.float(), small.model_cpu.float()
-    ref = compare_attack(ctx, small, "ig_closed_start", {**base, "iterations": 10, "device": "cpu"}, exact=False,
+    ref = compare_attack(ctx, small, "ig_closed_start", {**base, "iterations": 3 if ctx.quick else 10, "device": "cpu"},
+                         exact=False,
                          dev_options={"device": dev})
     case = make_case(ctx, ctx.size, "plain", torch.float64, quantize=8)
     case.model_dev = case.model_dev.float()  # the attacker's forward is float32 (attack_copy)
     _, t_start = run_attack(ctx, "pe_closed_form", {}, case.model_dev, case.update_dev, case.meta)
-    probe_steps = 3 if ctx.quick else 20
+    probe_steps = 2 if ctx.quick else 20
     res, dt = run_attack(ctx, "ig_closed_start", {**base, "iterations": probe_steps, "device": dev,
                                                   "converge_window": probe_steps}, case.model_dev,
                          case.update_dev, case.meta)
     per_step = max(dt - t_start, 0.0) / max(int(res.stats[0].get("iterations", probe_steps)), 1)
     left = seconds - (time.perf_counter() - t_part)
-    cap = 10 if ctx.quick else int(min(2000, max(50, 0.8 * left / max(per_step, 1e-6))))
+    cap = 3 if ctx.quick else int(min(2000, max(50, 0.8 * left / max(per_step, 1e-6))))
     res, dt = run_attack(ctx, "ig_closed_start", {**base, "iterations": cap, "device": dev}, case.model_dev,
                          case.update_dev, case.meta)
     trial = res.stats[0].get("trials", [{}])[0]
@@ -362,6 +370,21 @@ def part_ig_closed_start(ctx: Context, seconds: float) -> dict:
                 converged=bool(trial.get("converged")), s_to_stop=round(dt, 2), s_start=round(t_start, 3),
                 projected_s_2000_steps=round(t_start + 2000 * per_step, 1), psnr=round(psnr(estimate(res), case.truth), 2),
                 computes_on=dev, checks={"ig_closed_start 32 px: device = CPU": ref["agrees"]})
+
+
+def _random_alexnet_features(path: Path) -> Path:
+    """A seed-0 torchvision AlexNet's ``features.*`` weights written to ``path`` (an LPIPS trunk)."""
+    import warnings
+
+    import torchvision
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            net = torchvision.models.alexnet(weights=None)
+    torch.save({k: v for k, v in net.state_dict().items() if k.startswith("features.")}, path)
+    return path
 
 
 def part_metrics(ctx: Context, seconds: float) -> dict:
@@ -384,12 +407,15 @@ def part_metrics(ctx: Context, seconds: float) -> dict:
     out["ssim_device_vs_cpu"] = float(f"{diff:.3g}")
     checks["ssim: device = CPU"] = diff <= 1e-6  # float64 on both
     try:
-        model_dev = metrics.get_lpips_model(ctx.device)
-        model_cpu = metrics.get_lpips_model("cpu")
-    except (metrics.LpipsUnavailable, OSError, RuntimeError) as err:
-        out["lpips"] = f"unavailable: {err}"
-        checks["lpips weights found"] = False
-        return {**out, "checks": checks}
+        model_dev = metrics.get_lpips_model(ctx.device, allow_download=False)
+        model_cpu = metrics.get_lpips_model("cpu", allow_download=False)
+        out["lpips_weights"] = metrics.lpips_source(model_dev)
+    except metrics.LpipsUnavailable:
+        # no trained trunk here: device against CPU holds for any trunk, so compare on a seeded one
+        trunk = _random_alexnet_features(ctx.out / "alexnet_features_seed0.pth")
+        model_dev = metrics.get_lpips_model(ctx.device, backbone_path=trunk)
+        model_cpu = metrics.get_lpips_model("cpu", backbone_path=trunk)
+        out["lpips_weights"] = "seeded random AlexNet trunk (no trained weights found)"
     metrics.lpips(ad[:2], bd[:2], model=model_dev)
     ctx.sync()
     t0 = time.perf_counter()
@@ -485,7 +511,7 @@ def _preset(ctx: Context, seconds: float, name: str, args: list[str]) -> dict:
     for sub in ("device", "cpu"):
         shutil.rmtree(out / sub, ignore_errors=True)
     t_dev, dev_rows = _benchmark_run(ctx, str(ctx.device), args, out / "device", seconds)
-    res: dict[str, Any] = dict(args=" ".join(args), s_device=round(t_dev, 1), rows=len(dev_rows))
+    res: dict[str, Any] = dict(s_device=round(t_dev, 1), rows=len(dev_rows), args=" ".join(args))
     if not ctx.cuda:
         res["cpu_reference"] = "the device is the CPU"
         return {**res, "checks": {"rows scored": bool(dev_rows)}}
@@ -497,20 +523,33 @@ def _preset(ctx: Context, seconds: float, name: str, args: list[str]) -> dict:
                               "PSNR: device = CPU (0.05 dB)": worst <= 0.05}}
 
 
+#: --quick attackers of both presets: every attacker's code path at its cheapest options
+QUICK_ATTACKS = ("{name: april_analytic}, {name: pe_closed_form}, "
+                 "{name: mjp_adaptive, options: {refine: prior, tv_prior: false}}")
+
+
 def part_preset_default(ctx: Context, seconds: float) -> dict:
-    args = ["--setting", "all"] + (["--num-images", "4", "--rounds", "1"] if ctx.quick else [])
+    args = ["--setting", "all"]
+    if ctx.quick:  # two rows (plain, MJP), two images on two clients, one round
+        args += ["--num-images", "2", "--clients", "2", "--rounds", "1", "--models", "DeiT", "DeiT+MJP",
+                 "--set", f"attacks=[{QUICK_ATTACKS}]"]
     return _preset(ctx, seconds, "default", args)
 
 
 def part_preset_cifar(ctx: Context, seconds: float) -> dict:
-    if ctx.data is None or not (ctx.data / "cifar10.tar.gz").is_file():
-        raise PartSkipped("the CIFAR preset reads $FEDMJP_DATA/cifar10.tar.gz; FEDMJP_DATA does not provide it")
-    ig = f"{{name: ig_closed_start, options: {{iterations: {10 if ctx.quick else 200}, restarts: 1}}}}"
-    fast = "{name: mjp_adaptive, options: {refine: prior}}" if ctx.quick else "{name: mjp_adaptive}"
-    attack_list = f"attacks=[{{name: april_analytic}}, {{name: pe_closed_form}}, {{name: april_robust}}, {fast}, {ig}]"
     args = ["--config", "configs/cifar.yaml", "--models", "DeiT", "DeiT+MJP", "--setting", "all",
-            "--num-images", "2" if ctx.quick else "4", "--rounds", "1", "--set", attack_list]
-    return _preset(ctx, seconds, "cifar", args)
+            "--num-images", "2" if ctx.quick else "4", "--clients", "2" if ctx.quick else "4", "--rounds", "1"]
+    if ctx.data is None or not (ctx.data / "cifar10.tar.gz").is_file():
+        if not ctx.quick:
+            raise PartSkipped("the CIFAR preset reads $FEDMJP_DATA/cifar10.tar.gz; FEDMJP_DATA does not provide it")
+        args += ["--set", "data.source=embedded"]  # --quick: the shipped checkpoints on the bundled images
+    if ctx.quick:
+        attack_list = (f"attacks=[{QUICK_ATTACKS}, {{name: april_robust, options: {{iterations: 1, cg_maxiter: 20}}}}, "
+                       "{name: ig_closed_start, options: {iterations: 3, restarts: 1, start_attacks: [pe_closed_form]}}]")
+    else:
+        attack_list = ("attacks=[{name: april_analytic}, {name: pe_closed_form}, {name: april_robust}, "
+                       "{name: mjp_adaptive}, {name: ig_closed_start, options: {iterations: 200, restarts: 1}}]")
+    return _preset(ctx, seconds, "cifar", args + ["--set", attack_list])
 
 
 def part_projection(ctx: Context) -> dict:
