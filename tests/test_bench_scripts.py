@@ -46,7 +46,7 @@ SMALLEST: dict[str, list[str]] = {
                      "--images", "embedded"],
 }
 #: Scripts whose main() the tests do not run, with the reason.
-SKIPPED: dict[str, str] = {}
+SKIPPED: dict[str, str] = {"gpu_check": "tests/test_gpu_check.py runs its main() with --device cpu --quick"}
 #: Scripts whose smallest run still takes more than a few seconds (marked slow).
 SLOW = {"attack_throughput", "benchmark_overhead", "fl_overhead"}
 #: The data sets behind the placeholders of SMALLEST.
