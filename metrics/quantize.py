@@ -1,7 +1,7 @@
 """8-bit quantisation as saving to PNG does, so that any metric can be computed on 8-bit images.
 
 The official MJP evaluation scripts read reconstructions back from saved PNGs (``transforms.ToTensor``
-on ``Image.open(...)``), and those PNGs come from ``torchvision.utils.save_image``, which computes
+on Pillow's decoded image), and those PNGs come from ``torchvision.utils.save_image``, which computes
 ``x * 255 + 0.5``, clamps to [0, 255] and converts to uint8 (truncation, i.e. round half up for
 values in range). :func:`quantize_8bit` reproduces that save-and-reload round trip in memory.
 """
