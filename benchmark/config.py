@@ -156,8 +156,15 @@ class Metrics(Schema):
 
 
 class Report(Schema):
-    grid_images: Int = option(4, ge=0)  # the first N images attacked (by round, client) appear in the grids
-    tile: Int = option(96, ge=8)  # grid tile side in pixels
+    """The picture grids. Bounded so that a grid's memory is bounded: one model row of a grid is at
+    most 16 images x 3 columns of 256 px tiles (about 11 MB of RGB), whatever the data."""
+
+    # the first N images attacked (by round, client) appear in the grids; a row of more than 16
+    # images (48 tiles) is too wide to read
+    grid_images: Int = option(4, ge=0, le=16)
+    # grid tile side in pixels: 256 shows a 224 px image at its own size; larger tiles only
+    # magnify (nearest neighbour) and multiply the grid's memory
+    tile: Int = option(96, ge=8, le=256)
 
 
 class Utility(Schema):
@@ -207,8 +214,10 @@ class BenchmarkConfig(Schema):
 #: Every key a config may hold, with its default. ``models`` has no default rows.
 DEFAULTS: dict[str, Any] = core.defaults(BenchmarkConfig)
 
-#: Keys that do not change any result; a resumed run may differ in them.
-NON_RESULT_KEYS = ("output", "train_data", "attack_workers", "ray_address")
+#: Keys (dotted for nested ones) that change no stored row or image, only where the run writes, how
+#: it spreads its work or how it draws its pictures; a resumed run may differ in them.
+#: ``report.grid_images`` is not one: it decides which rows store their images (``image_stored``).
+NON_RESULT_KEYS = ("output", "train_data", "attack_workers", "ray_address", "report.tile")
 
 
 def conform(data: Mapping[str, Any]) -> dict:
@@ -413,7 +422,15 @@ def model_spec(cfg: BenchmarkConfig, index: int) -> dict:
 
 def result_view(cfg: Mapping[str, Any] | BenchmarkConfig) -> dict:
     """The part of a config that determines results (what must match to resume), as plain data."""
-    return {k: v for k, v in plain(cfg).items() if k not in NON_RESULT_KEYS}
+    view = plain(cfg)
+    for key in NON_RESULT_KEYS:
+        *parents, leaf = key.split(".")
+        node: Any = view
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(leaf, None)
+    return view
 
 
 def diff_configs(old: Any, new: Any, where: str = "") -> list[str]:

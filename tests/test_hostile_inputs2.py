@@ -258,3 +258,22 @@ def test_a_checkpoint_of_nans_is_refused_naming_the_key(tmp_path: Path, capsys) 
                                                                           **row["kwargs"]}}, train_ckpt)
     with pytest.raises(ValueError, match="NaN or infinite"):
         model_from_checkpoint(train_ckpt)
+
+
+# ------------------------------------------------------------------ 4. display-only keys
+def test_a_report_layout_change_resumes_and_an_oversized_tile_is_refused(tmp_path: Path, capsys) -> None:
+    """report.tile changes no row: a run stored with one tile size resumes with another (no exit 6,
+    no row computed again, the grid redrawn at the new size); a tile past its bound is a config
+    error naming the key and its range before anything is written."""
+    from PIL import Image
+
+    config, out = small_config(tmp_path), tmp_path / "out"
+    assert cli(config, out, "--set", "report.tile=100000") == 3
+    one_line_error(capsys.readouterr().err, "report.tile", "256")
+    assert not out.exists()
+    assert cli(config, out) == 0
+    rows = (out / "results.jsonl").read_bytes()
+    small = Image.open(out / "grid_a.png").size
+    assert cli(config, out, "--set", "report.tile=64") == 0
+    assert (out / "results.jsonl").read_bytes() == rows
+    assert Image.open(out / "grid_a.png").size > small
