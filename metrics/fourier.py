@@ -23,10 +23,14 @@ input). For images in [0, 1], ``<x, R x> >= 0``. It is not a proper cosine (the 
 constant; lower = more private.
 
 Zero-energy images, where the official code divides by 0 (an all-black image; for fft2d any image
-with ``<x, R x> = 0``): :func:`fft2d_clamped` returns 0 as the official script did (see there);
-:func:`fft2d` and :func:`fft2d_hermitian` treat two such images as identical (distance 0, similarity 1)
-and one as orthogonal to anything (distance 1, similarity 0), so that a black reconstruction scores
-as a finite "nothing recovered" instead of NaN/Inf.
+with ``<x, R x> = 0``): :func:`fft2d_clamped` returns 0 as the official script did (see there).
+:func:`fft2d` and :func:`fft2d_hermitian` call an image's energy (``<x, R x>``, resp. ``<x, x>``)
+zero when it is at most ``N * ZERO_ENERGY_LEVEL**2`` for N values per image, i.e. when its
+root-mean-square is below half an 8-bit step of the [0, 1] scale: such an image is black to 8-bit
+precision, and its cosine is rounding noise. Two such images score as identical (distance 0,
+similarity 1) and one as orthogonal to anything (distance 1, similarity 0), so that a black
+reconstruction scores as a finite "nothing recovered" instead of NaN/Inf, and a near-black
+reconstruction of a black image (PSNR over 100 dB) scores as identical, as PSNR says.
 """
 from __future__ import annotations
 
@@ -55,6 +59,16 @@ def _reflection_index(h: int, w: int, device: torch.device) -> torch.Tensor:
     return (rows[:, None] * w + cols[None, :]).flatten()
 
 
+#: Root-mean-square pixel value (on the [0, 1] scale) below which an image's energy counts as zero:
+#: half an 8-bit step.
+ZERO_ENERGY_LEVEL = 0.5 / 255
+
+
+def _zero_energy(energy: torch.Tensor, numel: int) -> torch.Tensor:
+    """[B] bool: ``energy`` (a sum over ``numel`` values per image) is at most ``numel * ZERO_ENERGY_LEVEL**2``."""
+    return energy.abs() <= numel * ZERO_ENERGY_LEVEL**2
+
+
 def _ratio(num: torch.Tensor, den_sq: torch.Tensor, x_zero: torch.Tensor, y_zero: torch.Tensor) -> torch.Tensor:
     """num / sqrt(den_sq) with the zero-energy conventions of the module docstring."""
     safe = torch.where(den_sq > 0, den_sq, torch.ones_like(den_sq))
@@ -63,10 +77,10 @@ def _ratio(num: torch.Tensor, den_sq: torch.Tensor, x_zero: torch.Tensor, y_zero
     return torch.where(x_zero & y_zero, torch.ones_like(out), out)
 
 
-def fft2d_from_gram(gram: torch.Tensor) -> torch.Tensor:
-    """:func:`fft2d` [B] from :func:`metrics._inner.pair_gram` output [B, 5, 5]."""
+def fft2d_from_gram(gram: torch.Tensor, numel: int) -> torch.Tensor:
+    """:func:`fft2d` [B] from :func:`metrics._inner.pair_gram` output [B, 5, 5] of images of ``numel`` values."""
     xy, xx, yy = gram[:, 0, 4], gram[:, 0, 3], gram[:, 1, 4]  # <x,Ry>, <x,Rx>, <y,Ry>
-    return torch.abs(1.0 - _ratio(xy, xx * yy, xx == 0, yy == 0))
+    return torch.abs(1.0 - _ratio(xy, xx * yy, _zero_energy(xx, numel), _zero_energy(yy, numel)))
 
 
 def fft2d_clamped_from_gram(gram: torch.Tensor) -> torch.Tensor:
@@ -79,10 +93,11 @@ def fft2d_clamped_from_gram(gram: torch.Tensor) -> torch.Tensor:
     return torch.where(den_sq > 0, dist.clamp(max=2.0), torch.zeros_like(dist))
 
 
-def fft2d_hermitian_from_gram(gram: torch.Tensor) -> torch.Tensor:
-    """:func:`fft2d_hermitian` [B] from :func:`metrics._inner.pair_gram` output [B, k, k]."""
+def fft2d_hermitian_from_gram(gram: torch.Tensor, numel: int) -> torch.Tensor:
+    """:func:`fft2d_hermitian` [B] from :func:`metrics._inner.pair_gram` output [B, k, k] of images of
+    ``numel`` values."""
     xx, yy = gram[:, 0, 0], gram[:, 1, 1]
-    return _ratio(gram[:, 0, 1], xx * yy, xx == 0, yy == 0)
+    return _ratio(gram[:, 0, 1], xx * yy, _zero_energy(xx, numel), _zero_energy(yy, numel))
 
 
 def fft2d(reconstruction: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
@@ -98,7 +113,7 @@ def fft2d(reconstruction: torch.Tensor, reference: torch.Tensor) -> torch.Tensor
     Returns:
         [B] float64 >= 0; 0 for identical images; higher = more private.
     """
-    return fft2d_from_gram(pair_gram(reconstruction, reference))
+    return fft2d_from_gram(pair_gram(reconstruction, reference), reference[0].numel())
 
 
 def fft2d_clamped(reconstruction: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
@@ -131,4 +146,4 @@ def fft2d_hermitian(reconstruction: torch.Tensor, reference: torch.Tensor) -> to
         [B] float64 in [0, 1] for non-negative images; 1 for identical images (and for
         ``reconstruction = c * reference``, c > 0); lower = more private.
     """
-    return fft2d_hermitian_from_gram(pair_gram(reconstruction, reference, reflect=False))
+    return fft2d_hermitian_from_gram(pair_gram(reconstruction, reference, reflect=False), reference[0].numel())

@@ -51,9 +51,9 @@ def reference_for(setting: str, x: torch.Tensor, x_tilde: Optional[torch.Tensor]
 _FROM_GRAM: dict[str, tuple[bool, Callable[[torch.Tensor, int], torch.Tensor]]] = {
     "mse": (False, mse_from_gram),
     "psnr": (False, lambda g, n: psnr_from_mse(mse_from_gram(g, n))),
-    "fft2d": (True, lambda g, n: fft2d_from_gram(g)),
+    "fft2d": (True, fft2d_from_gram),
     "fft2d_clamped": (True, lambda g, n: fft2d_clamped_from_gram(g)),
-    "fft2d_hermitian": (False, lambda g, n: fft2d_hermitian_from_gram(g)),
+    "fft2d_hermitian": (False, fft2d_hermitian_from_gram),
 }
 
 

@@ -277,3 +277,23 @@ def test_a_report_layout_change_resumes_and_an_oversized_tile_is_refused(tmp_pat
     assert cli(config, out, "--set", "report.tile=64") == 0
     assert (out / "results.jsonl").read_bytes() == rows
     assert Image.open(out / "grid_a.png").size > small
+
+
+# ------------------------------------------------------------------ 5. non-finite values where they arise
+def test_fft2d_of_black_and_near_black_images_is_defined_by_the_image_scale() -> None:
+    """FFT2D's zero-energy rule holds for energy below half an 8-bit step (relative to the [0, 1]
+    scale), not for exact zero only: an all-black image and a 1e-6-bright one (PSNR 120 dB) are
+    identical for FFT2D and FFT2D-H, through the metric functions and through score_all; a real
+    image against either is orthogonal."""
+    import metrics as M
+
+    black, dim, real = torch.zeros(1, 3, 16, 16), torch.full((1, 3, 16, 16), 1e-6), torch.rand(1, 3, 16, 16)
+    for rec in (black, dim):
+        assert M.fft2d(rec, black).item() == 0.0
+        assert M.fft2d_hermitian(rec, black).item() == 1.0
+        scores = M.score_all(rec, black, ("fft2d", "fft2d_hermitian", "psnr"))
+        assert scores["fft2d"].item() == 0.0 and scores["fft2d_hermitian"].item() == 1.0
+        assert M.fft2d(real, rec).item() == 1.0 and M.fft2d_hermitian(real, rec).item() == 0.0
+    assert M.score_all(dim, black, ("psnr",))["psnr"].item() == pytest.approx(120.0)
+    assert M.fft2d(real * 0.01 + 0.01, black).item() == 1.0  # dark but above the level: not black
+    assert M.fft2d(real * 0.01 + 0.01, real * 0.01 + 0.01).item() == pytest.approx(0.0, abs=1e-12)
