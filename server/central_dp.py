@@ -19,11 +19,17 @@ adaptations, both stated here because they change what the wrapper is given:
   num_sampled_clients``, i.i.d. Gaussian per entry, in each array's dtype) drawn from a generator
   seeded by (the run's seed, the round).
 
+The noised global weights are checked right after the noise is added: when they are not all finite
+(a sigma so large that the noise overflows the weights' dtype), the error is logged and every
+client failure of the following rounds (the clients train on those weights and reply non-finite
+updates) names the cause first: the round, ``central_dp``, its sigma and clip, and the noise std.
+
 Flower's wrapper skips the whole aggregation of a round in which any client replied with an error
 (``validate_replies``): such a round leaves the global weights unchanged.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable
 from typing import Optional
@@ -37,7 +43,7 @@ from flwr.supercore.differential_privacy import compute_stdv
 
 from clients.records import encode_state
 
-from .strategy import TappedFedAvg
+from .strategy import TappedFedAvg, all_finite
 
 _logger = logging.getLogger(__name__)
 
@@ -60,6 +66,8 @@ class TappedCentralDp(DifferentialPrivacyServerSideFixedClipping):
         self.inner = strategy
         self.seed = int(seed)
         self.server_round = 0
+        #: Why the global weights are not finite (set when the noise of a round made them so), else None.
+        self.global_fault: Optional[str] = None
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
@@ -85,7 +93,12 @@ class TappedCentralDp(DifferentialPrivacyServerSideFixedClipping):
                     _logger.debug("round %d: reply not tapped: %r", server_round, err)
             for update in sorted(parsed, key=lambda u: u.node_id):
                 self.tap(update)
-        return super().aggregate_train(server_round, replies)
+        fault, failures = self.global_fault, self.inner.failures
+        first_new = len(failures)
+        result = super().aggregate_train(server_round, replies)
+        if fault is not None:  # the clients of this round were sent non-finite weights
+            failures[first_new:] = [dataclasses.replace(f, reason=f"{fault}; {f.reason}") for f in failures[first_new:]]
+        return result
 
     def _add_noise_to_aggregated_arrays(self, aggregated_arrays: ArrayRecord) -> ArrayRecord:
         """Flower's noise (same std, distribution and dtypes) from a generator seeded by (seed, round)
@@ -93,6 +106,16 @@ class TappedCentralDp(DifferentialPrivacyServerSideFixedClipping):
         rng = np.random.default_rng([self.seed, self.server_round])
         std = compute_stdv(self.noise_multiplier, self.clipping_norm, self.num_sampled_clients)
         arrays = aggregated_arrays.to_numpy_ndarrays()
-        for array in arrays:
-            array += rng.normal(0.0, std, array.shape).astype(array.dtype)
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is reported below, with its cause
+            for array in arrays:
+                array += rng.normal(0.0, std, array.shape).astype(array.dtype)
+        bad = [(k, v.dtype) for k, v in zip(aggregated_arrays.keys(), arrays) if not all_finite(v)]
+        if bad:
+            self.global_fault = (
+                f"global model non-finite after round {self.server_round}'s central_dp noise "
+                f"(defence central_dp sigma={self.noise_multiplier:g}, clip={self.clipping_norm:g}: "
+                f"noise std {std:g} overflows {bad[0][1]}; first array {bad[0][0]})")
+            _logger.error("%s; lower the defence's sigma", self.global_fault)
+        else:
+            self.global_fault = None
         return ArrayRecord({k: Array(np.asarray(v)) for k, v in zip(aggregated_arrays.keys(), arrays)})

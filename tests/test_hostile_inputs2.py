@@ -297,3 +297,21 @@ def test_fft2d_of_black_and_near_black_images_is_defined_by_the_image_scale() ->
     assert M.score_all(dim, black, ("psnr",))["psnr"].item() == pytest.approx(120.0)
     assert M.fft2d(real * 0.01 + 0.01, black).item() == 1.0  # dark but above the level: not black
     assert M.fft2d(real * 0.01 + 0.01, real * 0.01 + 0.01).item() == pytest.approx(0.0, abs=1e-12)
+
+
+def test_central_dp_noise_that_overflows_the_global_model_is_named_in_the_rows(tmp_path: Path) -> None:
+    """sigma 1e308: the server notices the non-finite global weights right after it noises them,
+    and the rows of the next round (whose clients trained on those weights) name the global model,
+    the defence and its sigma before the clients' own reason."""
+    import json
+
+    out = tmp_path / "out"
+    assert cli(small_config(tmp_path), out, "--set", "federation.rounds=2",
+               "--set", "defence={name: central_dp, sigma: 1e308}") == 0
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows if not r["failed"]] == [1, 1]  # round 1 attacked the finite model
+    failed = [r for r in rows if r["failed"]]
+    assert [r["round"] for r in failed] == [2, 2]
+    for r in failed:
+        assert r["reason"].startswith("client failed: global model non-finite after round 1's central_dp noise"), r
+        assert "sigma=1e+308" in r["reason"] and "clip=1" in r["reason"], r
