@@ -582,6 +582,7 @@ class GroupAttacker:
     def work(self) -> None:
         """The attack thread: every tapped update in the order the server saw them, then (at the
         end of the federation) the last round and every round still in flight."""
+        update = None
         try:
             while True:
                 update = self.inbox.get()
@@ -599,7 +600,10 @@ class GroupAttacker:
                     self.dispatch.drain()
         except BaseException as err:  # noqa: BLE001  (re-raised by tap() and run(); never swallowed)
             self.error = err
-            while self.inbox.get() not in (_END, _ABORT):  # let tap() return; run() sends the marker
+            # let tap() return until run() sends the end marker; an error while finishing (the marker
+            # already taken, e.g. a Ray attack worker killed during the last drain) must not wait
+            # for a second marker that never comes
+            while update is not _END and self.inbox.get() not in (_END, _ABORT):
                 pass
 
     # ---------------------------------------------------------------------------------- a round

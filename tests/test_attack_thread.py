@@ -70,3 +70,33 @@ def test_an_error_in_the_attack_thread_stops_the_run_and_keeps_finished_rows(tmp
     summary = run_benchmark(cfg, str(out), progress=False)  # the re-run computes round 2 only
     assert (summary.kept_rows, summary.new_rows) == (2, 2)
     assert [r["round"] for r in metric_rows(out / "results.jsonl")] == [1, 1, 2, 2]
+
+
+def test_an_error_after_the_federation_ended_stops_the_run_instead_of_hanging(tmp_path: Path,
+                                                                              monkeypatch) -> None:
+    """An error while the attack thread finishes (after it took the end marker: the last round's
+    attacks, e.g. a Ray attack worker killed during the final drain) is raised, not waited on: the
+    thread used to wait for a second end marker that never comes, and the run hung in join()."""
+    from benchmark import pipeline
+
+    close = pipeline.RoundCollector.close
+
+    def broken_close(self):
+        if not self.buffer:  # the call at the end marker (every round already complete)
+            raise RuntimeError("attack worker died while the last round was attacked")
+        return close(self)
+
+    monkeypatch.setattr(pipeline.RoundCollector, "close", broken_close)
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            run_benchmark(_config(tmp_path), str(tmp_path / "out"), progress=False)
+        except BaseException as err:  # noqa: BLE001  (checked below)
+            errors.append(err)
+        done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    assert done.wait(timeout=240), "the run hung after an error in the attack thread's last round"
+    assert len(errors) == 1 and "attack worker died" in str(errors[0])
