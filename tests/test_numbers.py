@@ -101,6 +101,8 @@ def _train_value(kind: type, default: Any) -> int | float:
 
 TRAIN_KEYS = [(k, kind, _train_value(kind, getattr(TrainConfig(), k))) for k, kind, _ in _schema_cases(TrainConfig)]
 RUN_KEYS = _schema_cases(RunConfig)
+#: keys a run-config key needs beside it to be valid at all (drop-path acts only in train mode)
+RUN_COMPANIONS: dict[str, dict[str, Any]] = {"drop-path": {"train-mode": True}}
 #: (defence, key, type, value): every number key of every built-in defence
 DEFENCE_KEYS = [(name, key, NUMBER_KEYS[key], (default + 1) if NUMBER_KEYS[key] is int else default / 2)
                 for name, keys in DEFENCES.items() for key, default in keys.items()
@@ -265,15 +267,19 @@ def test_training_key_in_scientific_notation(tmp_path: Path, key: str, kind: typ
 
 @pytest.mark.parametrize("key, kind, value", RUN_KEYS, ids=[k for k, _, _ in RUN_KEYS])
 def test_run_config_key_in_scientific_notation(tmp_path: Path, key: str, kind: type, value: Any) -> None:
+    extra = RUN_COMPANIONS.get(key, {})
     toml = tomllib.loads(f"{key} = {sci(value)}")  # Flower's run config is TOML (pyproject, --run-config)
-    _same(resolve_config(toml).wire()[key], kind, value)
-    _same(resolve_config({key: sci(value)}).wire()[key], kind, value)  # a string holding a number
+    _same(resolve_config({**toml, **extra}).wire()[key], kind, value)
+    _same(resolve_config({key: sci(value), **extra}).wire()[key], kind, value)  # a string holding a number
     dotted = f"federation.options.{key}"
-    _same(_dig(C.validate(C.load_config(_preset_with(tmp_path, {dotted: sci(value)}))), dotted), kind, value)
-    _same(_dig(C.validate(C.apply_overrides(C.load_config(), [f"{dotted}={sci(value)}"])), dotted), kind, value)
+    companions = {f"federation.options.{k}": str(v).lower() for k, v in extra.items()}
+    _same(_dig(C.validate(C.load_config(_preset_with(tmp_path, {dotted: sci(value), **companions}))), dotted),
+          kind, value)
+    overrides = [f"{dotted}={sci(value)}", *(f"{k}={v}" for k, v in companions.items())]
+    _same(_dig(C.validate(C.apply_overrides(C.load_config(), overrides)), dotted), kind, value)
     for bad, shown in ((True, "True"), ("1e-4x", "'1e-4x'")):
         with pytest.raises(core.ConfigError, match=f"config key '{key}' must be .*got {shown}"):
-            resolve_config({key: bad})
+            resolve_config({key: bad, **extra})
 
 
 # ------------------------------------------------------------------------------ defence specs
