@@ -106,3 +106,14 @@ def trained_alexnet_features(team_data: TeamData) -> Path:
 def no_data_folder(monkeypatch: pytest.MonkeyPatch) -> None:
     """The product sees no data folder (FEDMJP_DATA unset), as on a machine without the data sets."""
     monkeypatch.delenv(DATA_ENV, raising=False)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch intra-op thread for a test module whose clients run in threads (the in-process
+    engine): on 2 shared cores, torch's own threads on top of them oversubscribe (a tiny backward
+    goes from 20 ms to ~2 s). Use with ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -5,17 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.helpers import run, write_config
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_secagg_rows_are_one_batch_of_all_clients_images(tmp_path: Path) -> None:

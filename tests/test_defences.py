@@ -25,13 +25,7 @@ APRIL = {"model-kwargs": {"depth": 2}, "model-april": "trained", "model-variant"
          "image-size": 32, "num-server-rounds": 1, "precision": "float64", "server-eval": False, "setting": "a"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Clients of the in-process engine run in threads: keep torch at one intra-op thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _big_update(seed: int = 0, n: int = 400_000) -> dict[str, torch.Tensor]:

@@ -21,14 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = {"model-kwargs": {"depth": 2}, "num-images": 8, "image-size": 32, "num-server-rounds": 2}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """The in-process engine runs clients in threads; on 2 shared cores, torch's intra-op threads
-    on top of that oversubscribe (a tiny backward goes from 20 ms to ~2 s)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _weighted_mean(updates, name):

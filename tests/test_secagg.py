@@ -18,13 +18,7 @@ CFG = {"model-kwargs": {"depth": 2}, "num-images": 8, "image-size": 32, "setting
 CLIENTS = 3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Client threads of the in-process engine on 2 shared cores: one torch thread each."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
