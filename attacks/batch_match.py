@@ -18,6 +18,12 @@ B = 2 (two ImageNet-sample photographs at 32 px, labels known) 200 L-BFGS iterat
   the method in the stats.
 - **Order:** the B candidates come back in no particular order; the benchmark pairs them with the
   client's images by an optimal assignment (``benchmark.scoring.pair_reconstructions``).
+- **FedAvg (``update_type: delta``, E local steps):** the client ran E plain SGD steps at the
+  protocol's learning rate on the same batch (``clients.update.fedavg_update``). With ``unroll`` (the
+  default) the candidates go through the same E steps, differentiably, and the simulated weight
+  delta is matched to the received one (the FedAvg attack of Dimitrov et al., 2022, for a client
+  that reuses its batch); without it, -delta / (lr E) is matched as one mean gradient, which is
+  exact only at E = 1.
 - **MJP:** the summed dL/dP is zero only where every image of the batch was shuffled, so the
   per-image masks cannot be read off a batch update; the candidates use the plain forward (noted).
 """
@@ -79,6 +85,29 @@ def batch_labels(model: nn.Module, grads: Mapping[str, torch.Tensor], meta: Atta
                         "label_notes": got.notes}
 
 
+def tnorm_of(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Sum of squares of a list of tensors."""
+    return torch.stack([t.pow(2).sum() for t in tensors]).sum()
+
+
+def simulate_delta(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int, lr: float,
+                   names: list[str]) -> list[torch.Tensor]:
+    """The weight delta (after - before) of ``names`` after ``steps`` plain SGD steps at ``lr`` on the
+    batch (x, y) with the mean cross-entropy, every step on the same batch as
+    ``clients.update.fedavg_update`` takes them; differentiable in x (each step's gradient is taken
+    with ``create_graph``). Every trainable parameter moves, as on the client; the model's own
+    parameters are left untouched (``torch.func.functional_call``)."""
+    from torch.func import functional_call
+
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    start = {n: params[n] for n in names}
+    for _ in range(int(steps)):
+        loss = F.cross_entropy(functional_call(model, params, (x,)), y)
+        grads = torch.autograd.grad(loss, list(params.values()), create_graph=True, allow_unused=True)
+        params = {n: p if g is None else p - lr * g for (n, p), g in zip(params.items(), grads)}
+    return [params[n] - start[n] for n in names]
+
+
 @register_attack("batch_match")
 class BatchMatch(Attack):
     """Gradient matching of a whole batch in float64 with L-BFGS (see the module docstring).
@@ -91,12 +120,15 @@ class BatchMatch(Attack):
         init_scale: standard deviation of the random start in model-input units.
         seed: seed of the starts.
         device: ``cpu``, ``cuda`` or ``auto``.
+        unroll: on a FedAvg delta of E > 1 local steps, simulate the E SGD steps and match the
+            delta (E double backwards per evaluation); False matches the mean-gradient
+            approximation.
     """
 
     name = "batch_match"
 
     def __init__(self, iterations: int = 200, restarts: int = 1, tv: float = 0.0, init_scale: float = 0.5,
-                 seed: int = 0, device: str = "cpu", raise_errors: bool = False) -> None:
+                 seed: int = 0, device: str = "cpu", unroll: bool = True, raise_errors: bool = False) -> None:
         super().__init__(raise_errors)
         if iterations < 1 or restarts < 1:
             raise ValueError(f"iterations and restarts must be >= 1, got {iterations} and {restarts}")
@@ -104,6 +136,7 @@ class BatchMatch(Attack):
             raise ValueError(f"tv must be >= 0 and init_scale > 0, got {tv} and {init_scale}")
         self.iterations, self.restarts, self.tv = int(iterations), int(restarts), float(tv)
         self.init_scale, self.seed, self.device = float(init_scale), int(seed), resolve_device(device)
+        self.unroll = bool(unroll)
 
     def _reconstruct(self, model: nn.Module, update: Update, meta: AttackMetadata) -> AttackResult:
         t0 = time.perf_counter()
@@ -118,14 +151,27 @@ class BatchMatch(Attack):
         params = dict(work.named_parameters())
         chosen = [params[nm] for nm in names]
         target = [grads[nm].to(self.device, torch.float64) for nm in names]
-        tnorm = torch.stack([t.pow(2).sum() for t in target]).sum()
+        tnorm = tnorm_of(target)
         if not float(tnorm) > 0:
             raise AttackFailure("the update is zero on every parameter the forward pass uses")
 
-        def data_term(x: torch.Tensor) -> torch.Tensor:
-            loss = F.cross_entropy(work(x), y)
-            g = torch.autograd.grad(loss, chosen, create_graph=True)
-            return torch.stack([(a - b).pow(2).sum() for a, b in zip(g, target)]).sum() / tnorm
+        steps = int(meta.local_steps) if meta.update_type == "delta" else 1
+        if steps > 1 and self.unroll:
+            # the received delta itself: update_to_gradients divided it by -(lr * steps)
+            lr = float(meta.lr)
+            target = [t * (-lr * steps) for t in target]
+            tnorm = tnorm_of(target)
+            notes[:] = [note for note in notes if not note.startswith("approximate:")]
+            notes.append(f"FedAvg: {steps} local SGD steps at lr {lr:g} simulated and the delta matched")
+
+            def data_term(x: torch.Tensor) -> torch.Tensor:
+                delta = simulate_delta(work, x, y, steps, lr, names)
+                return torch.stack([(a - b).pow(2).sum() for a, b in zip(delta, target)]).sum() / tnorm
+        else:
+            def data_term(x: torch.Tensor) -> torch.Tensor:
+                loss = F.cross_entropy(work(x), y)
+                g = torch.autograd.grad(loss, chosen, create_graph=True)
+                return torch.stack([(a - b).pow(2).sum() for a, b in zip(g, target)]).sum() / tnorm
 
         gen = torch.Generator().manual_seed(self.seed)
         best_x, best_val, runs = None, float("inf"), []
