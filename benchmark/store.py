@@ -18,8 +18,6 @@ grids read only this folder.
 """
 from __future__ import annotations
 
-import errno
-import fcntl
 import hashlib
 import io
 import json
@@ -35,6 +33,8 @@ import numpy as np
 import torch
 import yaml
 from PIL import Image
+
+from fedmjp.folder_lock import LOCK, FolderLocked, FolderLockLink, release_lock, take_lock
 
 from .config import BenchmarkConfig, attack_entries, diff_configs, plain, result_view
 from .errors import (
@@ -69,7 +69,6 @@ from .rows import (  # noqa: F401
 _logger = logging.getLogger(__name__)
 
 RESULTS = "results.jsonl"
-LOCK = ".lock"
 CONFIG = "config.yaml"
 PROVENANCE = "provenance.json"
 IMAGES = "images"
@@ -351,36 +350,20 @@ class RunFolder:
         if self._lock_fh is not None:
             return
         try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.folder / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
-        except OSError as err:
-            if err.errno == errno.ELOOP:
-                raise OutputConflictError(f"output folder {self.folder}: {LOCK} is a symbolic link; a run never writes "
-                                          "through a link: remove it or choose another --output folder") from None
-            raise _write_error(self.folder / LOCK, err) from None
-        fh = os.fdopen(fd, "r+")
-        try:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            fh.close()
+            self._lock_fh = take_lock(self.folder)
+        except FolderLockLink:
+            raise OutputConflictError(f"output folder {self.folder}: {LOCK} is a symbolic link; a run never writes "
+                                      "through a link: remove it or choose another --output folder") from None
+        except FolderLocked:
             raise OutputLockedError(f"output folder {self.folder} is in use by another run (its {LOCK} is locked); "
                                     "wait for that run to end or use another --output folder") from None
-        try:
-            fh.seek(0)
-            fh.truncate()
-            fh.write(f"pid {os.getpid()}\n")
-            fh.flush()
         except OSError as err:
-            fh.close()
             raise _write_error(self.folder / LOCK, err) from None
-        self._lock_fh = fh
 
     def unlock(self) -> None:
         """Release the lock (the OS releases it too when the process ends)."""
-        if self._lock_fh is not None:
-            fcntl.flock(self._lock_fh.fileno(), fcntl.LOCK_UN)
-            self._lock_fh.close()
-            self._lock_fh = None
+        release_lock(self._lock_fh)
+        self._lock_fh = None
 
     def load_config(self) -> dict:
         return self.stored_config() or {}

@@ -7,6 +7,12 @@ Runs on one CPU or GPU, or on many processes under torchrun (DDP; nccl on CUDA, 
 
 Every epoch writes ``<output_dir>/last.pth`` atomically and appends one JSON line to
 ``<output_dir>/metrics.jsonl``; a run whose output dir already holds ``last.pth`` resumes from it.
+One training at a time per output dir (a lock, :data:`EXIT_LOCKED`). A resume must train what the
+checkpoint trained: a key that changes the weights (everything but :data:`RUN_ONLY_KEYS`) that
+differs from the checkpoint's config is refused, naming it, unless ``--allow-config-change``, which
+goes on and records the change with its epoch in ``config.yaml``. On resume ``metrics.jsonl`` is
+brought into agreement with the checkpoint: lines of epochs the checkpoint does not hold are
+dropped, and the checkpoint's own line is restored if a kill took it.
 
 ``python -m fedmjp.train --export runs/train/cifar_deit/last.pth --to checkpoints/cifar_deit.safetensors``
 writes a checkpoint's weights as float16 safetensors with the architecture in the header (no training).
@@ -24,7 +30,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import IO, Optional
 
 import torch
 import torch.distributed as dist
@@ -39,6 +45,7 @@ from .config import ConfigError
 from .dal import dal_weight
 from .engine import StepContext, TrainStep, train_one_epoch, validate
 from .factory import create_model
+from .folder_lock import LOCK, FolderLocked, FolderLockLink, release_lock, take_lock
 from .models import MJPVisionTransformer
 from .train_data import (
     ARCHIVE_SUFFIXES,
@@ -69,6 +76,13 @@ _logger = logging.getLogger(__name__)
 #: Exit status of ``python -m fedmjp.train`` for a bad config, argument, data path or output dir
 #: (as argparse's for a bad argument); nothing is written then.
 EXIT_BAD_CONFIG = 2
+#: Exit status when another training holds the output dir's lock; nothing is written.
+EXIT_LOCKED = 9
+#: Config keys a resume may change without changing what is trained: where things are and how the
+#: run reports. Every other key (model, data selection, augmentation, optimizer, schedule, seed,
+#: epochs) must equal the checkpoint's, or be allowed explicitly (``--allow-config-change``).
+RUN_ONLY_KEYS = frozenset({"output_dir", "data_path", "data_cache", "device", "threads", "num_workers",
+                           "stop_epoch", "eval_every", "log_interval"})
 _DATA_HELP = f"an ImageFolder root with train/<class>/ and val/<class>/, or a {'/'.join(ARCHIVE_SUFFIXES)} of one"
 
 
@@ -105,11 +119,59 @@ def _resume_path(cfg: TrainConfig, resume: Optional[str]) -> Optional[Path]:
     return last if last.exists() else None
 
 
-def _log_config_diff(saved: dict, cfg: TrainConfig) -> None:
+class OutputDirLocked(ConfigError):
+    """Another training holds the output dir (exit :data:`EXIT_LOCKED`)."""
+
+
+def config_changes(saved: dict, cfg: TrainConfig) -> dict[str, tuple]:
+    """{key: (checkpoint's value, this run's)} for the keys outside :data:`RUN_ONLY_KEYS` that differ
+    (a key the checkpoint's config lacks counts as its default now)."""
     now = cfg.to_dict()
-    diff = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
-    if diff:
-        _logger.warning("resuming with config changes (saved, now): %s", diff)
+    return {k: (saved.get(k, v), v) for k, v in now.items()
+            if k not in RUN_ONLY_KEYS and saved.get(k, v) != v}
+
+
+def check_resume(state: dict, cfg: TrainConfig, where: Path, allow_change: bool) -> dict[str, tuple]:
+    """The checkpoint ``state`` may be resumed by ``cfg``: returns the allowed changes.
+
+    Raises:
+        ValueError (:class:`fedmjp.config.ConfigError`): a key that changes the training differs and
+            ``allow_change`` is off, naming every such key with both values.
+    """
+    changes = config_changes(state.get("config") or {}, cfg)
+    if changes and not allow_change:
+        listed = "; ".join(f"{k}: {a!r} in the checkpoint, {b!r} now" for k, (a, b) in sorted(changes.items()))
+        raise ConfigError(f"--resume {where}: this run trains something else than the checkpoint ({listed}); "
+                          "pass the checkpoint's values, use another --output-dir, or add --allow-config-change "
+                          "to go on with the new values (recorded in config.yaml with the epoch)")
+    return changes
+
+
+def reconcile_metrics(path: Path, state: dict) -> None:
+    """Make ``metrics.jsonl`` agree with the checkpoint ``state`` (epochs 0 .. state["epoch"] - 1):
+    drop lines of later epochs (and unreadable ones) and restore the checkpoint's own line where a kill
+    between the checkpoint and the metrics write lost it. Rewritten atomically, only when it changes."""
+    done = int(state["epoch"])
+    lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
+    kept, epochs = [], set()
+    for line in lines:
+        try:
+            row = json.loads(line)
+            epoch = int(row["epoch"])
+        except (ValueError, TypeError, KeyError):
+            continue
+        if epoch < done and epoch not in epochs:
+            kept.append(line)
+            epochs.add(epoch)
+    last = state.get("metrics") or {}
+    if done > 0 and (done - 1) not in epochs and last.get("epoch") == done - 1:
+        kept.append(json.dumps(last))
+        _logger.warning("%s lacked epoch %d's line (a run stopped after its checkpoint): restored from it",
+                        path, done - 1)
+    if kept != lines:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
+        tmp.replace(path)
 
 
 def check_run(cfg: TrainConfig, resume: Optional[str] = None) -> None:
@@ -154,7 +216,8 @@ def _check_data_path(data_path: Optional[str]) -> None:
         raise ConfigError(f"config key 'data_path': {err}; pass {_DATA_HELP}") from None
 
 
-def run_training(cfg: TrainConfig, resume: Optional[str] = None, progress: bool = True) -> TrainResult:
+def run_training(cfg: TrainConfig, resume: Optional[str] = None, progress: bool = True,
+                 allow_config_change: bool = False) -> TrainResult:
     """Train ``cfg`` end to end (resuming from ``resume`` or ``<output_dir>/last.pth``).
 
     Joins the torchrun process group when ``WORLD_SIZE`` > 1 (or uses one the caller opened).
@@ -167,14 +230,52 @@ def run_training(cfg: TrainConfig, resume: Optional[str] = None, progress: bool 
     """
     check_run(cfg, resume)
     info = init_distributed(cfg.device)
+    out = Path(cfg.output_dir)
+    created, lock_existed = not out.exists(), os.path.lexists(out / LOCK)
+    lock = None
     try:
-        return _train(cfg, info, resume, progress)
+        if info.is_main:  # before the data and the model are built: a second run fails at once
+            lock = _lock_output(out)
+        return _train(cfg, info, resume, progress, allow_config_change)
+    except (ConfigError, ArchiveError):
+        if lock is not None:  # nothing was written: leave nothing that only the lock made
+            release_lock(lock)
+            lock = None
+            if not lock_existed:
+                (out / LOCK).unlink(missing_ok=True)
+            if created:
+                try:
+                    out.rmdir()
+                except OSError:
+                    pass
+        raise
     finally:
+        release_lock(lock)
         if info.owns_group:
             dist.destroy_process_group()
 
 
-def _train(cfg: TrainConfig, info: DistInfo, resume: Optional[str], progress: bool) -> TrainResult:
+def _lock_output(out: Path) -> IO[str]:
+    """Take ``out``'s lock for this training (created with the folder).
+
+    Raises:
+        OutputDirLocked: another training holds it.
+        ValueError (:class:`fedmjp.config.ConfigError`): the lock file is a link or cannot be made.
+    """
+    try:
+        return take_lock(out)
+    except FolderLocked as err:
+        raise OutputDirLocked(f"--output-dir {out} is in use by another training{f' ({err.owner})' if err.owner else ''}"
+                              "; wait for it to end or use another --output-dir") from None
+    except FolderLockLink:
+        raise ConfigError(f"--output-dir {out}: {LOCK} is a symbolic link, which training never writes through; "
+                          "remove it or use another --output-dir") from None
+    except OSError as err:
+        raise ConfigError(f"--output-dir {out}: cannot create its {LOCK} ({err.strerror or err})") from None
+
+
+def _train(cfg: TrainConfig, info: DistInfo, resume: Optional[str], progress: bool,
+           allow_config_change: bool = False) -> TrainResult:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     out = Path(cfg.output_dir)  # created once data, model, optimizer and schedule are built
@@ -211,15 +312,25 @@ def _train(cfg: TrainConfig, info: DistInfo, resume: Optional[str], progress: bo
 
     start_epoch, global_step = 0, 0
     ckpt_path = _resume_path(cfg, resume)
+    state: Optional[dict] = None
+    changes: dict[str, tuple] = {}
     if ckpt_path is not None:
         state = load_checkpoint_state(ckpt_path, info.device)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        if scaler is not None and state.get("scaler"):
-            scaler.load_state_dict(state["scaler"])
-        start_epoch, global_step = int(state["epoch"]), int(state["step"])
-        _log_config_diff(state.get("config", {}), cfg)
+        changes = check_resume(state, cfg, ckpt_path, allow_config_change)
+        try:
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
+            if scaler is not None and state.get("scaler"):
+                scaler.load_state_dict(state["scaler"])
+            start_epoch, global_step = int(state["epoch"]), int(state["step"])
+        except (RuntimeError, ValueError, KeyError, TypeError) as err:
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+            raise ConfigError(f"--resume {ckpt_path}: its state does not fit this config's model, optimizer or "
+                              f"schedule ({first}); resume with the config it was trained with, or use another "
+                              "--output-dir") from None
+        if changes:
+            _logger.warning("resuming with config changes from epoch %d (checkpoint, now): %s", start_epoch, changes)
         _logger.info("resumed from %s at epoch %d, step %d", ckpt_path, start_epoch, global_step)
     scheduler.step_update(num_updates=global_step)
 
@@ -236,8 +347,16 @@ def _train(cfg: TrainConfig, info: DistInfo, resume: Optional[str], progress: bo
                       progress=progress)
     if info.is_main:
         out.mkdir(parents=True, exist_ok=True)
+        history = _config_history(out / "config.yaml") if state is not None else []
+        if changes:
+            history.append({"from_epoch": start_epoch, "changes": {k: list(v) for k, v in changes.items()}})
+        record = {**cfg.to_dict(), "resolved_lr": lr, "world_size": info.world_size}
+        if history:
+            record["config_changes"] = history
         with open(out / "config.yaml", "w") as f:
-            yaml.safe_dump({**cfg.to_dict(), "resolved_lr": lr, "world_size": info.world_size}, f, sort_keys=False)
+            yaml.safe_dump(record, f, sort_keys=False)
+        if state is not None:
+            reconcile_metrics(out / "metrics.jsonl", state)
         _logger.info("training %s (%s) on %d images, %d classes, %d steps/epoch, lr %.3g, world %d, %s",
                      cfg.model, cfg.variant if mjp_model else "timm", len(train_set), num_classes,
                      steps_per_epoch, lr, info.world_size, info.device)
@@ -277,6 +396,16 @@ def _train(cfg: TrainConfig, info: DistInfo, resume: Optional[str], progress: bo
     return TrainResult(model=model, metrics=metrics, checkpoint=last, rank=info.rank)
 
 
+def _config_history(path: Path) -> list:
+    """The ``config_changes`` list of an earlier run's config.yaml (empty where there is none)."""
+    try:
+        saved = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return []
+    history = saved.get("config_changes") if isinstance(saved, dict) else None
+    return list(history) if isinstance(history, list) else []
+
+
 def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, dict]:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -287,11 +416,15 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, di
                f"  {EXIT_BAD_CONFIG}  a bad argument, config file, config key or value, data path, output dir or\n"
                "     --resume file: one line 'error: ...' on stderr naming it, nothing written\n"
                "     (also: --export could not read or write its files)\n"
+               f"  {EXIT_LOCKED}  another training holds --output-dir (its .lock); nothing written\n"
                "  1  an unexpected error during training (a traceback)")
     p.add_argument("--config", help="YAML file under configs/train/")
     p.add_argument("--data-path", help="ImageFolder root with train/ and val/, or a .tar.gz of one")
     p.add_argument("--output-dir", help="checkpoints and metrics.jsonl (default: the config's output_dir)")
     p.add_argument("--resume", help="checkpoint to resume from (default: <output_dir>/last.pth if present)")
+    p.add_argument("--allow-config-change", action="store_true",
+                   help="resume although a key that changes the training differs from the checkpoint's (the "
+                        "change is recorded in config.yaml with its epoch)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar (background runs)")
     p.add_argument("--export", metavar="CHECKPOINT", help="instead of training: write CHECKPOINT's weights "
                    "(float16 safetensors, architecture in the header) to --to")
@@ -337,7 +470,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     rank0 = os.environ.get("RANK", "0") == "0"
     logging.basicConfig(level=logging.INFO if rank0 else logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        result = run_training(cfg, resume=args.resume, progress=not args.no_progress)
+        result = run_training(cfg, resume=args.resume, progress=not args.no_progress,
+                              allow_config_change=args.allow_config_change)
+    except OutputDirLocked as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_LOCKED
     except (ConfigError, ArchiveError) as err:  # found in the data (num_classes, an archive): nothing written
         return _bad_config(err)
     if result.rank == 0:
