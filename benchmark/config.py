@@ -26,7 +26,7 @@ from typing import Annotated, Any, Iterable, Literal, Mapping, Optional, Sequenc
 
 from pydantic import AfterValidator, BeforeValidator, Field, SerializeAsAny
 
-from clients.runconfig import Mode, Partitioner, Precision, RunConfig
+from clients.runconfig import MAX_BATCH_SIZE, MAX_IMAGE_SIZE, MAX_LOCAL_STEPS, Mode, Partitioner, Precision, RunConfig
 from defences.spec import DefenceSpec, NoDefence, validate_defence
 from fedmjp import config as core
 from fedmjp import datadir
@@ -99,7 +99,7 @@ ConfigPath = Annotated[str, AfterValidator(_resolve_path)]
 
 class Data(Schema):
     source: ConfigPath = option("embedded", client="images")  # "embedded" (scikit-image's bundled images) or a folder
-    image_size: Int = option(32, ge=1, client="image-size")
+    image_size: Int = option(32, ge=1, le=MAX_IMAGE_SIZE, client="image-size")
     # None: all images of the source (the run config has no null: 0 there means all)
     num_images: Optional[Int] = option(None, ge=1, client="num-images", client_null=0)
     num_classes: Int = option(10, ge=1, client="num-classes")  # labels are (sorted index) % num_classes
@@ -112,8 +112,8 @@ class Federation(Schema):
     clients: Int = option(4, ge=1, client=("num-partitions", "min-nodes"))
     # fedsgd (one batch's gradient) | fedavg (weight delta of local steps)
     algorithm: Mode = option("fedsgd", client="mode")
-    batch_size: Int = option(1, ge=1, client="batch-size")
-    local_steps: Int = option(1, ge=1, client="local-steps")
+    batch_size: Int = option(1, ge=1, le=MAX_BATCH_SIZE, client="batch-size")
+    local_steps: Int = option(1, ge=1, le=MAX_LOCAL_STEPS, client="local-steps")
     lr: Float = option(0.01, ge=0.0, client="lr")
     partition: Partitioner = option("iid", client="partitioner")
     precision: Precision = option("float32", client="precision")  # client forward/backward dtype

@@ -140,6 +140,11 @@ def load_attack_images(cfg: BenchmarkConfig) -> ImageSet:
     if len(images) < n_needed:
         raise InputDataError(f"{len(images)} usable image(s) cannot be split over {n_needed} clients; "
                              "add images or lower --clients")
+    per_client, batch = len(images) // n_needed, cfg.federation.batch_size
+    if batch > per_client:  # a batch holds distinct images; more would repeat them (and its memory)
+        raise ConfigError(f"federation.batch_size is {batch}, but {len(images)} image(s) over {n_needed} clients "
+                          f"leave {per_client} per client; lower federation.batch_size to <= {per_client}, "
+                          "add images (data.num_images) or lower --clients")
     return images
 
 

@@ -166,6 +166,9 @@ def private_batch(run_config: Mapping[str, Any] | RunConfig, partition_id: int, 
         raise ValueError(f"server rounds start at 1, got {server_round}")
     owned = partition_indices(cfg, partition_id, num_partitions)
     seed, B, n = cfg.seed, cfg.batch_size, len(owned)
+    if B > n:  # a batch of distinct images (more would repeat them, and multiply the update's memory)
+        raise ValueError(f"client {partition_id} holds {n} image(s), fewer than batch-size {B}; lower "
+                         "batch-size, add images or use fewer (or IID) partitions")
     picks = []
     for k in range(B):
         pos = (server_round - 1) * B + k

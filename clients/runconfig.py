@@ -69,6 +69,15 @@ SECAGG_QUANTIZATION_RANGE = 2 ** 22
 SECAGG_MODULUS = 2 ** 32
 JsonOrMapping = Annotated[Union[str, dict], ByShape()]  # JSON (a TOML value cannot nest) or, in Python, a dict
 
+#: Bounds checked before any work starts (the memory and time a run needs grow with them): the side
+#: of the square images (ViT inputs: 32 and 224 here; 1024 leaves room for larger patch grids), the
+#: images per client update, and FedAvg's local SGD steps per round (an attacker simulating them
+#: pays as many double backwards per evaluation).
+MAX_IMAGE_SIZE = 1024
+MAX_BATCH_SIZE = 1024
+MAX_LOCAL_STEPS = 1000
+
+
 class RunConfig(Schema):
     """Every run-config key with its type and default. pyproject.toml's ``[tool.flwr.app.config]``
     holds the same keys and defaults in the same TOML types (tests/test_config.py checks it);
@@ -81,13 +90,13 @@ class RunConfig(Schema):
     setting: Setting = option("a", round=True)
     gamma: Float = option(0.27, ge=0.0, le=1.0, round=True)
     per_sample: bool = option(False, round=True)
-    batch_size: Int = option(1, ge=1, round=True)
-    local_steps: Int = option(1, ge=1, round=True)
+    batch_size: Int = option(1, ge=1, le=MAX_BATCH_SIZE, round=True)
+    local_steps: Int = option(1, ge=1, le=MAX_LOCAL_STEPS, round=True)
     lr: Float = option(0.1, round=True)
     dal_weight: Float = option(0.0, round=True)
     seed: Int = 0
     images: str = "embedded"
-    image_size: Int = 32
+    image_size: Int = option(32, ge=1, le=MAX_IMAGE_SIZE)
     num_images: Int = 16  # 0: all images of the source
     num_classes: Int = 10
     num_partitions: Int = option(2, ge=1)

@@ -142,6 +142,42 @@ def test_bad_model_kwargs_are_config_errors(tmp_path: Path, capsys, kwargs: str,
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("setting, words", [
+    ("data.image_size=100000", ["data.image_size", "[1, 1024]", "100000"]),
+    ("federation.local_steps=1000000000", ["federation.local_steps", "[1, 1000]"]),
+    ("federation.batch_size=5000", ["federation.batch_size", "[1, 1024]"]),
+    ("federation.options={image-size: 100000}", ["image-size", "1024"]),
+])
+def test_sizes_that_set_a_run_s_memory_and_time_are_bounded_before_work(tmp_path: Path, capsys, setting: str,
+                                                                         words: list[str]) -> None:
+    """An image side, a batch or a number of local steps beyond its bound is refused at once (the
+    image side used to be checked after every image was resized to it: killed for memory)."""
+    start = time.monotonic()
+    assert cli(small_config(tmp_path), tmp_path / "out", "--set", setting) == 3
+    assert time.monotonic() - start < 30
+    one_line_error(capsys.readouterr().err, *words)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_batch_larger_than_a_client_s_images_is_refused_naming_the_share(tmp_path: Path, capsys) -> None:
+    """A batch holds distinct images: B beyond the images a client holds would repeat them (1,000
+    copies of one image: 7.4 GB) and is a config error naming the per-client share."""
+    cfg = small_config(tmp_path)
+    n_images, n_clients = (yaml.safe_load(cfg.read_text())[k] for k in ("data", "federation"))
+    per_client = n_images["num_images"] // n_clients["clients"]
+    assert cli(cfg, tmp_path / "out", "--set", f"federation.batch_size={per_client + 1}") == 3
+    one_line_error(capsys.readouterr().err, "federation.batch_size", f"<= {per_client}")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_client_never_repeats_an_image_within_a_batch() -> None:
+    from clients.partition import private_batch
+
+    cfg = {"num-images": 4, "num-partitions": 2, "batch-size": 3}
+    with pytest.raises(ValueError, match="holds 2 image"):
+        private_batch(cfg, 0, 1)
+
+
 # ------------------------------------------------------------------ fuzzing
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
