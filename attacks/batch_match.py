@@ -26,15 +26,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fedmjp.config import Float, Int, option
 from fedmjp.devices import resolve_device
 
-from .base import Attack, AttackFailure, AttackMetadata, AttackResult, Update, register_attack, update_to_gradients
+from .base import Attack, AttackFailure, AttackMetadata, AttackOptions, AttackResult, Update, register_attack, update_to_gradients
 from .breaching_adapter import attack_copy, matched_names
 from .labels import recover_label_counts
 
@@ -95,15 +96,18 @@ class BatchMatch(Attack):
 
     name = "batch_match"
 
-    def __init__(self, iterations: int = 200, restarts: int = 1, tv: float = 0.0, init_scale: float = 0.5,
-                 seed: int = 0, device: str = "cpu", raise_errors: bool = False) -> None:
-        super().__init__(raise_errors)
-        if iterations < 1 or restarts < 1:
-            raise ValueError(f"iterations and restarts must be >= 1, got {iterations} and {restarts}")
-        if tv < 0 or init_scale <= 0:
-            raise ValueError(f"tv must be >= 0 and init_scale > 0, got {tv} and {init_scale}")
-        self.iterations, self.restarts, self.tv = int(iterations), int(restarts), float(tv)
-        self.init_scale, self.seed, self.device = float(init_scale), int(seed), resolve_device(device)
+    class Options(AttackOptions):
+        iterations: Int = option(200, ge=1)
+        restarts: Int = option(1, ge=1)
+        tv: Float = option(0.0, ge=0.0)
+        init_scale: Float = option(0.5, gt=0.0)
+        seed: Int = 0
+        device: str = "cpu"
+
+    def __init__(self, **options: Any) -> None:
+        o = self._parse_options(options)
+        self.iterations, self.restarts, self.tv = o.iterations, o.restarts, o.tv
+        self.init_scale, self.seed, self.device = o.init_scale, o.seed, resolve_device(o.device)
 
     def _reconstruct(self, model: nn.Module, update: Update, meta: AttackMetadata) -> AttackResult:
         t0 = time.perf_counter()

@@ -52,6 +52,7 @@ from .rows import RowContext, RowKey, client_failure_rows
 from .store import RunFolder, slug
 
 if TYPE_CHECKING:
+    from attacks.base import AttackMetadata
     from clients.runconfig import RunConfig
 
     from .workers import Runner
@@ -353,29 +354,29 @@ def _run_locked(cfg: BenchmarkConfig, run: RunFolder, prepared: Prepared, federa
                       tables, [str(g) for g in grids])
 
 
-def attack_metadata(cfg: BenchmarkConfig, resolved: RunConfig, model: nn.Module, batch: Any) -> dict:
-    """What the server knows besides an update: batch size, input normalisation, image size, the
-    update type, the defence the clients run (its spec with parameters: Kerckhoffs, the server
-    configures the protocol) and, when the threat model grants them, the labels.
+def attack_metadata(cfg: BenchmarkConfig, resolved: RunConfig, model: nn.Module, batch: Any) -> AttackMetadata:
+    """What the server knows besides an update, typed: batch size, input normalisation, image size,
+    the update type with its local SGD steps, the defence the clients run (its spec with parameters:
+    Kerckhoffs, the server configures the protocol) and, when the threat model grants them, the
+    labels, one per image.
 
     Args:
         cfg: the benchmark config; resolved: the federation's resolved client config
             (``clients.runconfig.resolve_config``); model: the server's model; batch: the private batch.
     """
+    from attacks.base import AttackMetadata
     from fedmjp.factory import model_input_stats
 
     mean, std = model_input_stats(model)
     fed = cfg.federation
-    md = {"num_images": len(batch.image_ids), "mean": mean, "std": std,
-          "image_size": (3, cfg.data.image_size, cfg.data.image_size),
-          "update_type": "gradient" if fed.algorithm == "fedsgd" else "delta",
-          "lr": float(fed.lr), "local_steps": fed.local_steps,
-          "defence": resolved.defence_spec()}
-    if resolved.mode != fed.algorithm:  # the fedavg defence turns FedSGD into FedAvg
-        md.update(update_type="delta", local_steps=resolved.local_steps)
-    if cfg.attack.labels == "known":
-        md["labels"] = batch.labels.clone()
-    return md
+    fedavg = resolved.mode != fed.algorithm  # the fedavg defence turns FedSGD into FedAvg
+    return AttackMetadata(
+        num_images=len(batch.image_ids), image_size=(3, cfg.data.image_size, cfg.data.image_size),
+        mean=torch.tensor(mean, dtype=torch.float64), std=torch.tensor(std, dtype=torch.float64),
+        labels=batch.labels.detach().to("cpu", torch.long).clone() if cfg.attack.labels == "known" else None,
+        update_type="gradient" if fed.algorithm == "fedsgd" and not fedavg else "delta",
+        lr=float(fed.lr), local_steps=resolved.local_steps if fedavg else fed.local_steps,
+        defence=resolved.defence_spec())
 
 
 def raise_for_errors(summary: RunSummary) -> None:
