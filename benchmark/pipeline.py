@@ -259,10 +259,12 @@ def expected_updates(cfg: BenchmarkConfig) -> list[tuple[int, int]]:
 
 def expected_keys(cfg: BenchmarkConfig, row: ModelRow, group: str, settings: list[str]) -> set[RowKey]:
     """Row keys a complete federation of this (row, group) stores (from the private batches)."""
-    run_config = client_run_config(cfg, row, group)
+    from clients.runconfig import resolve_config
+
+    resolved = resolve_config(client_run_config(cfg, row, group))
     keys = set()
     for rnd, part in expected_updates(cfg):
-        batch = tapped_batch(run_config, part, rnd, cfg.federation.clients)
+        batch = tapped_batch(resolved, part, rnd, cfg.federation.clients)
         for b, image_id in enumerate(batch.image_ids):
             for s in settings:
                 for entry in attack_entries(cfg):
@@ -270,7 +272,7 @@ def expected_keys(cfg: BenchmarkConfig, row: ModelRow, group: str, settings: lis
     return keys
 
 
-def grid_image_ids(cfg: BenchmarkConfig, run_config: dict) -> set[str]:
+def grid_image_ids(cfg: BenchmarkConfig, run_config: RunConfig) -> set[str]:
     """The fixed grid selection: the first ``report.grid_images`` images attacked, in (round,
     partition, batch index) order. Private batches do not depend on the model row or the setting
     group, so every grid row shows the same images."""
@@ -407,13 +409,13 @@ def quiet_flower(verbose: bool = False) -> None:
     log.propagate = False
 
 
-def row_context(cfg: BenchmarkConfig, row: ModelRow, group: str, run_config: dict, image_names: list[str]) -> RowContext:
-    """What every result row of one federation (model row, setting group) shares."""
-    from defences import validate_defence
-
+def row_context(cfg: BenchmarkConfig, row: ModelRow, group: str, resolved: RunConfig,
+                image_names: list[str]) -> RowContext:
+    """What every result row of one federation (model row, setting group) shares; ``resolved``: the
+    federation's run config."""
     return RowContext(model=row.name, label=row.label, trained=row.trained, arch=row.spec["arch"],
                       variant=row.spec["variant"], april=row.spec["april"], group=group, seed=cfg.seed,
-                      defence=validate_defence(json.loads(run_config["defence"])),
+                      defence=resolved.defence_spec(),
                       image_index={name: i for i, name in enumerate(image_names)},
                       federation={"batch_size": cfg.federation.batch_size, "local_steps": cfg.federation.local_steps,
                                   "labels": "known" if cfg.attack.labels == "known" else "recovered"})
@@ -509,7 +511,7 @@ class GroupAttacker:
             self.finish_round, batched)
         self.run_config = client_run_config(self.cfg, row, group)
         self.resolved = resolve_config(self.run_config)
-        self.ctx = row_context(self.cfg, row, group, self.run_config, prepared.image_names)
+        self.ctx = row_context(self.cfg, row, group, self.resolved, prepared.image_names)
         # The classifier-bias gradient carries the attacked model's prediction when the update is a
         # plain FedSGD gradient (no defence transforms it); see scoring.round_top1.
         plain = self.resolved.mode == "fedsgd" and self.resolved.defence_spec().name == "none"
@@ -523,7 +525,7 @@ class GroupAttacker:
         self.model = row.model
         self.acc_model = row.acc_model
         self.pristine = {k: v.detach().clone() for k, v in row.model.state_dict().items()}
-        self.grid_ids = grid_image_ids(self.cfg, self.run_config)
+        self.grid_ids = grid_image_ids(self.cfg, self.resolved)
         self.new_rows = self.failed_rows = self.error_rows = 0
         self.error: BaseException | None = None
         self.aborted = False
@@ -613,7 +615,7 @@ class GroupAttacker:
         still miss rows of that attacker; the round goes to :attr:`dispatch` until they are done."""
         rnd = int(updates[0].server_round)
         clients = self.cfg.federation.clients
-        batches = [tapped_batch(self.run_config, int(u.partition_id), rnd, clients, getattr(u, "partition_ids", None))
+        batches = [tapped_batch(self.resolved, int(u.partition_id), rnd, clients, getattr(u, "partition_ids", None))
                    for u in updates]
         keys = [round_keys(self.row.name, self.p.attackers, self.settings, rnd, int(u.partition_id), b.image_ids)
                 for u, b in zip(updates, batches)]
@@ -712,7 +714,7 @@ class GroupAttacker:
         attackers = [(a.label, a.name) for a in self.p.attackers]
         for rnd, part in self.rounds.missing():
             reasons = sorted({f.reason for f in failures if f.server_round == rnd and f.partition_id in (None, part)})
-            batch = tapped_batch(self.run_config, part, rnd, self.cfg.federation.clients)
+            batch = tapped_batch(self.resolved, part, rnd, self.cfg.federation.clients)
             rows += [r for r in client_failure_rows(self.ctx, rnd, part, batch, reasons, attackers, self.settings)
                      if r.key not in self.done]
         if rows:
