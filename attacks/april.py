@@ -36,8 +36,7 @@ from fedmjp.config import Float
 
 from .base import (AttackFailure, AttackOptions, BatchedSolveAttack, AttackMetadata, AttackResult, Update,
                    register_attack, update_to_gradients)
-from .first_layer import (PRECISIONS, AprilConditionError, Precision, check_conditions, gradient_of_Z, is_design_a,
-                          unwrap_vit)
+from .first_layer import PRECISIONS, Precision, check_conditions, gradient_of_Z, is_design_a, unwrap_vit
 
 _logger = logging.getLogger(__name__)
 
