@@ -6,10 +6,11 @@
 
 Names: see :func:`attack_names`. No Flower import here: attacks run without a simulation.
 """
-from .base import (Attack, AttackFailure, AttackMetadata, AttackResult, attack_names, create_attack,
+from .base import (Attack, AttackFailure, AttackMetadata, AttackOptions, AttackResult, attack_names, create_attack,
                    register_attack, update_to_gradients)
 from .updates import compute_per_sample_updates, compute_update
-from .april import AprilAnalytic, AprilConditionError, check_conditions
+from .first_layer import AprilConditionError, check_conditions
+from .april import AprilAnalytic
 from .breaching_adapter import BREACHING_ATTACKS, BreachingAttack, load_attack_config
 from .matching import AprilOptimization, GradientMatching, InvertingGradientsBatched, recover_labels
 from .mjp_adaptive import MJPAdaptive, detect_shuffled, mjp_reduction
@@ -21,7 +22,7 @@ from .labels import LabelCounts, recover_label_counts
 
 __all__ = [
     "BREACHING_ATTACKS", "AprilAnalytic", "AprilConditionError", "AprilOptimization", "Attack", "AttackFailure",
-    "AttackMetadata", "AttackResult", "BatchMatch", "BreachingAttack", "LabelCounts", "GradientMatching", "InvertingGradientsBatched", "MJPAdaptive",
+    "AttackMetadata", "AttackOptions", "AttackResult", "BatchMatch", "BreachingAttack", "LabelCounts", "GradientMatching", "InvertingGradientsBatched", "MJPAdaptive",
     "attack_names", "check_conditions", "compute_per_sample_updates", "compute_update", "create_attack", "detect_shuffled",
     "load_attack_config", "mjp_reduction", "recover_label_counts", "recover_labels", "register_attack", "solve_jigsaw", "update_to_gradients",
 ]

@@ -25,95 +25,24 @@ import hashlib
 import logging
 import threading
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Literal, Optional, Sequence
 
 import cachetools
 import torch
 import torch.nn as nn
 from patchgrid import unpatchify
 
-from .base import (AttackFailure, BatchedSolveAttack, AttackMetadata, AttackResult, Update,
+from fedmjp.config import Float
+
+from .base import (AttackFailure, AttackOptions, BatchedSolveAttack, AttackMetadata, AttackResult, Update,
                    register_attack, update_to_gradients)
+from .first_layer import PRECISIONS, Precision, check_conditions, gradient_of_Z, is_design_a, unwrap_vit
 
 _logger = logging.getLogger(__name__)
 
-_PRECISIONS = {"float64": torch.float64, "float32": torch.float32}
 PE_MODES = ("plain", "detect_unk")
-
-
-class AprilConditionError(AttackFailure, ValueError):
-    """The model violates a condition of APRIL's closed form; the message names it."""
-
-
-def _is_design_a(block: nn.Module) -> bool:
-    from fedmjp.models import AprilBlock
-
-    if isinstance(block, AprilBlock):
-        return True
-    # breaching's vit_*_april surgery replaces block 0 by its own ModifiedBlock (attn fed directly).
-    return type(block).__name__ == "ModifiedBlock" and not hasattr(block, "norm1")
-
-
-def _vit(model: nn.Module) -> nn.Module:
-    """Unwrap containers (breaching's VisionContainer, our breaching view) to the timm ViT."""
-    while not hasattr(model, "blocks") and hasattr(model, "model"):
-        model = model.model
-    return model
-
-
-def check_conditions(model: nn.Module) -> dict[str, Any]:
-    """Check the conditions of the closed form on ``model`` (a timm-style ViT).
-
-    Returns:
-        info: ``T`` tokens, ``D`` width, ``num_prefix``, ``patch_size``, ``patch_dim`` (C p^2),
-        ``patches_unique`` (C p^2 <= D) and ``pos_embed_covers_prefix``.
-    Raises:
-        AprilConditionError: naming the failing condition (pre-norm block 0, no PE, T > D, ...).
-    """
-    vit = _vit(model)
-    blocks = getattr(vit, "blocks", None)
-    if blocks is None or len(blocks) == 0 or not hasattr(getattr(blocks[0], "attn", None), "qkv"):
-        raise AprilConditionError("condition failed: model is not a timm-style ViT (blocks[0].attn.qkv)")
-    if not _is_design_a(blocks[0]):
-        raise AprilConditionError(
-            "condition failed: block 0 is not APRIL's design A (it is a pre-norm block with norm1 and "
-            "a residual around attention), so the embedding does not feed qkv directly; use "
-            "fedmjp.april_surgery / first_block='april', or the 'april_optimization' attack")
-    if getattr(vit, "pos_embed", None) is None:
-        raise AprilConditionError("condition failed: model has no position embedding (dL/dP is needed)")
-    pe_ok = (isinstance(getattr(vit, "norm_pre", nn.Identity()), nn.Identity)
-             and isinstance(getattr(vit.patch_embed, "norm", nn.Identity()), nn.Identity))
-    if not pe_ok:
-        raise AprilConditionError("condition failed: a norm between the patch embedding and block 0 "
-                                  "(norm_pre or patch_embed.norm) makes the embedding non-affine")
-    prefix = int(getattr(vit, "num_prefix_tokens", 1))
-    n_patches = int(vit.patch_embed.num_patches)
-    T, D = prefix + n_patches, int(vit.embed_dim)
-    if T > D:
-        raise AprilConditionError(
-            f"condition failed: T = {T} tokens > D = {D}: rank(dL/dP) <= D < T, the system "
-            "W_qkv^T G_W = G_Z^T Z has no unique solution")
-    proj = vit.patch_embed.proj
-    C, p = int(proj.weight.shape[1]), int(proj.weight.shape[2])
-    return dict(T=T, D=D, num_prefix=prefix, patch_size=p, channels=C, patch_dim=C * p * p,
-                patches_unique=C * p * p <= D,
-                pos_embed_covers_prefix=int(vit.pos_embed.shape[1]) == T)
-
-
-def _gradient_of_Z(vit: nn.Module, grads: dict[str, torch.Tensor], info: dict) -> torch.Tensor:
-    """G_Z [T, D] from dL/dpos_embed (and dL/dcls_token, dL/dreg_token when the PE skips prefixes)."""
-    if "pos_embed" not in grads:
-        raise AttackFailure("update lacks 'pos_embed'")
-    g_pe = grads["pos_embed"].reshape(-1, info["D"])
-    if info["pos_embed_covers_prefix"]:
-        return g_pe
-    rows = []
-    for name in ("cls_token", "reg_token"):
-        if getattr(vit, name, None) is not None:
-            if name not in grads:
-                raise AttackFailure(f"update lacks {name!r}")
-            rows.append(grads[name].reshape(-1, info["D"]))
-    return torch.cat(rows + [g_pe], dim=0)
+# attacks.first_layer's helpers under the private names bench/mjp_adaptive_strength.py imports from here
+_PRECISIONS, _vit, _is_design_a, _gradient_of_Z = PRECISIONS, unwrap_vit, is_design_a, gradient_of_Z
 
 
 #: (pseudo-inverse, rank) of the patch embeddings solved lately, by content: a benchmark attacks
@@ -159,14 +88,15 @@ class AprilAnalytic(BatchedSolveAttack):
 
     name = "april_analytic"
 
-    def __init__(self, precision: str = "float64", driver: str = "gelsd", pe_mode: str = "plain",
-                 rcond: Optional[float] = None, raise_errors: bool = False) -> None:
-        super().__init__(raise_errors)
-        if precision not in _PRECISIONS:
-            raise ValueError(f"precision must be one of {sorted(_PRECISIONS)}, got {precision!r}")
-        if pe_mode not in PE_MODES:
-            raise ValueError(f"pe_mode must be one of {PE_MODES}, got {pe_mode!r}")
-        self.dtype, self.driver, self.pe_mode, self.rcond = _PRECISIONS[precision], driver, pe_mode, rcond
+    class Options(AttackOptions):
+        precision: Precision = "float64"
+        driver: str = "gelsd"
+        pe_mode: Literal[PE_MODES] = "plain"
+        rcond: Optional[Float] = None
+
+    def __init__(self, **options: Any) -> None:
+        o = self._parse_options(options)
+        self.dtype, self.driver, self.pe_mode, self.rcond = PRECISIONS[o.precision], o.driver, o.pe_mode, o.rcond
 
     check_conditions = staticmethod(check_conditions)
 
@@ -174,7 +104,7 @@ class AprilAnalytic(BatchedSolveAttack):
     def _solve(self, model: nn.Module, updates: Sequence[Update],
                metas: Sequence[AttackMetadata]) -> list[AttackResult]:
         t0 = time.perf_counter()
-        vit = _vit(model)
+        vit = unwrap_vit(model)
         info = check_conditions(vit)
         dt, D, T, prefix = self.dtype, info["D"], info["T"], info["num_prefix"]
         notes: list[list[str]] = []
@@ -185,7 +115,7 @@ class AprilAnalytic(BatchedSolveAttack):
             grads, n = update_to_gradients(upd, meta)
             if "blocks.0.attn.qkv.weight" not in grads:
                 raise AttackFailure("update lacks 'blocks.0.attn.qkv.weight'")
-            G_Z.append(_gradient_of_Z(vit, grads, info).to("cpu", dt))
+            G_Z.append(gradient_of_Z(vit, grads, info).to("cpu", dt))
             G_W.append(grads["blocks.0.attn.qkv.weight"].to("cpu", dt))
             notes.append(list(n))
         G_Z, G_W = torch.stack(G_Z), torch.stack(G_W)  # [K, T, D], [K, 3D, D]

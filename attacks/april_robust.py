@@ -33,18 +33,20 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import numpy as np
 import scipy.sparse.linalg as spla
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from pydantic import model_validator
 
-from defences.spec import DefenceSpec, DpSgd, LocalDp, Prune, Quantize
+from defences.spec import DefenceSpec
+from fedmjp.config import Float, Int, option
 
-from .april import _gradient_of_Z, _is_design_a, _vit, check_conditions
-from .base import Attack, AttackFailure, AttackMetadata, AttackResult, Update, register_attack, update_to_gradients
+from .first_layer import check_conditions, gradient_of_Z, is_design_a, unwrap_vit
+from .base import Attack, AttackFailure, AttackMetadata, AttackOptions, AttackResult, Update, register_attack, update_to_gradients
 from .pe_closed_form import images_to_patches, patches_to_images, pe_closed_form_system, pe_conditions
 from .priors import PatchPrior, load_patch_prior
 
@@ -129,42 +131,38 @@ class _Noise:
 
 
 def _defence_noise(spec: DefenceSpec, meta: AttackMetadata) -> _Noise:
-    """The noise model of the defence spec in the metadata (Kerckhoffs); an unmodelled defence gives
-    the estimating model with a note saying why."""
-    to_grad = 1.0 if meta.update_type == "gradient" else 1.0 / (float(meta.lr) * max(meta.local_steps, 1))
-    name, src = spec.name, "defence metadata"
-    if isinstance(spec, LocalDp):
-        # the clip scales every equation alike (X unchanged); noise of scale sigma * clip per entry
-        laplace = spec.noise == "laplace"
-        std = spec.sigma * spec.clip * (math.sqrt(2) if laplace else 1.0) * to_grad
-        desc = (f"local_dp: i.i.d. {'Laplace (by its variance)' if laplace else 'Gaussian'} noise, std {std:.3g} "
-                f"per entry (sigma {spec.sigma} x clip {spec.clip}"
-                + (", x sqrt 2" if laplace else "") + (", / (lr steps) of the delta" if to_grad != 1 else "") + ")")
-        return _Noise(src, desc, std=std)
-    if isinstance(spec, DpSgd):
-        # per-sample clip (a common factor at batch 1), Gaussian noise sigma * clip on the sum, / batch
-        # size; a FedAvg delta's mean gradient averages ``local_steps`` independent draws
+    """The noise model of the defence spec in the metadata (Kerckhoffs: what the defence states it
+    does, :meth:`defences.spec.DefenceSpec.observation`); an unmodelled defence gives the estimating
+    model with a note saying why."""
+    obs, src = spec.observation(), "defence metadata"
+    if obs is None:
+        return _Noise(notes=[f"defence {spec.name!r} in metadata is not modelled by april_robust: treated as "
+                             "unknown, noise estimated"])
+    if not obs.perturbs:
+        return _Noise(src, f"{obs.what}: noise std read off the update's redundancy")
+    if obs.noise is not None and obs.per_example:
+        # per-sample clip (a common factor at batch 1), Gaussian noise on the sum, / batch size; a
+        # FedAvg delta's mean gradient averages ``local_steps`` independent draws
+        std, _ = meta.defence_noise(obs)
         steps = 1 if meta.update_type == "gradient" else max(meta.local_steps, 1)
-        std = spec.sigma * spec.clip / max(meta.num_images, 1) / math.sqrt(steps)
         return _Noise(src, f"dp_sgd: Gaussian noise, std {std:.3g} per entry of the mean gradient (sigma "
-                           f"{spec.sigma} x clip {spec.clip} / batch {meta.num_images}"
+                           f"{obs.sigma} x clip {obs.clip} / batch {meta.num_images}"
                            + (f" / sqrt({steps} steps)" if steps > 1 else "") + ")", std=std)
-    if isinstance(spec, Quantize):
-        bits, stochastic = spec.bits, spec.stochastic
+    if obs.noise is not None:
+        # the clip scales every equation alike (X unchanged); Laplace noise is modelled by its variance
+        laplace = obs.noise == "laplace"
+        std = meta.defence_noise(obs)[0] * (math.sqrt(2) if laplace else 1.0)
+        desc = (f"local_dp: i.i.d. {'Laplace (by its variance)' if laplace else 'Gaussian'} noise, std {std:.3g} "
+                f"per entry (sigma {obs.sigma} x clip {obs.clip}" + (", x sqrt 2" if laplace else "")
+                + (", / (lr steps) of the delta" if abs(meta.gradient_scale) != 1 else "") + ")")
+        return _Noise(src, desc, std=std)
+    if obs.quant_bits is not None:
+        bits, stochastic = obs.quant_bits, obs.quant_stochastic
         kind = "sign x mean|u| per tensor" if bits == 1 else (
             f"{2 ** bits} levels per tensor, {'stochastic' if stochastic else 'nearest'} rounding error of the step")
         return _Noise(src, f"quantize {bits} bit: {kind}", quant=(bits, stochastic))
-    if isinstance(spec, Prune):
-        keep = spec.keep
-        return _Noise(src, f"prune keep {keep}: zeros are missing entries, the kept ones exact (their rounding "
-                           "estimated)", prune_keep=keep)
-    clean = {"none": "no defence", "central_dp": "central DP (the client sends its clean update)",
-             "mixup": "mixup (a clean gradient of the mixed image)",
-             "fedavg": "FedAvg local steps (the update is not perturbed entrywise)"}
-    if name in clean:
-        return _Noise(src, f"{clean[name]}: noise std read off the update's redundancy")
-    note = f"defence {name!r} in metadata is not modelled by april_robust: treated as unknown, noise estimated"
-    return _Noise(notes=[note])
+    return _Noise(src, f"prune keep {obs.prune_keep}: zeros are missing entries, the kept ones exact (their "
+                       "rounding estimated)", prune_keep=obs.prune_keep)
 
 
 class _PatchPriorTerm:
@@ -226,43 +224,40 @@ class AprilRobust(Attack):
 
     name = "april_robust"
 
-    def __init__(self, sigma: Optional[float] = None, clip: Optional[float] = None,
-                 quant_bits: Optional[int] = None, prune_keep: Optional[float] = None, known_defence: bool = True,
-                 prune_missing: bool = True, prior_scale: float = 1.0,
-                 prior_weight: Optional[float] = None, iterations: int = 10, use_qkv: str = "auto",
-                 errors: str = "joint", prior: str = "smooth", prior_path: Optional[str] = None,
-                 reestimate_noise: bool = True, cg_tol: float = 1e-12, cg_maxiter: int = 300,
-                 raise_errors: bool = False) -> None:
-        super().__init__(raise_errors)
-        if sigma is not None and (not math.isfinite(sigma) or sigma < 0):
-            raise ValueError(f"sigma must be >= 0, got {sigma!r}")
-        if clip is not None and not clip > 0:
-            raise ValueError(f"clip must be > 0, got {clip!r}")
-        if sigma is not None and sigma > 0 and clip is None:
-            raise ValueError("sigma needs the clip it multiplies (noise std = sigma * clip)")
-        if quant_bits is not None and not 1 <= int(quant_bits) <= 32:
-            raise ValueError(f"quant_bits must be in [1, 32], got {quant_bits!r}")
-        if prune_keep is not None and not 0 < prune_keep <= 1:
-            raise ValueError(f"prune_keep must be in (0, 1], got {prune_keep!r}")
-        if prior not in ("smooth", "tv", "gaussian", "auto"):
-            raise ValueError(f"prior must be 'smooth', 'tv', 'gaussian' or 'auto', got {prior!r}")
-        if errors not in ("joint", "weighted"):
-            raise ValueError(f"errors must be 'joint' or 'weighted', got {errors!r}")
-        if use_qkv not in ("auto", "never"):
-            raise ValueError(f"use_qkv must be 'auto' or 'never', got {use_qkv!r}")
-        if not prior_scale > 0 or (prior_weight is not None and not prior_weight >= 0):
-            raise ValueError(f"prior_scale must be > 0 and prior_weight >= 0, got {prior_scale!r}, {prior_weight!r}")
-        if int(iterations) < 1:
-            raise ValueError(f"iterations must be >= 1, got {iterations!r}")
-        self.sigma, self.clip = sigma, clip
-        self.quant_bits = None if quant_bits is None else int(quant_bits)
-        self.prune_keep, self.known_defence = prune_keep, bool(known_defence)
-        self.prune_missing, self.prior_scale, self.prior_weight = bool(prune_missing), float(prior_scale), prior_weight
-        self.iterations, self.use_qkv, self.errors = int(iterations), use_qkv, errors
-        self.reestimate_noise, self.prior = bool(reestimate_noise), prior
+    class Options(AttackOptions):
+        sigma: Optional[Float] = option(None, ge=0.0)
+        clip: Optional[Float] = option(None, gt=0.0)
+        quant_bits: Optional[Int] = option(None, ge=1, le=32)
+        prune_keep: Optional[Float] = option(None, gt=0.0, le=1.0)
+        known_defence: bool = True
+        prune_missing: bool = True
+        prior_scale: Float = option(1.0, gt=0.0)
+        prior_weight: Optional[Float] = option(None, ge=0.0)
+        iterations: Int = option(10, ge=1)
+        use_qkv: Literal["auto", "never"] = "auto"
+        errors: Literal["joint", "weighted"] = "joint"
+        prior: Literal["smooth", "tv", "gaussian", "auto"] = "smooth"
+        prior_path: Optional[str] = None
+        reestimate_noise: bool = True
+        cg_tol: Float = 1e-12
+        cg_maxiter: Int = 300
+
+        @model_validator(mode="after")
+        def _sigma_has_clip(self) -> "AprilRobust.Options":
+            if self.sigma and self.clip is None:
+                raise ValueError("sigma needs the clip it multiplies (noise std = sigma * clip); set clip too")
+            return self
+
+    def __init__(self, **options: Any) -> None:
+        o = self._parse_options(options)
+        self.sigma, self.clip, self.quant_bits = o.sigma, o.clip, o.quant_bits
+        self.prune_keep, self.known_defence = o.prune_keep, o.known_defence
+        self.prune_missing, self.prior_scale, self.prior_weight = o.prune_missing, o.prior_scale, o.prior_weight
+        self.iterations, self.use_qkv, self.errors = o.iterations, o.use_qkv, o.errors
+        self.reestimate_noise, self.prior = o.reestimate_noise, o.prior
         # read now: a missing or malformed file is a ValueError (PriorError) naming it, before any solve
-        self.patch_prior = load_patch_prior(prior_path) if prior in ("gaussian", "auto") else None
-        self.cg_tol, self.cg_maxiter = float(cg_tol), int(cg_maxiter)
+        self.patch_prior = load_patch_prior(o.prior_path) if o.prior in ("gaussian", "auto") else None
+        self.cg_tol, self.cg_maxiter = o.cg_tol, o.cg_maxiter
         self.quant_cells = True
 
     # --------------------------------------------------------------------------------- noise model
@@ -270,8 +265,7 @@ class AprilRobust(Attack):
         """The noise model: the options where they set one, else the metadata's defence spec
         (``known_defence``), else unknown (estimated from the update)."""
         if self.sigma is not None or self.quant_bits is not None or self.prune_keep is not None:
-            to_grad = 1.0 if meta.update_type == "gradient" else 1.0 / (float(meta.lr) * max(meta.local_steps, 1))
-            std = (self.sigma * self.clip if self.sigma else 0.0) * to_grad
+            std = (self.sigma * self.clip if self.sigma else 0.0) * abs(meta.gradient_scale)
             parts = ([f"Gaussian std {std:.3g} per entry (sigma {self.sigma} x clip {self.clip})"] if self.sigma else []) \
                 + ([f"quantize {self.quant_bits} bit, rounding error of the step"] if self.quant_bits else []) \
                 + ([f"prune keep {self.prune_keep}: zeros are missing entries"] if self.prune_keep else [])
@@ -316,7 +310,7 @@ class AprilRobust(Attack):
         if meta.num_images != 1:
             raise AttackFailure(f"the closed forms need batch size 1 per update, got num_images={meta.num_images}: "
                                 "the update sums the images' first-layer systems")
-        vit = _vit(model)
+        vit = unwrap_vit(model)
         info = pe_conditions(model, meta.image_size)
         grads, notes = update_to_gradients(update, meta)
         noise = self._noise_model(meta)
@@ -346,7 +340,7 @@ class AprilRobust(Attack):
 
         # design A: W^T dL/dW_qkv = G_Z^T Z(X)
         qkv = None
-        design_a = len(getattr(vit, "blocks", [])) > 0 and _is_design_a(vit.blocks[0])
+        design_a = len(getattr(vit, "blocks", [])) > 0 and is_design_a(vit.blocks[0])
         if self.use_qkv == "auto" and design_a:
             qkv = self._qkv_system(vit, grads, pre, info, sysm, notes)
             if qkv is not None:
@@ -509,7 +503,7 @@ class AprilRobust(Attack):
                          "the qkv equation is not used")
             return None
         W = vit.blocks[0].attn.qkv.weight.detach().to("cpu", _DT)
-        G_Z = _gradient_of_Z(vit, {k.removeprefix(info.prefix): grads[k] for k in
+        G_Z = gradient_of_Z(vit, {k.removeprefix(info.prefix): grads[k] for k in
                                    (info.prefix + "pos_embed", info.prefix + "cls_token", info.prefix + "reg_token")
                                    if k in grads}, a_info).to("cpu", _DT)
         D = info.D

@@ -27,14 +27,14 @@ import traceback
 import typing
 from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Callable, ClassVar, Literal, Mapping, Optional, Sequence, Union
+from typing import Annotated, Any, Callable, ClassVar, Literal, Mapping, Optional, Sequence, TypeVar, Union
 
 import numpy as np
 import torch
 import torch.nn as nn
 from pydantic import BeforeValidator, ConfigDict, create_model
 
-from defences.spec import DefenceSpec, validate_defence
+from defences.spec import DefenceSpec, Observation, validate_defence
 from fedmjp import config as core
 from fedmjp import plugins
 from fedmjp.factory import normalize
@@ -42,7 +42,9 @@ from fedmjp.factory import normalize
 _logger = logging.getLogger(__name__)
 
 Update = Mapping[str, torch.Tensor]
-Metadata = Mapping[str, Any]
+#: What a server passes with an update: an :class:`AttackMetadata`, or a dict of its keys (read by
+#: :meth:`AttackMetadata.parse`).
+Metadata = Union["AttackMetadata", Mapping[str, Any]]
 
 
 class AttackFailure(RuntimeError):
@@ -111,7 +113,13 @@ class AttackMetadata:
     defence_error: Optional[str] = None
 
     @classmethod
-    def parse(cls, metadata: Optional[Metadata], model: nn.Module) -> "AttackMetadata":
+    def of(cls, metadata: Union["AttackMetadata", Metadata, None], model: nn.Module) -> "AttackMetadata":
+        """``metadata`` itself when typed (the benchmark builds it so: tensors stay tensors), else
+        the dict read by :meth:`parse` (a plug-in's caller, a hand-written dict)."""
+        return metadata if isinstance(metadata, AttackMetadata) else cls.parse(metadata, model)
+
+    @classmethod
+    def parse(cls, metadata: Optional[Mapping[str, Any]], model: nn.Module) -> "AttackMetadata":
         """Read the metadata dict (:class:`_MetadataSchema`; keys it does not name are ignored, for
         plug-in attacks to read). Missing entries default to batch 1, mean 0, std 1 and the model's
         input size (``model.patch_embed.img_size`` with ``patch_embed.proj.in_channels`` channels,
@@ -146,6 +154,28 @@ class AttackMetadata:
         except ValueError as err:  # e.g. a plug-in defence the attacker's side does not have installed
             defence, defence_error = None, str(err)
         return cls(n, size, mean, std, labels, md.update_type, md.lr, md.local_steps, defence, defence_error)
+
+    @property
+    def gradient_scale(self) -> float:
+        """The factor that turns this update's entries into gradient units: 1 for a FedSGD
+        gradient; -1 / (lr * local_steps) for a FedAvg delta (local - global), exact after one local
+        SGD step (-lr * grad), the mean gradient along the local trajectory after more."""
+        if self.update_type == "gradient":
+            return 1.0
+        if not self.lr:
+            raise _bad("lr", "the non-zero local learning rate of a 'delta' update", self.lr)
+        return -1.0 / (float(self.lr) * max(self.local_steps, 1))
+
+    def defence_noise(self, observation: Observation) -> tuple[float, float]:
+        """(noise scale, clip) of a defence's additive noise (:class:`defences.spec.Observation`) in
+        gradient units of this update. Noise added to the update sent (local DP) scales with it
+        (``|gradient_scale|``); DP-SGD's is added to each local step's mean gradient (scale / batch
+        size), and a delta's mean gradient averages ``local_steps`` independent draws (/ sqrt)."""
+        if observation.per_example:
+            steps = 1 if self.update_type == "gradient" else max(self.local_steps, 1)
+            return observation.noise_scale / max(self.num_images, 1) / math.sqrt(steps), observation.clip
+        unit = abs(self.gradient_scale)
+        return observation.noise_scale * unit, observation.clip * unit
 
     def normalize(self, images: torch.Tensor) -> torch.Tensor:
         """[B, C, H, W] in [0, 1] -> model input (x - mean) / std."""
@@ -270,7 +300,7 @@ def update_to_gradients(update: Update, meta: AttackMetadata) -> tuple[LazyGradi
     """
     if meta.update_type == "gradient":
         return LazyGradients(update, torch.Tensor.detach), []
-    scale = -1.0 / (float(meta.lr) * max(meta.local_steps, 1))
+    scale = meta.gradient_scale
     notes = [] if meta.local_steps <= 1 else [
         f"approximate: {meta.local_steps}-step FedAvg delta treated as -lr*steps*mean gradient"]
     return LazyGradients(update, lambda v: v.detach() * scale), notes
@@ -299,15 +329,33 @@ def failed_result(meta: Optional[AttackMetadata], reason: str, num_images: int =
     return AttackResult(torch.zeros(n, *size), stats, failed=True, reason=str(reason), error=error)
 
 
+class AttackOptions(core.Schema):
+    """Base of an attack's options schema (its ``Options``): one field per option with its type,
+    default and range, checked like a config key (fedmjp.config), as a defence's spec is
+    (defences/spec.py). A built-in attack is built as ``Attack(**options)`` and reads
+    ``self.options``.
+
+    Attributes:
+        raise_errors: re-raise unexpected exceptions instead of returning a failed result (debugging).
+    """
+
+    raise_errors: bool = False
+
+
+OptionsT = TypeVar("OptionsT", bound=core.Schema)
+
+
 class Attack:
     """Base class: subclasses implement :meth:`_reconstruct` (and may vectorise
-    :meth:`reconstruct_many`).
+    :meth:`reconstruct_many`), and declare their options as a nested ``Options`` schema (an
+    :class:`AttackOptions` subclass) read by :meth:`_parse_options`.
 
     Args:
         raise_errors: re-raise unexpected exceptions instead of returning a failed result (debugging).
     """
 
     name: ClassVar[str] = ""
+    Options: ClassVar[type[AttackOptions]] = AttackOptions
     #: Exceptions besides AttackFailure that are condition failures of the case attacked (kept as
     #: failure rows without an error); anything else is an unexpected error (see the module docstring).
     expected_errors: ClassVar[tuple[type[BaseException], ...]] = (torch.linalg.LinAlgError,)
@@ -317,6 +365,13 @@ class Attack:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
+
+    def _parse_options(self, options: Mapping[str, Any]) -> Any:
+        """``options`` checked against this class's ``Options`` (:func:`parse_options`), kept as
+        ``self.options``; ``raise_errors`` set from them. Raises ValueError naming a bad option."""
+        self.options = parse_options(self.name or type(self).__name__, type(self).Options, options)
+        self.raise_errors = self.options.raise_errors
+        return self.options
 
     def reconstruct(self, model: nn.Module, update: Update, metadata: Optional[Metadata] = None) -> AttackResult:
         """Reconstruct the client's images from one update.
@@ -328,7 +383,7 @@ class Attack:
         Returns:
             An :class:`AttackResult`; failures are returned, not raised.
         """
-        return self._guard(lambda: self._reconstruct(model, update, AttackMetadata.parse(metadata, model)),
+        return self._guard(lambda: self._reconstruct(model, update, AttackMetadata.of(metadata, model)),
                            model, metadata)
 
     def reconstruct_many(self, model: nn.Module, updates: Sequence[Update],
@@ -368,7 +423,7 @@ class Attack:
 
     def _failed(self, model: nn.Module, metadata: Optional[Metadata], reason: str) -> AttackResult:
         try:
-            meta = AttackMetadata.parse(metadata, model)
+            meta = AttackMetadata.of(metadata, model)
         except AttackFailure:
             meta = None
         return failed_result(meta, reason)
@@ -392,7 +447,7 @@ class BatchedSolveAttack(Attack):
         metas: list[AttackMetadata] = []
         good: list[int] = []
         for i, md in enumerate(mds):
-            meta, reason = self._run_guarded(lambda md=md: AttackMetadata.parse(md, model))
+            meta, reason = self._run_guarded(lambda md=md: AttackMetadata.of(md, model))
             if reason is None:
                 metas.append(meta)
                 good.append(i)
@@ -423,7 +478,7 @@ def _check_finite(result: AttackResult, name: str, elapsed: float) -> AttackResu
 
 
 def _expand_metadatas(metadatas: Union[Metadata, Sequence[Metadata], None], n: int) -> list[Optional[Metadata]]:
-    if metadatas is None or isinstance(metadatas, Mapping):
+    if metadatas is None or isinstance(metadatas, (Mapping, AttackMetadata)):
         return [metadatas] * n
     mds = list(metadatas)
     if len(mds) != n:
@@ -476,74 +531,76 @@ def attack_class(name: str) -> Callable[..., Attack]:
     return plugins.load("attack", plugin, Attack)
 
 
-def _init_options(factory: Callable[..., Any]) -> tuple[dict[str, Any], bool]:
-    """(keyword arguments of an attack class's ``__init__`` by name, with their annotation or
-    ``inspect.Parameter.empty``; whether it also takes any other keyword), following ``**options``
-    up the base classes."""
-    found: dict[str, Any] = {}
-    chain = [k for k in factory.__mro__ if "__init__" in vars(k)] if isinstance(factory, type) else [factory]
-    for owner in chain:
-        init = owner.__init__ if isinstance(factory, type) else owner
-        try:
-            params = inspect.signature(init).parameters.values()
-        except (TypeError, ValueError):  # no signature to read: any keyword may be valid
-            return found, True
-        try:
-            hints = typing.get_type_hints(init)
-        except (NameError, TypeError):  # unresolvable annotations: the names without types
-            hints = {}
-        for p in params:
-            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self":
-                found.setdefault(p.name, hints.get(p.name, inspect.Parameter.empty))
-        if not any(p.kind is p.VAR_KEYWORD for p in params):
-            return found, False
-        if owner is object:
-            break
-    return found, True
+def option_schema(factory: Callable[..., Any]) -> type[core.Schema]:
+    """The options schema of an attack class: the ``Options`` it declares (built-ins: one
+    :class:`AttackOptions` per attack, like a defence's spec in defences/spec.py).
 
-
-def option_types(factory: Callable[..., Any]) -> dict[str, Any]:
-    """Annotated keyword arguments of an attack class's ``__init__`` (following ``**options`` up
-    the base classes), by name: what :func:`create_attack` converts number options to."""
-    return {k: v for k, v in _init_options(factory)[0].items() if v is not inspect.Parameter.empty}
-
-
-def attack_options(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
-    """The options of attack ``name`` checked against its ``__init__``: unknown ones refused (the
-    valid ones listed), number options converted and type-checked (:func:`_number_options`).
-
-    Raises:
-        ValueError: an unknown name or option, or a number option of the wrong type.
+    A plug-in written against docs/plugins.md declares its options as annotated keyword arguments of
+    its own ``__init__`` instead; its schema is read off that signature (number annotations typed as
+    config keys, other options any value; ``**options`` adds the schema of the class they are passed
+    up to). Parameters named ``_...`` and, for a ``takes_name`` factory, ``name`` are no options.
     """
-    factory = attack_class(name)
-    known, open_ = _init_options(factory)
-    unknown = [] if open_ else sorted(set(options) - set(known), key=str)
-    if unknown:
-        valid = ", ".join(k for k in known if k != "name") or "none"
-        raise ValueError(f"bad options for attack {name!r}: unknown option(s) {unknown}; valid: {valid}")
-    schema = _number_options(factory)
-    try:
-        numbers = core.conform(schema, {k: v for k, v in options.items() if k in schema.model_fields}, "options.")
-    except core.ConfigError as err:
-        raise ValueError(f"bad options for attack {name!r}: {err}") from err
-    return {key: numbers[key] if key in schema.model_fields else value for key, value in options.items()}
+    mro = factory.__mro__ if isinstance(factory, type) else ()
+    owner = next((k for k in mro if "__init__" in vars(k)), None)
+    declared = next((k for k in mro if "Options" in vars(k)), None)
+    if declared is not None and owner is not None and mro.index(declared) <= mro.index(owner):
+        return factory.Options  # type: ignore[attr-defined]
+    return _signature_schema(factory, owner)
 
 
 @functools.cache
-def _number_options(factory: Callable[..., Any]) -> type[core.Schema]:
-    """A schema of the options an attack's ``__init__`` annotates as numbers (int, float, Optional
-    of one), checked like config keys; the attack checks its other options itself."""
-    numbers = {k: tp for k, tp in option_types(factory).items()
-               if any(m in (int, float) for m in typing.get_args(tp) or (tp,))}
-    return create_model(f"{getattr(factory, '__name__', 'Attack')}Options", __base__=core.Schema,
-                        **{k: (core.number_type(tp), None) for k, tp in numbers.items()})
+def _signature_schema(factory: Callable[..., Any], owner: Optional[type]) -> type[core.Schema]:
+    init = owner.__init__ if owner is not None else factory  # type: ignore[misc]
+    params = list(inspect.signature(init).parameters.values())
+    try:
+        hints = typing.get_type_hints(init)
+    except (NameError, TypeError):  # unresolvable annotations: the names without types
+        hints = {}
+    skip = {"self", "name"} if getattr(factory, "takes_name", False) else {"self"}
+    fields: dict[str, Any] = {}
+    for p in params:
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in skip and not p.name.startswith("_"):
+            tp = hints.get(p.name, Any)
+            number = any(m in (int, float) for m in typing.get_args(tp) or (tp,))
+            fields[p.name] = (core.number_type(tp) if number else Any, ... if p.default is p.empty else p.default)
+    base: type[core.Schema] = core.Schema
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        base = getattr(factory, "Options", AttackOptions)
+    return create_model(f"{getattr(factory, '__name__', 'Attack')}Options", __base__=base, **fields)
+
+
+def parse_options(name: str, schema: type[OptionsT], options: Mapping[str, Any]) -> OptionsT:
+    """``options`` checked against an attack's options schema, defaults filled in.
+
+    Raises:
+        ValueError: ``bad options for attack 'name': ...``: every unknown option with the valid
+            ones listed, or the option, what it takes and what it got (fedmjp.config's message).
+    """
+    unknown = sorted(set(options) - set(schema.model_fields), key=str)
+    if unknown:  # every unknown option at once, not only the first
+        valid = ", ".join(schema.model_fields) or "none"
+        raise ValueError(f"bad options for attack {name!r}: unknown option(s) {unknown}; valid: {valid}")
+    try:
+        return core.parse(schema, options, "options.")
+    except core.ConfigError as err:
+        raise ValueError(f"bad options for attack {name!r}: {err}") from None
+
+
+def attack_options(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The options of attack ``name`` checked against its schema (:func:`option_schema`), as given
+    with number options converted (``"1e-4"`` -> 0.0001, ``1e3`` -> 1000 for an integer option).
+
+    Raises:
+        ValueError: an unknown name or option, or a value its option does not take.
+    """
+    checked = parse_options(name, option_schema(attack_class(name)), options)
+    return {key: getattr(checked, key) for key in options}
 
 
 def create_attack(name: str, **options: Any) -> Attack:
-    """Build an attack by name (built-in, entry point or ``package.module:Name``). An option annotated
-    as a number is checked like a config key: written another way (``"1e-4"``, ``1e3`` for an
-    ``int`` argument) it becomes the number its annotation asks for, a bool or text is refused
-    (:func:`attack_options`).
+    """Build an attack by name (built-in, entry point or ``package.module:Name``), its options
+    checked against its schema first (:func:`attack_options`): a number written another way
+    (``"1e-4"``, ``1e3`` for an integer option) becomes that number, a bool or text is refused.
 
     Raises:
         ValueError: unknown name (the message lists the valid ones), a plug-in that cannot be
@@ -551,10 +608,7 @@ def create_attack(name: str, **options: Any) -> Attack:
     """
     factory = attack_class(name)
     options = attack_options(name, options)
-    try:
-        attack = factory(name=name, **options) if getattr(factory, "takes_name", False) else factory(**options)
-    except TypeError as err:  # unknown keyword -> a config error
-        raise ValueError(f"bad options for attack {name!r}: {err}") from err
+    attack = factory(name=name, **options) if getattr(factory, "takes_name", False) else factory(**options)
     if not isinstance(attack, Attack):
         raise ValueError(f"attack {name!r}: its factory returned {type(attack).__name__}, not an Attack")
     if not attack.name:  # a plug-in without its own name is known by the name the config gave

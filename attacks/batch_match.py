@@ -32,15 +32,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fedmjp.config import Float, Int, option
 from fedmjp.devices import resolve_device
 
-from .base import Attack, AttackFailure, AttackMetadata, AttackResult, Update, register_attack, update_to_gradients
+from .base import Attack, AttackFailure, AttackMetadata, AttackOptions, AttackResult, Update, register_attack, update_to_gradients
 from .breaching_adapter import attack_copy, matched_names
 from .labels import recover_label_counts
 
@@ -127,16 +128,20 @@ class BatchMatch(Attack):
 
     name = "batch_match"
 
-    def __init__(self, iterations: int = 200, restarts: int = 1, tv: float = 0.0, init_scale: float = 0.5,
-                 seed: int = 0, device: str = "cpu", unroll: bool = True, raise_errors: bool = False) -> None:
-        super().__init__(raise_errors)
-        if iterations < 1 or restarts < 1:
-            raise ValueError(f"iterations and restarts must be >= 1, got {iterations} and {restarts}")
-        if tv < 0 or init_scale <= 0:
-            raise ValueError(f"tv must be >= 0 and init_scale > 0, got {tv} and {init_scale}")
-        self.iterations, self.restarts, self.tv = int(iterations), int(restarts), float(tv)
-        self.init_scale, self.seed, self.device = float(init_scale), int(seed), resolve_device(device)
-        self.unroll = bool(unroll)
+    class Options(AttackOptions):
+        iterations: Int = option(200, ge=1)
+        restarts: Int = option(1, ge=1)
+        tv: Float = option(0.0, ge=0.0)
+        init_scale: Float = option(0.5, gt=0.0)
+        seed: Int = 0
+        device: str = "cpu"
+        unroll: bool = True
+
+    def __init__(self, **options: Any) -> None:
+        o = self._parse_options(options)
+        self.iterations, self.restarts, self.tv = o.iterations, o.restarts, o.tv
+        self.init_scale, self.seed, self.device = o.init_scale, o.seed, resolve_device(o.device)
+        self.unroll = o.unroll
 
     def _reconstruct(self, model: nn.Module, update: Update, meta: AttackMetadata) -> AttackResult:
         t0 = time.perf_counter()
@@ -157,9 +162,9 @@ class BatchMatch(Attack):
 
         steps = int(meta.local_steps) if meta.update_type == "delta" else 1
         if steps > 1 and self.unroll:
-            # the received delta itself: update_to_gradients divided it by -(lr * steps)
+            # the received delta itself (update_to_gradients brought it to gradient units)
             lr = float(meta.lr)
-            target = [t * (-lr * steps) for t in target]
+            target = [t / meta.gradient_scale for t in target]
             tnorm = tnorm_of(target)
             notes[:] = [note for note in notes if not note.startswith("approximate:")]
             notes.append(f"FedAvg: {steps} local SGD steps at lr {lr:g} simulated and the delta matched")

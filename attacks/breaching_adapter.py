@@ -30,9 +30,10 @@ from typing import Any, Iterator, Mapping, Optional
 import torch
 import torch.nn as nn
 
+from fedmjp.config import Float, Int
 from fedmjp.devices import resolve_device
 
-from .base import Attack, AttackFailure, AttackMetadata, AttackResult, Update, register_attack, update_to_gradients
+from .base import Attack, AttackFailure, AttackMetadata, AttackOptions, AttackResult, Update, register_attack, update_to_gradients
 
 _logger = logging.getLogger(__name__)
 
@@ -174,22 +175,29 @@ class BreachingAttack(Attack):
 
     takes_name = True
 
-    def __init__(self, name: str = "invertinggradients", iterations: int = 100, restarts: int = 1,
-                 label_strategy: Optional[str] = None, lr: Optional[float] = None,
-                 overrides: Optional[Mapping[str, Any]] = None, seed: Optional[int] = 0,
-                 device: str = "cpu", dryrun: bool = False, raise_errors: bool = False) -> None:
-        super().__init__(raise_errors)
+    class Options(AttackOptions):
+        iterations: Int = 100
+        restarts: Int = 1
+        label_strategy: Optional[str] = None
+        lr: Optional[Float] = None
+        overrides: Optional[dict[str, Any]] = None
+        seed: Optional[Int] = 0
+        device: str = "cpu"
+        dryrun: bool = False
+
+    def __init__(self, name: str = "invertinggradients", **options: Any) -> None:
         self.name = name
-        ov: dict[str, Any] = {"optim.max_iterations": int(iterations), "restarts.num_trials": int(restarts),
-                              "optim.callback": max(int(iterations) // 4, 1)}
-        if label_strategy is not None:
-            ov["label_strategy"] = label_strategy
-        if lr is not None:
-            ov["optim.step_size"] = float(lr)
-        ov.update(overrides or {})
+        o = self._parse_options(options)
+        ov: dict[str, Any] = {"optim.max_iterations": o.iterations, "restarts.num_trials": o.restarts,
+                              "optim.callback": max(o.iterations // 4, 1)}
+        if o.label_strategy is not None:
+            ov["label_strategy"] = o.label_strategy
+        if o.lr is not None:
+            ov["optim.step_size"] = o.lr
+        ov.update(o.overrides or {})
         self.cfg = load_attack_config(self._config_name(name), ov)  # ValueError on a bad name
-        self.seed, self.dryrun = seed, bool(dryrun)
-        self.device = resolve_device(device)
+        self.seed, self.dryrun = o.seed, o.dryrun
+        self.device = resolve_device(o.device)
 
     @staticmethod
     def _config_name(name: str) -> str:
@@ -266,11 +274,14 @@ class BreachingApril(BreachingAttack):
     ``pos_embed`` and [4] ``blocks.0.attn.qkv.weight``; one prefix token). For comparison only:
     use ``april_analytic``."""
 
-    def __init__(self, name: str = "april_analytic_breaching", solver: str = "gelsd",
-                 dtype: str = "double", raise_errors: bool = False) -> None:
-        Attack.__init__(self, raise_errors)
+    class Options(AttackOptions):
+        solver: str = "gelsd"
+        dtype: str = "double"
+
+    def __init__(self, name: str = "april_analytic_breaching", **options: Any) -> None:
         self.name = name
-        self.cfg = load_attack_config("april_analytic", {"solver": solver, "impl.dtype": dtype})
+        o = self._parse_options(options)
+        self.cfg = load_attack_config("april_analytic", {"solver": o.solver, "impl.dtype": o.dtype})
         self.seed, self.dryrun, self.device = None, False, torch.device("cpu")
 
     def _setup(self) -> dict:

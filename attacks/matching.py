@@ -22,20 +22,23 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any, Optional, Sequence, Union
+from typing import Annotated, Any, Literal, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from pydantic import Field
 from torch.func import functional_call, grad, vmap
 from tqdm.auto import tqdm
 
-from defences.spec import DpSgd, LocalDp, NoDefence, Prune, Quantize
+from defences.spec import NoDefence
+from fedmjp.config import Float, Int, option
 from fedmjp.devices import resolve_device
 
-from .base import (Attack, AttackFailure, AttackMetadata, AttackResult, Metadata, Update, _check_finite,
+from .base import (Attack, AttackFailure, AttackOptions, AttackMetadata, AttackResult, Metadata, Update, _check_finite,
                    _expand_metadatas, register_attack, update_to_gradients)
 from .breaching_adapter import attack_copy, matched_names
+from .first_layer import unwrap_vit
 from .mjp_update import read_mjp_update
 
 _logger = logging.getLogger(__name__)
@@ -73,10 +76,6 @@ def _tv_kernel(channels: int, dtype: torch.dtype, device: torch.device) -> torch
     """Forward differences along W and H (zero padding), as breaching's TotalVariation: [2C, 1, 3, 3]."""
     k = torch.tensor([[0, 0, 0], [0, -1, 1], [0, 0, 0]], dtype=dtype, device=device)[None, None]
     return torch.cat([k.transpose(2, 3), k] * channels, dim=0)
-
-
-#: Defences whose update transform :class:`_Match` models (``defence_model=True``).
-MODELLED_DEFENCES = ("local_dp", "dp_sgd", "prune", "quantize")
 
 
 class _Match:
@@ -170,20 +169,18 @@ def defence_match(targets: dict[str, torch.Tensor], raw: Sequence[Any], metas: S
     ``raw[k]``: group k's update in gradient units as sent (before any known term is removed), for
     the pruned support and the quantiser's levels."""
     specs = [m.defence or NoDefence() for m in metas]
-    name = specs[0].name
-    if any(sp != specs[0] for sp in specs) or name not in MODELLED_DEFENCES:
+    name, obs = specs[0].name, specs[0].observation()
+    if any(sp != specs[0] for sp in specs) or obs is None or not obs.perturbs:
         return _Match(targets), ([] if name == "none" or any(sp != specs[0] for sp in specs) else
                                  [f"defence {name!r}: not modelled, plain cosine matching"])
-    spec, meta = specs[0], metas[0]
+    meta = metas[0]
     dev = next(iter(targets.values())).device
-    # gradient units: a FedAvg delta was divided by -lr * steps (attacks.base.update_to_gradients)
-    unit = 1.0 if meta.update_type == "gradient" else 1.0 / (float(meta.lr) * max(meta.local_steps, 1))
-    if isinstance(spec, Prune):
+    if obs.prune_keep is not None:
         support = {nm: torch.stack([r[nm] != 0 for r in raw]).to(dev, torch.float32) for nm in names}
         return _Match(targets, "support", support=support), [
-            f"defence prune (keep {spec.keep}): matched on the kept entries only"]
-    if isinstance(spec, Quantize):
-        bits, stochastic = spec.bits, spec.stochastic
+            f"defence prune (keep {obs.prune_keep}): matched on the kept entries only"]
+    if obs.quant_bits is not None:
+        bits, stochastic = obs.quant_bits, obs.quant_stochastic
         lo, hi = {}, {}
         for nm in names:
             q = torch.stack([r[nm].detach().to("cpu", torch.float64) for r in raw])  # [K, ...] as sent
@@ -203,18 +200,18 @@ def defence_match(targets: dict[str, torch.Tensor], raw: Sequence[Any], metas: S
         return _Match(targets, "bins", bounds=({k: v.to(dev, torch.float32) for k, v in lo.items()},
                                                {k: v.to(dev, torch.float32) for k, v in hi.items()})), [
             f"defence quantize ({what}): matched through the quantiser's bins"]
-    if name == "dp_sgd" and (meta.update_type != "gradient" or meta.num_images != 1):
+    if obs.noise is None:
+        return _Match(targets), [f"defence {name!r}: not modelled, plain cosine matching"]
+    if obs.per_example and (meta.update_type != "gradient" or meta.num_images != 1):
         return _Match(targets), ["defence dp_sgd on a FedAvg delta or a batch (per-example clipping): plain cosine"]
-    clip, sigma = (spec.clip, spec.sigma) if isinstance(spec, (LocalDp, DpSgd)) else (0.0, 0.0)
-    scale = sigma * clip / (meta.num_images if name == "dp_sgd" else 1)
+    scale, clip = meta.defence_noise(obs)  # in gradient units (a FedAvg delta was divided by -lr * steps)
     if scale <= 0:
         return _Match(targets), [f"defence {name} without noise: plain cosine matching"]
-    kind = "laplace" if isinstance(spec, LocalDp) and spec.noise == "laplace" else "gaussian"
     K = len(raw)
     # the clip bounds the whole update (local DP) or the one example's gradient (DP-SGD, batch 1)
-    note = f"defence {name} (clip {clip:g}, sigma {sigma:g}): {kind} likelihood of scale {scale * unit:.3g}"
-    return _Match(targets, kind, noise=torch.full((K,), scale * unit, device=dev),
-                  clip=torch.full((K,), clip * unit, device=dev)), [note + " beside the cosine term"]
+    note = (f"defence {name} (clip {obs.clip:g}, sigma {obs.sigma:g}): {obs.noise} likelihood of scale {scale:.3g}")
+    return _Match(targets, obs.noise, noise=torch.full((K,), scale, device=dev),
+                  clip=torch.full((K,), clip, device=dev)), [note + " beside the cosine term"]
 
 
 class GradientMatching(Attack):
@@ -227,7 +224,7 @@ class GradientMatching(Attack):
         signed: ``hard`` (sign of the gradient, breaching's IG) or None.
         scheduler: ``step-lr`` (breaching's IG) or None.
         restarts: independent trials; the best per update by the cosine score is returned.
-        pe_weight: weight of the position-embedding gradient term (0: plain IG).
+        pe_weight: weight of the position-embedding gradient term (``april_optimization`` only).
         label_strategy: when labels are not granted: ``bias`` or ``idlg`` (:func:`recover_labels`).
         seed: seed of the candidate initialisation (a private generator).
         device: ``cpu``, ``cuda`` or ``auto``.
@@ -246,38 +243,42 @@ class GradientMatching(Attack):
             the kept entries, the quantiser's bins, the noise's likelihood); False: plain cosine.
     """
 
-    def __init__(self, iterations: int = 200, lr: float = 0.1, tv: float = 0.2, signed: Optional[str] = "hard",
-                 scheduler: Optional[str] = "step-lr", restarts: int = 1, pe_weight: float = 0.0,
-                 label_strategy: str = "bias", seed: Optional[int] = 0, device: str = "cpu",
-                 progress: bool = False, unk_mask: Optional[torch.Tensor] = None,
-                 converge_window: int = 0, converge_tol: float = 1e-4, curve_every: int = 50,
-                 defence_model: bool = False, raise_errors: bool = False) -> None:
-        super().__init__(raise_errors)
+    class Options(AttackOptions):
+        """Inverting Gradients' options; ``pe_weight`` is :class:`AprilOptimization`'s alone."""
+
+        iterations: Int = option(200, ge=1)
+        lr: Float = 0.1
+        tv: Float = 0.2
+        signed: Optional[Literal["hard"]] = "hard"
+        scheduler: Optional[Literal["step-lr"]] = "step-lr"
+        restarts: Int = option(1, ge=1)
+        label_strategy: Literal[LABEL_STRATEGIES] = "bias"
+        seed: Optional[Int] = 0
+        device: str = "cpu"
+        progress: bool = False
+        unk_mask: Any = None  # [N] bool tensor (or a list of bools), or None
+        converge_window: Int = option(0, ge=0)
+        converge_tol: Float = option(1e-4, ge=0.0)
+        curve_every: Int = option(50, ge=1)
+        defence_model: bool = False
+
+    def __init__(self, **options: Any) -> None:
+        o = self._parse_options(options)
         # match through the clients' defence where the metadata names one (:func:`defence_match`)
-        self.defence_model = bool(defence_model)
-        if converge_window < 0 or curve_every < 1 or converge_tol < 0:
-            raise ValueError("converge_window must be >= 0, converge_tol >= 0 and curve_every >= 1")
+        self.defence_model = o.defence_model
         # converge_window > 0: run up to ``iterations`` and stop each update once its best objective
         # improved by less than converge_tol (relative) over the last converge_window iterations
-        self.converge_window, self.converge_tol = int(converge_window), float(converge_tol)
-        self.curve_every = int(curve_every)
+        self.converge_window, self.converge_tol, self.curve_every = o.converge_window, o.converge_tol, o.curve_every
         # converging runs: a start with 1 - cos below this takes no steps (0: always optimise)
         self.exact_cos = 0.0
-        if signed not in (None, "hard"):
-            raise ValueError(f"signed must be 'hard' or None, got {signed!r}")
-        if scheduler not in (None, "step-lr"):
-            raise ValueError(f"scheduler must be 'step-lr' or None, got {scheduler!r}")
-        if label_strategy not in LABEL_STRATEGIES:
-            raise ValueError(f"label_strategy must be one of {LABEL_STRATEGIES}, got {label_strategy!r}")
-        if iterations < 1 or restarts < 1:
-            raise ValueError("iterations and restarts must be >= 1")
-        self.iterations, self.lr, self.tv, self.signed = int(iterations), float(lr), float(tv), signed
-        self.scheduler, self.restarts, self.pe_weight = scheduler, int(restarts), float(pe_weight)
-        self.label_strategy, self.seed, self.progress = label_strategy, seed, bool(progress)
-        self.device = resolve_device(device)
+        self.iterations, self.lr, self.tv, self.signed = o.iterations, o.lr, o.tv, o.signed
+        self.scheduler, self.restarts = o.scheduler, o.restarts
+        self.pe_weight = 0.0  # the position-embedding term: AprilOptimization's option
+        self.label_strategy, self.seed, self.progress = o.label_strategy, o.seed, o.progress
+        self.device = resolve_device(o.device)
         # An MJP-aware attacker's forward: E_unk at these positions ([N] or [1, N] bool), as detected
         # from the update (attacks.mjp_adaptive); None for the plain forward.
-        self.unk_mask = None if unk_mask is None else torch.as_tensor(unk_mask, dtype=torch.bool).reshape(1, -1)
+        self.unk_mask = None if o.unk_mask is None else torch.as_tensor(o.unk_mask, dtype=torch.bool).reshape(1, -1)
 
     def _reconstruct(self, model: nn.Module, update: Update, meta: AttackMetadata) -> AttackResult:
         return self._attack(model, [update], [meta])[0]
@@ -290,7 +291,7 @@ class GradientMatching(Attack):
         results: list[Optional[AttackResult]] = [None] * len(updates)
         groups: dict[int, list[tuple[int, AttackMetadata]]] = {}
         for i, md in enumerate(mds):
-            meta, reason = self._run_guarded(lambda md=md: AttackMetadata.parse(md, model))
+            meta, reason = self._run_guarded(lambda md=md: AttackMetadata.of(md, model))
             if reason is not None:
                 results[i] = self._failed(model, md, reason)
             else:
@@ -650,11 +651,6 @@ class InvertingGradientsBatched(GradientMatching):
 
     name = "invertinggradients_batched"
 
-    def __init__(self, **options) -> None:
-        if options.get("pe_weight", 0.0):
-            raise ValueError("invertinggradients_batched has no PE term; use april_optimization")
-        super().__init__(**options)
-
 
 @register_attack("april_optimization")
 class AprilOptimization(GradientMatching):
@@ -665,11 +661,14 @@ class AprilOptimization(GradientMatching):
 
     name = "april_optimization"
 
-    def __init__(self, pe_weight: float = 1.0, signed: Optional[str] = None, scheduler: Optional[str] = None,
-                 **options) -> None:
-        if pe_weight <= 0:
-            raise ValueError("april_optimization needs pe_weight > 0")
-        super().__init__(pe_weight=pe_weight, signed=signed, scheduler=scheduler, **options)
+    class Options(GradientMatching.Options):
+        pe_weight: Float = option(1.0, gt=0.0)  # weight of the position-embedding gradient term
+        signed: Optional[Literal["hard"]] = None
+        scheduler: Optional[Literal["step-lr"]] = None
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.pe_weight = self.options.pe_weight
 
 
 @register_attack("ig_closed_start")
@@ -718,28 +717,29 @@ class InvertingGradientsClosedStart(GradientMatching):
 
     name = "ig_closed_start"
 
-    def __init__(self, iterations: int = 2000, lr: float = 0.03, tv: float = 0.01, signed: Optional[str] = None,
-                 scheduler: Optional[str] = None, restarts: int = 2, converge_window: int = 50,
-                 converge_tol: float = 1e-3, start_attacks: Optional[Sequence[str]] = None, mjp_mask: bool = True,
-                 exact_cos: float = 1e-6, defence_model: bool = False, **options) -> None:
-        if converge_window < 1:
-            raise ValueError("ig_closed_start needs converge_window >= 1 (it runs to convergence)")
-        if options.get("pe_weight", 0.0):
-            raise ValueError("ig_closed_start has no PE term; use april_optimization")
-        super().__init__(iterations=iterations, lr=lr, tv=tv, signed=signed, scheduler=scheduler,
-                         restarts=restarts, converge_window=converge_window, converge_tol=converge_tol,
-                         defence_model=defence_model, **options)
-        self.start_attacks = None if start_attacks is None else tuple(str(a) for a in start_attacks)
-        self.mjp_mask = bool(mjp_mask)
-        if not 0.0 <= exact_cos < 1.0:
-            raise ValueError(f"exact_cos must be in [0, 1), got {exact_cos}")
-        self.exact_cos = float(exact_cos)
+    class Options(GradientMatching.Options):
+        iterations: Int = option(2000, ge=1)
+        lr: Float = 0.03
+        tv: Float = 0.01
+        signed: Optional[Literal["hard"]] = None
+        scheduler: Optional[Literal["step-lr"]] = None
+        restarts: Int = option(2, ge=1)
+        converge_window: Int = option(50, ge=1)  # it runs to convergence
+        converge_tol: Float = option(1e-3, ge=0.0)
+        # None: the closed forms of the class docstring; [] random starts only. Any sequence of names.
+        start_attacks: Annotated[Optional[list[str]], Field(strict=False)] = None
+        mjp_mask: bool = True
+        exact_cos: Float = option(1e-6, ge=0.0, lt=1.0)
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        o = self.options
+        self.start_attacks = None if o.start_attacks is None else tuple(o.start_attacks)
+        self.mjp_mask, self.exact_cos = o.mjp_mask, o.exact_cos
 
     def _prepare_groups(self, model: nn.Module, updates: Sequence[Update], metas: Sequence[AttackMetadata],
                         converted: list) -> tuple[Optional[torch.Tensor], Optional[list], list[list[str]]]:
-        from .april import _vit
-
-        vit = _vit(model)
+        vit = unwrap_vit(model)
         mjp = self.mjp_mask and getattr(vit, "unk_embed", None) is not None and hasattr(vit, "pos_embed")
         masks, starts, notes = [], [], []
         for k, (update, meta) in enumerate(zip(updates, metas)):
@@ -773,7 +773,7 @@ class InvertingGradientsClosedStart(GradientMatching):
                 note.append(f"start: {name} is not a registered attack")
                 continue
             attack = create_attack(name, unshuffle=False) if name == "mjp_adaptive" else create_attack(name)
-            result = attack.reconstruct(model, update, dict(meta.__dict__))
+            result = attack.reconstruct(model, update, meta)
             if result.failed or any(result.failed_images) or result.images.shape[0] != meta.num_images:
                 note.append(f"start: {name} failed ({result.reason})")
                 continue

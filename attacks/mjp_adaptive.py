@@ -44,7 +44,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import cachetools
 import numpy as np
@@ -54,10 +54,12 @@ import torch.nn.functional as F
 from scipy.sparse.linalg import LinearOperator, cg
 from torch.func import functional_call
 
+from fedmjp.config import Float, Int, option
 from patchgrid import patchify, unpatchify
 
-from .april import _gradient_of_Z, _is_design_a, _vit, check_conditions
-from .base import (Attack, AttackFailure, AttackMetadata, AttackResult, Update, register_attack,
+from .first_layer import check_conditions
+from .first_layer import gradient_of_Z as _gradient_of_Z, is_design_a as _is_design_a, unwrap_vit as _vit
+from .base import (Attack, AttackFailure, AttackMetadata, AttackOptions, AttackResult, Update, register_attack,
                    update_to_gradients)
 from .jigsaw_solver import place, solve_jigsaw
 from .matching import recover_labels
@@ -528,29 +530,31 @@ class MJPAdaptive(Attack):
 
     name = "mjp_adaptive"
 
-    def __init__(self, refine: str = "span", iterations: int = 30, rounds: int = 1, prior_weight: float = 1e-3,
-                 span_iterations: Optional[int] = None, starts: int = 4, probe_iterations: int = 40,
-                 unshuffle: bool = True, rcond: Optional[float] = None, dal_weight: Optional[float] = None,
-                 joint_prior: bool = False, tv_prior: bool = True,
-                 fallback_iterations: int = 200, seed: int = 0, reuse: bool = True,
-                 raise_errors: bool = False) -> None:
-        super().__init__(raise_errors)
-        self.reuse = bool(reuse)
-        if refine not in REFINE_MODES:
-            raise ValueError(f"refine must be one of {REFINE_MODES}, got {refine!r}")
-        for key, value in (("iterations", iterations), ("rounds", rounds), ("span_iterations", span_iterations or 0),
-                           ("probe_iterations", probe_iterations)):
-            if value < 0:
-                raise ValueError(f"{key} must be >= 0, got {value!r}")
-        if starts < 1:
-            raise ValueError(f"starts must be >= 1, got {starts!r}")
-        self.span_iterations = None if span_iterations is None else int(span_iterations)
-        self.starts, self.probe_iterations = int(starts), int(probe_iterations)
-        self.refine, self.iterations, self.rounds = refine, int(iterations), int(rounds)
-        self.prior_weight, self.unshuffle = float(prior_weight), bool(unshuffle)
-        self.rcond = None if rcond is None else float(rcond)
-        self.dal_weight, self.fallback_iterations, self.seed = dal_weight, int(fallback_iterations), int(seed)
-        self.joint_prior, self.tv_prior = bool(joint_prior), bool(tv_prior)
+    class Options(AttackOptions):
+        refine: Literal[REFINE_MODES] = "span"
+        iterations: Int = option(30, ge=0)
+        rounds: Int = option(1, ge=0)
+        prior_weight: Float = 1e-3
+        span_iterations: Optional[Int] = option(None, ge=0)
+        starts: Int = option(4, ge=1)
+        probe_iterations: Int = option(40, ge=0)
+        unshuffle: bool = True
+        rcond: Optional[Float] = None
+        dal_weight: Optional[Float] = None
+        joint_prior: bool = False
+        tv_prior: bool = True
+        fallback_iterations: Int = 200
+        seed: Int = 0
+        reuse: bool = True
+
+    def __init__(self, **options: Any) -> None:
+        o = self._parse_options(options)
+        self.reuse, self.span_iterations = o.reuse, o.span_iterations
+        self.starts, self.probe_iterations = o.starts, o.probe_iterations
+        self.refine, self.iterations, self.rounds = o.refine, o.iterations, o.rounds
+        self.prior_weight, self.unshuffle, self.rcond = o.prior_weight, o.unshuffle, o.rcond
+        self.dal_weight, self.fallback_iterations, self.seed = o.dal_weight, o.fallback_iterations, o.seed
+        self.joint_prior, self.tv_prior = o.joint_prior, o.tv_prior
 
     # ------------------------------------------------------------------------------- pieces
     def read_update(self, vit: nn.Module, grads: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict, dict]:

@@ -30,15 +30,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 import torch.nn as nn
 
 from patchgrid import patchify, unpatchify
 
-from .april import _PRECISIONS, _vit
-from .base import (AttackFailure, AttackMetadata, AttackResult, BatchedSolveAttack, Update, register_attack,
+from fedmjp.config import Float
+
+from .first_layer import PRECISIONS, Precision, unwrap_vit
+from .base import (AttackFailure, AttackOptions, AttackMetadata, AttackResult, BatchedSolveAttack, Update, register_attack,
                    update_to_gradients)
 
 
@@ -88,7 +90,7 @@ def pe_conditions(model: nn.Module, image_size: Optional[Sequence[int]] = None) 
     Raises:
         AttackFailure: naming the condition that fails.
     """
-    vit = _vit(model)
+    vit = unwrap_vit(model)
     pe_mod = getattr(vit, "patch_embed", None)
     proj = getattr(pe_mod, "proj", None)
     if not isinstance(proj, nn.Conv2d):
@@ -169,7 +171,7 @@ def pe_closed_form_system(model: nn.Module, grads: Mapping[str, torch.Tensor],
 
     G = get("pos_embed").reshape(-1, D)[info.pe_patch_rows]
     dW_e = get("patch_embed.proj.weight").reshape(D, -1)
-    db_e = get("patch_embed.proj.bias").reshape(D) if _vit(model).patch_embed.proj.bias is not None else None
+    db_e = get("patch_embed.proj.bias").reshape(D) if unwrap_vit(model).patch_embed.proj.bias is not None else None
     g_unk = get("unk_embed").reshape(D) if info.has_unk and pre + "unk_embed" in grads else None
     return PESystem(G, dW_e, db_e, g_unk, G.abs().amax(dim=1) == 0, info)
 
@@ -196,11 +198,13 @@ class PEClosedForm(BatchedSolveAttack):
 
     name = "pe_closed_form"
 
-    def __init__(self, precision: str = "float64", rcond: Optional[float] = None, raise_errors: bool = False) -> None:
-        super().__init__(raise_errors)
-        if precision not in _PRECISIONS:
-            raise ValueError(f"precision must be one of {sorted(_PRECISIONS)}, got {precision!r}")
-        self.dtype, self.rcond = _PRECISIONS[precision], rcond
+    class Options(AttackOptions):
+        precision: Precision = "float64"
+        rcond: Optional[Float] = None
+
+    def __init__(self, **options: Any) -> None:
+        o = self._parse_options(options)
+        self.dtype, self.rcond = PRECISIONS[o.precision], o.rcond
 
     def _solve(self, model: nn.Module, updates: Sequence[Update], metas: Sequence[AttackMetadata]) -> list[AttackResult]:
         t0 = time.perf_counter()

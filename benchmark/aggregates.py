@@ -15,6 +15,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from clients.partition import PrivateBatch, private_batch
+from clients.runconfig import RunConfig
 from fedmjp.jigsaw import JigsawPlan
 from server.tap import AGGREGATE_ID
 
@@ -24,7 +25,7 @@ def tapped_partitions(cfg: Any) -> list[int]:
     return [AGGREGATE_ID] if cfg.federation.secagg else list(range(cfg.federation.clients))
 
 
-def tapped_batch(run_config: Mapping[str, Any], partition: int, server_round: int, clients: int,
+def tapped_batch(run_config: Mapping[str, Any] | RunConfig, partition: int, server_round: int, clients: int,
                  covers: Optional[Sequence[int]] = None) -> PrivateBatch:
     """The private batch behind a tapped update: the client's own (:func:`private_batch`), or for the
     aggregate the batches of the partitions it ``covers`` (default: all ``clients``) concatenated."""

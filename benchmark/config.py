@@ -371,8 +371,8 @@ def _check_unique(names: list[str], what: str) -> None:
 def _validate_attack(entry: Attack | AttackEntry) -> None:
     """An attacker ``{name, options}``: a built-in, an installed plug-in's entry point or a
     ``package.module:Name`` reference that loads as an Attack subclass (a plug-in is imported here,
-    so a bad one fails before any work), and options its class takes (number options converted in
-    place, attacks.base.attack_options)."""
+    so a bad one fails before any work), and options its schema takes (every value checked, number
+    options converted in place: attacks.base.attack_options)."""
     from attacks.base import attack_options
 
     try:

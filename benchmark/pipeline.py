@@ -52,6 +52,7 @@ from .rows import RowContext, RowKey, client_failure_rows
 from .store import RunFolder, slug
 
 if TYPE_CHECKING:
+    from attacks.base import AttackMetadata
     from clients.runconfig import RunConfig
 
     from .workers import Runner
@@ -263,10 +264,12 @@ def expected_updates(cfg: BenchmarkConfig) -> list[tuple[int, int]]:
 
 def expected_keys(cfg: BenchmarkConfig, row: ModelRow, group: str, settings: list[str]) -> set[RowKey]:
     """Row keys a complete federation of this (row, group) stores (from the private batches)."""
-    run_config = client_run_config(cfg, row, group)
+    from clients.runconfig import resolve_config
+
+    resolved = resolve_config(client_run_config(cfg, row, group))
     keys = set()
     for rnd, part in expected_updates(cfg):
-        batch = tapped_batch(run_config, part, rnd, cfg.federation.clients)
+        batch = tapped_batch(resolved, part, rnd, cfg.federation.clients)
         for b, image_id in enumerate(batch.image_ids):
             for s in settings:
                 for entry in attack_entries(cfg):
@@ -274,7 +277,7 @@ def expected_keys(cfg: BenchmarkConfig, row: ModelRow, group: str, settings: lis
     return keys
 
 
-def grid_image_ids(cfg: BenchmarkConfig, run_config: dict) -> set[str]:
+def grid_image_ids(cfg: BenchmarkConfig, run_config: RunConfig) -> set[str]:
     """The fixed grid selection: the first ``report.grid_images`` images attacked, in (round,
     partition, batch index) order. Private batches do not depend on the model row or the setting
     group, so every grid row shows the same images."""
@@ -358,29 +361,29 @@ def _run_locked(cfg: BenchmarkConfig, run: RunFolder, prepared: Prepared, federa
                       tables, [str(g) for g in grids])
 
 
-def attack_metadata(cfg: BenchmarkConfig, resolved: RunConfig, model: nn.Module, batch: Any) -> dict:
-    """What the server knows besides an update: batch size, input normalisation, image size, the
-    update type, the defence the clients run (its spec with parameters: Kerckhoffs, the server
-    configures the protocol) and, when the threat model grants them, the labels.
+def attack_metadata(cfg: BenchmarkConfig, resolved: RunConfig, model: nn.Module, batch: Any) -> AttackMetadata:
+    """What the server knows besides an update, typed: batch size, input normalisation, image size,
+    the update type with its local SGD steps, the defence the clients run (its spec with parameters:
+    Kerckhoffs, the server configures the protocol) and, when the threat model grants them, the
+    labels, one per image.
 
     Args:
         cfg: the benchmark config; resolved: the federation's resolved client config
             (``clients.runconfig.resolve_config``); model: the server's model; batch: the private batch.
     """
+    from attacks.base import AttackMetadata
     from fedmjp.factory import model_input_stats
 
     mean, std = model_input_stats(model)
     fed = cfg.federation
-    md = {"num_images": len(batch.image_ids), "mean": mean, "std": std,
-          "image_size": (3, cfg.data.image_size, cfg.data.image_size),
-          "update_type": "gradient" if fed.algorithm == "fedsgd" else "delta",
-          "lr": float(fed.lr), "local_steps": fed.local_steps,
-          "defence": resolved.defence_spec()}
-    if resolved.mode != fed.algorithm:  # the fedavg defence turns FedSGD into FedAvg
-        md.update(update_type="delta", local_steps=resolved.local_steps)
-    if cfg.attack.labels == "known":
-        md["labels"] = batch.labels.clone()
-    return md
+    fedavg = resolved.mode != fed.algorithm  # the fedavg defence turns FedSGD into FedAvg
+    return AttackMetadata(
+        num_images=len(batch.image_ids), image_size=(3, cfg.data.image_size, cfg.data.image_size),
+        mean=torch.tensor(mean, dtype=torch.float64), std=torch.tensor(std, dtype=torch.float64),
+        labels=batch.labels.detach().to("cpu", torch.long).clone() if cfg.attack.labels == "known" else None,
+        update_type="gradient" if fed.algorithm == "fedsgd" and not fedavg else "delta",
+        lr=float(fed.lr), local_steps=resolved.local_steps if fedavg else fed.local_steps,
+        defence=resolved.defence_spec())
 
 
 def raise_for_errors(summary: RunSummary) -> None:
@@ -411,13 +414,13 @@ def quiet_flower(verbose: bool = False) -> None:
     log.propagate = False
 
 
-def row_context(cfg: BenchmarkConfig, row: ModelRow, group: str, run_config: dict, image_names: list[str]) -> RowContext:
-    """What every result row of one federation (model row, setting group) shares."""
-    from defences import validate_defence
-
+def row_context(cfg: BenchmarkConfig, row: ModelRow, group: str, resolved: RunConfig,
+                image_names: list[str]) -> RowContext:
+    """What every result row of one federation (model row, setting group) shares; ``resolved``: the
+    federation's run config."""
     return RowContext(model=row.name, label=row.label, trained=row.trained, arch=row.spec["arch"],
                       variant=row.spec["variant"], april=row.spec["april"], group=group, seed=cfg.seed,
-                      defence=validate_defence(json.loads(run_config["defence"])),
+                      defence=resolved.defence_spec(),
                       image_index={name: i for i, name in enumerate(image_names)},
                       federation={"batch_size": cfg.federation.batch_size, "local_steps": cfg.federation.local_steps,
                                   "labels": "known" if cfg.attack.labels == "known" else "recovered"})
@@ -513,7 +516,7 @@ class GroupAttacker:
             self.finish_round, batched)
         self.run_config = client_run_config(self.cfg, row, group)
         self.resolved = resolve_config(self.run_config)
-        self.ctx = row_context(self.cfg, row, group, self.run_config, prepared.image_names)
+        self.ctx = row_context(self.cfg, row, group, self.resolved, prepared.image_names)
         # The classifier-bias gradient carries the attacked model's prediction when the update is a
         # plain FedSGD gradient (no defence transforms it); see scoring.round_top1.
         plain = self.resolved.mode == "fedsgd" and self.resolved.defence_spec().name == "none"
@@ -527,7 +530,7 @@ class GroupAttacker:
         self.model = row.model
         self.acc_model = row.acc_model
         self.pristine = {k: v.detach().clone() for k, v in row.model.state_dict().items()}
-        self.grid_ids = grid_image_ids(self.cfg, self.run_config)
+        self.grid_ids = grid_image_ids(self.cfg, self.resolved)
         self.new_rows = self.failed_rows = self.error_rows = 0
         self.error: BaseException | None = None
         self.aborted = False
@@ -617,7 +620,7 @@ class GroupAttacker:
         still miss rows of that attacker; the round goes to :attr:`dispatch` until they are done."""
         rnd = int(updates[0].server_round)
         clients = self.cfg.federation.clients
-        batches = [tapped_batch(self.run_config, int(u.partition_id), rnd, clients, getattr(u, "partition_ids", None))
+        batches = [tapped_batch(self.resolved, int(u.partition_id), rnd, clients, getattr(u, "partition_ids", None))
                    for u in updates]
         keys = [round_keys(self.row.name, self.p.attackers, self.settings, rnd, int(u.partition_id), b.image_ids)
                 for u, b in zip(updates, batches)]
@@ -716,7 +719,7 @@ class GroupAttacker:
         attackers = [(a.label, a.name) for a in self.p.attackers]
         for rnd, part in self.rounds.missing():
             reasons = sorted({f.reason for f in failures if f.server_round == rnd and f.partition_id in (None, part)})
-            batch = tapped_batch(self.run_config, part, rnd, self.cfg.federation.clients)
+            batch = tapped_batch(self.resolved, part, rnd, self.cfg.federation.clients)
             rows += [r for r in client_failure_rows(self.ctx, rnd, part, batch, reasons, attackers, self.settings)
                      if r.key not in self.done]
         if rows:

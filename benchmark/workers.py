@@ -19,16 +19,19 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, wait
 from pathlib import Path
-from typing import Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from attacks.base import AttackMetadata
 
 _logger = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_attack(attack: Any, model: Any, updates: Sequence[dict], metadatas: Sequence[dict],
+def run_attack(attack: Any, model: Any, updates: Sequence[dict], metadatas: Sequence[AttackMetadata],
                batched: bool = True) -> tuple[list, float]:
     """(results, seconds) of one attacker on one round's updates: one ``reconstruct_many`` call, or
     one ``reconstruct`` per update (``batched=False``, the reference path the tests compare with)."""
@@ -53,7 +56,7 @@ class Runner(Protocol):
 
     def share(self, model: Any) -> Any: ...
 
-    def submit(self, index: int, model: Any, updates: Sequence[dict], metadatas: Sequence[dict],
+    def submit(self, index: int, model: Any, updates: Sequence[dict], metadatas: Sequence[AttackMetadata],
                batched: bool = True) -> Future[JobResult]: ...
 
     def close(self) -> None: ...
@@ -77,7 +80,7 @@ class LocalRunner:
         """The model as :meth:`submit` takes it, for every job of a round: the model itself."""
         return model
 
-    def submit(self, index: int, model: Any, updates: Sequence[dict], metadatas: Sequence[dict],
+    def submit(self, index: int, model: Any, updates: Sequence[dict], metadatas: Sequence[AttackMetadata],
                batched: bool = True) -> Future[JobResult]:
         """Run the attack now (an error of it is raised here) and return its done Future."""
         job: Future[JobResult] = Future()
@@ -146,7 +149,7 @@ class RayRunner:
         """The model in Ray's object store, shipped once per round for every attacker's job."""
         return self.ray.put(model)
 
-    def submit(self, index: int, model: Any, updates: Sequence[dict], metadatas: Sequence[dict],
+    def submit(self, index: int, model: Any, updates: Sequence[dict], metadatas: Sequence[AttackMetadata],
                batched: bool = True) -> Future[JobResult]:
         """Queue the call on the actor with the fewest unfinished jobs; its ObjectRef as a Future.
 
@@ -200,7 +203,7 @@ class RoundDispatch(Generic[Round]):
         """The model as the round's jobs take it (:meth:`Runner.share`, e.g. put in Ray's object store once)."""
         return self.runner.share(model)
 
-    def submit(self, index: int, model: Any, updates: Sequence[dict], metadatas: Sequence[dict]) -> Future[JobResult]:
+    def submit(self, index: int, model: Any, updates: Sequence[dict], metadatas: Sequence[AttackMetadata]) -> Future[JobResult]:
         """Attacker ``index`` on ``updates``: the runner's job."""
         return self.runner.submit(index, model, updates, metadatas, self.batched)
 

@@ -40,6 +40,7 @@ docs/plugins.md); its ``defaults`` are its keys, checked like the built-ins' her
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Mapping, Optional, get_args
 
 from pydantic import ConfigDict, create_model
@@ -97,6 +98,44 @@ Noise = Literal["gaussian", "laplace"]
 NOISES: tuple[str, ...] = get_args(Noise)
 
 
+@dataclass(frozen=True)
+class Observation:
+    """What a defence does to each entry of the update a client sends, as an attacker who knows its
+    spec models it (Kerckhoffs's principle): :meth:`DefenceSpec.observation`, read by every attack
+    that models a defence (``april_robust``'s noise model, ``ig_closed_start``'s ``defence_model``).
+    Scales are in the units the defence acts in; ``attacks.AttackMetadata.defence_noise`` gives
+    them in gradient units.
+
+    Attributes:
+        what: the defence in words, for an attack's notes.
+        perturbs: False where the client sends its clean update (no defence, central DP, mixup,
+            FedAvg's local steps): there is nothing to model entrywise.
+        noise: the law of the i.i.d. additive noise per entry, or None.
+        sigma: its noise multiplier: the scale (Gaussian std, Laplace b) is :attr:`noise_scale`,
+            sigma * clip.
+        clip: the L2 bound the signal is clipped to before the noise is added.
+        per_example: DP-SGD: ``clip`` bounds each example's gradient; the noise is added to the
+            sum over the batch, which is then divided by the batch size, at every local step.
+            Otherwise (local DP) ``clip`` bounds the whole update and the noise is added to it.
+        quant_bits, quant_stochastic: a per-tensor quantiser (defences/transforms.py), or None.
+        prune_keep: the kept share of a top-k pruning (the zeros are missing entries), or None.
+    """
+
+    what: str
+    perturbs: bool = True
+    noise: Optional[Noise] = None
+    sigma: float = 0.0
+    clip: float = 0.0
+    per_example: bool = False
+    quant_bits: Optional[int] = None
+    quant_stochastic: bool = False
+    prune_keep: Optional[float] = None
+
+    @property
+    def noise_scale(self) -> float:
+        return self.sigma * self.clip
+
+
 class DefenceSpec(Schema):
     """A checked defence spec, as :func:`validate_defence` returns it: ``name`` and that defence's
     keys as typed, immutable attributes (``spec.sigma``); :meth:`as_dict` is the plain data a run
@@ -114,10 +153,19 @@ class DefenceSpec(Schema):
         args = ", ".join(f"{k}={v}" for k, v in self.as_dict().items() if k != "name")
         return f"{self.name}({args})" if args else self.name
 
+    def observation(self) -> Optional[Observation]:
+        """What this defence does to each entry of the update (:class:`Observation`); None where no
+        attack models it (a plug-in defence)."""
+        return None
 
-# One schema per defence (fedmjp.config, like every other config): keys, types, defaults, ranges.
+
+# One schema per defence (fedmjp.config, like every other config): keys, types, defaults, ranges,
+# and what it does to an update (the table of the module docstring, as an Observation).
 class NoDefence(DefenceSpec):
     name: Literal["none"] = "none"
+
+    def observation(self) -> Observation:
+        return Observation("no defence", perturbs=False)
 
 
 class LocalDp(DefenceSpec):
@@ -126,6 +174,9 @@ class LocalDp(DefenceSpec):
     sigma: Float = option(0.1, ge=0.0)
     noise: Noise = "gaussian"
 
+    def observation(self) -> Observation:
+        return Observation("local_dp", noise=self.noise, sigma=self.sigma, clip=self.clip)
+
 
 class DpSgd(DefenceSpec):
     name: Literal["dp_sgd"] = "dp_sgd"
@@ -133,22 +184,34 @@ class DpSgd(DefenceSpec):
     sigma: Float = option(1.0, ge=0.0)
     delta: Float = option(1e-5, gt=0.0, le=1.0)
 
+    def observation(self) -> Observation:
+        return Observation("dp_sgd", noise="gaussian", sigma=self.sigma, clip=self.clip, per_example=True)
+
 
 class CentralDp(DefenceSpec):
     name: Literal["central_dp"] = "central_dp"
     clip: Float = option(1.0, gt=0.0)
     sigma: Float = option(0.1, ge=0.0)
 
+    def observation(self) -> Observation:
+        return Observation("central DP (the client sends its clean update)", perturbs=False)
+
 
 class Prune(DefenceSpec):
     name: Literal["prune"] = "prune"
     keep: Float = option(0.1, gt=0.0, le=1.0)
+
+    def observation(self) -> Observation:
+        return Observation(f"prune keep {self.keep}", prune_keep=self.keep)
 
 
 class Quantize(DefenceSpec):
     name: Literal["quantize"] = "quantize"
     bits: Int = option(1, ge=1, le=16)
     stochastic: bool = False
+
+    def observation(self) -> Observation:
+        return Observation(f"quantize {self.bits} bit", quant_bits=self.bits, quant_stochastic=self.stochastic)
 
 
 class Mixup(DefenceSpec):
@@ -157,10 +220,16 @@ class Mixup(DefenceSpec):
     alpha: Float = option(1.0, gt=0.0)
     sign_flip: bool = False
 
+    def observation(self) -> Observation:
+        return Observation("mixup (a clean gradient of the mixed image)", perturbs=False)
+
 
 class FedAvg(DefenceSpec):
     name: Literal["fedavg"] = "fedavg"
     steps: Int = option(5, ge=1)
+
+    def observation(self) -> Observation:
+        return Observation("FedAvg local steps (the update is not perturbed entrywise)", perturbs=False)
 
 
 SCHEMAS: dict[str, type[DefenceSpec]] = {

@@ -216,9 +216,9 @@ def _message(schema: type[BaseModel], error: Mapping[str, Any], where: str) -> s
         return (f"unknown config key {where + '.'.join(filter(None, [key, str(loc[-1])]))!r}; "
                 f"{here}: {', '.join(sorted(keys(_bare(tp))))}")
     key, tp, info = _at(schema, loc)
+    if kind == "value_error":  # a validator's own message (a field's names it, a whole schema's speaks for itself)
+        return f"{where}{key}: {error['ctx']['error']}" if key else str(error["ctx"]["error"])
     key = where + key
-    if kind == "value_error":  # a field validator's own message (a defence spec's, for one)
-        return f"{key}: {error['ctx']['error']}"
     if kind == "too_short":
         return f"config key {key!r} must not be empty ({describe(tp)}), got {value!r}"
     if kind == "missing":

@@ -100,7 +100,7 @@ def test_refuses_batch_above_one_and_bad_options(case):
     assert res.failed and "batch size 1" in res.reason
     with pytest.raises(ValueError, match="sigma needs the clip"):
         attacks.create_attack("april_robust", sigma=0.1)
-    with pytest.raises(ValueError, match="prior must be"):
+    with pytest.raises(ValueError, match="config key 'options.prior': unknown value 'l2'; valid: smooth, tv, gaussian"):
         attacks.create_attack("april_robust", prior="l2")
     with pytest.raises(ValueError, match="use_qkv"):
         attacks.create_attack("april_robust", use_qkv="always")

@@ -230,3 +230,42 @@ def test_parse_is_fast():
     md = bench_metadata()
     per_call = min(timeit.repeat(lambda: parse(md), number=200, repeat=3)) / 200
     assert per_call < 1e-3, f"AttackMetadata.parse takes {per_call * 1e6:.0f} us per call"
+
+
+# --- typed metadata from the benchmark ----------------------------------------------------------
+
+def test_the_pipeline_builds_typed_metadata_equal_to_the_parsed_dict():
+    """benchmark/pipeline.py's attack_metadata gives an AttackMetadata (tensors stay tensors, one
+    label per image, the local steps) equal to what parse reads from the same values as a dict, and
+    an attack takes it as it is."""
+    from types import SimpleNamespace
+
+    from benchmark import config as C
+    from benchmark.pipeline import attack_metadata
+    from clients.runconfig import resolve_config
+
+    cfg = C.validate(C.apply_overrides(C.load_config(), ["attack.labels=known", "federation.algorithm=fedavg",
+                                                         "federation.local_steps=3", "federation.lr=0.05"]))
+    resolved = resolve_config({**C.client_values(cfg), "defence": '{"name": "local_dp", "sigma": 0.1}'})
+    batch = SimpleNamespace(image_ids=[7, 8], labels=torch.tensor([3, 1]))
+    meta = attack_metadata(cfg, resolved, MODEL, batch)
+    assert isinstance(meta, AttackMetadata) and isinstance(meta.labels, torch.Tensor)
+    size = cfg.data.image_size
+    parsed = parse({"num_images": 2, "mean": IMAGENET_MEAN, "std": IMAGENET_STD, "image_size": (3, size, size),
+                    "update_type": "delta", "lr": 0.05, "local_steps": 3, "labels": batch.labels,
+                    "defence": resolved.defence_spec()})
+    for key, value in vars(parsed).items():
+        got = getattr(meta, key)
+        assert torch.equal(got, value) and got.dtype == value.dtype if isinstance(value, torch.Tensor) else \
+            got == value, key
+    assert AttackMetadata.of(meta, MODEL) is meta
+    assert meta.gradient_scale == pytest.approx(-1 / (0.05 * 3))
+
+
+def test_a_delta_without_lr_fails_where_it_is_turned_into_gradients():
+    """A typed metadata is not parsed: a FedAvg delta with lr 0 is still a condition failure, named
+    like parse names it, when an attack turns the update into gradient units."""
+    meta = parse({"update_type": "gradient"})
+    meta.update_type = "delta"
+    with pytest.raises(AttackFailure, match=r"'metadata\.lr' must be the non-zero local learning rate"):
+        meta.gradient_scale

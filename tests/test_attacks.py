@@ -36,6 +36,32 @@ def test_registry_lists_names_for_unknown():
         attacks.create_attack("invertinggradients_batched", not_an_option=1)
 
 
+def test_each_attack_declares_its_options_as_one_schema():
+    """Every built-in attack's options are one pydantic schema: checked when the config is (ranges,
+    choices and cross-checks too, not only when the attack is built), each message naming the
+    option, what it takes and, for an unknown one, the valid ones."""
+    from attacks.base import AttackOptions, attack_class, attack_options, option_schema
+
+    for name in attacks.attack_names():
+        schema = option_schema(attack_class(name))
+        assert issubclass(schema, AttackOptions) and "raise_errors" in schema.model_fields, name
+        assert attacks.create_attack(name).options == schema(), name  # the defaults build
+    assert attack_options("ig_closed_start", {"iterations": "1e2", "start_attacks": ("pe_closed_form",)}) == {
+        "iterations": 100, "start_attacks": ["pe_closed_form"]}
+    for name, options, message in (
+            ("ig_closed_start", {"converge_window": 0}, "config key 'options.converge_window' must be an integer >= 1, got 0"),
+            ("april_robust", {"sigma": 0.1}, "sigma needs the clip it multiplies"),
+            ("april_robust", {"quant_bits": 40}, "config key 'options.quant_bits' must be an integer in [1, 32], got 40"),
+            ("mjp_adaptive", {"starts": 0}, "config key 'options.starts' must be an integer >= 1, got 0"),
+            ("batch_match", {"signed": "hard"}, "unknown option(s) ['signed']; valid: raise_errors, iterations"),
+            ("invertinggradients_batched", {"label_strategy": "x"}, "unknown value 'x'; valid: bias, idlg")):
+        with pytest.raises(ValueError) as err:
+            attack_options(name, options)
+        assert str(err.value).startswith(f"bad options for attack {name!r}: ") and message in str(err.value), err.value
+    with pytest.raises(ValueError, match="sigma needs the clip"):
+        attacks.AprilRobust(sigma=0.1)  # the class itself checks them too
+
+
 # --------------------------------------------------------------------------------- APRIL analytic
 def test_april_analytic_rebuilds_real_image_and_agrees_with_breaching():
     model = april_model()

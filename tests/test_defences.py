@@ -363,3 +363,22 @@ def test_central_dp_noise_is_seeded_by_run_seed_and_round():
     std = compute_stdv(1.0, 0.01, 2)
     noise = torch.cat([(same[k] - clean[k]).flatten() for k in same if same[k].is_floating_point()])
     assert 0.9 < float(noise.std()) / (std * 2 ** 0.5) < 1.1
+
+
+def test_each_defence_states_what_it_does_to_an_update():
+    """One observation model per built-in defence (defences/spec.py), read by april_robust and
+    ig_closed_start's defence model; the noise in gradient units follows the update type."""
+    from attacks.base import AttackMetadata
+    from defences.spec import SCHEMAS
+
+    clean = {name for name, schema in SCHEMAS.items() if not schema().observation().perturbs}
+    assert clean == {"none", "central_dp", "mixup", "fedavg"}
+    dp = D.validate_defence({"name": "local_dp", "clip": 2.0, "sigma": 0.01}).observation()
+    assert (dp.noise, dp.noise_scale, dp.clip, dp.per_example) == ("gaussian", 0.02, 2.0, False)
+    sgd = D.validate_defence({"name": "dp_sgd", "clip": 1.0, "sigma": 0.5}).observation()
+    meta = AttackMetadata(4, (3, 8, 8), torch.zeros(3), torch.ones(3), None, "delta", lr=0.1, local_steps=4)
+    assert meta.defence_noise(dp) == pytest.approx((0.02 / 0.4, 2.0 / 0.4))  # added to the delta: / (lr steps)
+    assert meta.defence_noise(sgd) == pytest.approx((0.5 / 4 / 2, 1.0))  # per step's mean gradient, / sqrt(steps)
+    q = D.validate_defence({"name": "quantize", "bits": 4, "stochastic": True}).observation()
+    assert (q.quant_bits, q.quant_stochastic, q.noise) == (4, True, None)
+    assert D.validate_defence({"name": "prune", "keep": 0.2}).observation().prune_keep == 0.2

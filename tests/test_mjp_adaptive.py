@@ -8,7 +8,8 @@ import torch
 
 import attacks
 import fedmjp  # noqa: F401  (registers the mjp_* models)
-from attacks.april import _gradient_of_Z, check_conditions
+from attacks.first_layer import check_conditions
+from attacks.first_layer import gradient_of_Z as _gradient_of_Z
 from attacks.jigsaw_solver import arrangement_cost, place, solve_jigsaw
 from attacks.mjp_adaptive import mjp_reduction
 from fedmjp.jigsaw import make_plan

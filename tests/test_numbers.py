@@ -9,7 +9,6 @@ with the key named.
 """
 from __future__ import annotations
 
-import inspect
 import json
 import tomllib
 import typing
@@ -110,26 +109,13 @@ DEFENCE_KEYS = [(name, key, NUMBER_KEYS[key], (default + 1) if NUMBER_KEYS[key] 
 
 
 def _attack_option_cases() -> list[tuple[str, str, type, Any]]:
-    cases = []
-    for name in attacks.attack_names():
-        factory = attack_base.attack_class(name)
-        types = attack_base.option_types(factory)
-        params = {}
-        for owner in [k for k in factory.__mro__ if "__init__" in vars(k)]:
-            for p in inspect.signature(owner.__init__).parameters.values():
-                params.setdefault(p.name, p.default)
-        for key, tp in types.items():
-            kind = _number_type(tp)
-            if kind is not None:
-                default = params.get(key)
-                default = None if default is inspect.Parameter.empty else default
-                value = (default + 1 if default is not None else 3) if kind is int else \
-                        (default * 2 if default else 0.375)
-                cases.append((name, key, kind, value))
-    return cases
+    return [(name, *case) for name in attacks.attack_names()
+            for case in _schema_cases(attack_base.option_schema(attack_base.attack_class(name)))]
 
 
 ATTACK_OPTIONS = _attack_option_cases()
+#: options an attack option needs beside it to be valid at all (april_robust's sigma multiplies a clip)
+ATTACK_COMPANIONS: dict[tuple[str, str], dict[str, Any]] = {("april_robust", "sigma"): {"clip": 1.0}}
 
 
 def test_the_schemas_have_the_number_keys_this_file_walks() -> None:
@@ -324,17 +310,20 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> dict[str, dict]:
 @pytest.mark.parametrize("name, key, kind, value", ATTACK_OPTIONS, ids=[f"{n}.{k}" for n, k, _, _ in ATTACK_OPTIONS])
 def test_attack_option_in_scientific_notation(tmp_path: Path, recorded: dict, name: str, key: str, kind: type,
                                               value: Any) -> None:
+    extra = ATTACK_COMPANIONS.get((name, key), {})
     from_file = C.load_config(_preset_with(tmp_path, {"attacks": "[]", "attack.name": name,
-                                                      f"attack.options.{key}": sci(value)}))
+                                                      f"attack.options.{key}": sci(value),
+                                                      **{f"attack.options.{k}": str(v) for k, v in extra.items()}}))
     from_set = C.apply_overrides(C.load_config(), ["attacks=[]", f"attack.name={name}",
-                                                   f"attack.options.{key}={sci(value, upper=True)}"])
+                                                   f"attack.options.{key}={sci(value, upper=True)}",
+                                                   *(f"attack.options.{k}={v}" for k, v in extra.items())])
     _same(C.validate(from_set).attack.options[key], kind, value)  # converted when the config is checked
     for cfg in (from_file, from_set):  # typed, options as written: create_attack converts them
         recorded.clear()
         [entry] = C.attack_entries(C.BenchmarkConfig.model_validate(cfg))
         attacks.create_attack(entry.name, **entry.options)
         _same(recorded[name][key], kind, value)
-    attacks.create_attack(name, **{key: sci(value)})  # a string holding a number (the Python API)
+    attacks.create_attack(name, **{key: sci(value)}, **extra)  # a string holding a number (the Python API)
     _same(recorded[name][key], kind, value)
     for bad, shown in ((True, "True"), ("1e-4x", "'1e-4x'")):
         with pytest.raises(ValueError, match=f"bad options for attack '{name}': config key 'options.{key}' "
