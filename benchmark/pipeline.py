@@ -18,6 +18,7 @@ import logging
 import queue
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -728,5 +729,8 @@ class GroupAttacker:
             self.new_rows += len(rows)
             self.failed_rows += len(rows)
         if not self.rounds.seen and self.rounds.wanted:
+            counts = Counter(f.reason for f in failures)
+            listed = "; ".join(f"{reason} ({n} update(s))" for reason, n in counts.most_common(3))
+            more = f"; and {len(counts) - 3} other reason(s)" if len(counts) > 3 else ""
             raise FederationFailed(f"model row {self.row.name!r} ({self.group}): no client update reached the "
-                                   f"attacker; failures: {[f.reason for f in failures[:3]]}")
+                                   f"attacker: {listed or 'no client answered'}{more}")

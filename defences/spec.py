@@ -43,7 +43,7 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Mapping, Optional, get_args
 
-from pydantic import ConfigDict, create_model
+from pydantic import ConfigDict, create_model, model_validator
 
 from fedmjp import config as core
 from fedmjp import plugins
@@ -168,7 +168,25 @@ class NoDefence(DefenceSpec):
         return Observation("no defence", perturbs=False)
 
 
-class LocalDp(DefenceSpec):
+#: The largest noise scale sigma * clip a DP defence takes: beyond it Gaussian or Laplace draws
+#: overflow the clients' float32 updates (max 3.4e38) and the squared scale overflows float64, so no
+#: update would arrive; 1e30 is already pure noise for any model.
+MAX_NOISE_SCALE = 1e30
+
+
+class _NoiseBounded(DefenceSpec):
+    """A DP defence whose noise scale sigma * clip must stay representable (:data:`MAX_NOISE_SCALE`)."""
+
+    @model_validator(mode="after")
+    def _noise_in_range(self) -> "_NoiseBounded":
+        scale = float(getattr(self, "sigma")) * float(getattr(self, "clip"))
+        if not scale <= MAX_NOISE_SCALE:
+            raise ValueError(f"sigma x clip = {scale:.3g} is beyond {MAX_NOISE_SCALE:g}: noise this large "
+                             "overflows the clients' float32 updates; lower sigma or clip")
+        return self
+
+
+class LocalDp(_NoiseBounded):
     name: Literal["local_dp"] = "local_dp"
     clip: Float = option(1.0, gt=0.0)
     sigma: Float = option(0.1, ge=0.0)
@@ -178,7 +196,7 @@ class LocalDp(DefenceSpec):
         return Observation("local_dp", noise=self.noise, sigma=self.sigma, clip=self.clip)
 
 
-class DpSgd(DefenceSpec):
+class DpSgd(_NoiseBounded):
     name: Literal["dp_sgd"] = "dp_sgd"
     clip: Float = option(1.0, gt=0.0)
     sigma: Float = option(1.0, ge=0.0)
@@ -188,7 +206,7 @@ class DpSgd(DefenceSpec):
         return Observation("dp_sgd", noise="gaussian", sigma=self.sigma, clip=self.clip, per_example=True)
 
 
-class CentralDp(DefenceSpec):
+class CentralDp(_NoiseBounded):
     name: Literal["central_dp"] = "central_dp"
     clip: Float = option(1.0, gt=0.0)
     sigma: Float = option(0.1, ge=0.0)

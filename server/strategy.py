@@ -96,7 +96,7 @@ class TappedFedAvg(FedAvg):
             try:
                 update = self._parse(server_round, node_id, msg)
             except (KeyError, ValueError, TypeError) as err:
-                self._fail(server_round, node_id, f"malformed reply: {err!r}")
+                self._fail(server_round, node_id, f"malformed reply: {type(err).__name__}: {err}")
                 continue
             usable.append(update)
         for node_id in self._sent:
@@ -223,7 +223,8 @@ def checked_arrays(record: ArrayRecord, global_state: dict[str, torch.Tensor]) -
         if value.shape != tuple(global_state[name].shape):
             raise ValueError(f"{name}: shape {tuple(value.shape)} != {tuple(global_state[name].shape)}")
         if not all_finite(value):
-            raise ValueError(f"{name}: non-finite values")
+            raise ValueError(f"{name}: non-finite values (the client's update overflowed: a learning rate, "
+                             "defence noise or model that diverges)")
     return arrays
 
 

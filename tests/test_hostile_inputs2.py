@@ -147,6 +147,8 @@ def test_bad_model_kwargs_are_config_errors(tmp_path: Path, capsys, kwargs: str,
     ("federation.local_steps=1000000000", ["federation.local_steps", "[1, 1000]"]),
     ("federation.batch_size=5000", ["federation.batch_size", "[1, 1024]"]),
     ("federation.options={image-size: 100000}", ["image-size", "1024"]),
+    ("defence={name: local_dp, sigma: 1.0e+308}", ["local_dp", "sigma x clip", "lower sigma or clip"]),
+    ("defence={name: dp_sgd, sigma: 1.0e+308, clip: 1.0e+308}", ["dp_sgd", "sigma x clip"]),
 ])
 def test_sizes_that_set_a_run_s_memory_and_time_are_bounded_before_work(tmp_path: Path, capsys, setting: str,
                                                                          words: list[str]) -> None:
@@ -335,19 +337,24 @@ def test_fft2d_of_black_and_near_black_images_is_defined_by_the_image_scale() ->
     assert M.fft2d(real * 0.01 + 0.01, real * 0.01 + 0.01).item() == pytest.approx(0.0, abs=1e-12)
 
 
-def test_central_dp_noise_that_overflows_the_global_model_is_named_in_the_rows(tmp_path: Path) -> None:
-    """sigma 1e308: the server notices the non-finite global weights right after it noises them,
-    and the rows of the next round (whose clients trained on those weights) name the global model,
-    the defence and its sigma before the clients' own reason."""
-    import json
+def test_central_dp_noise_that_overflows_the_global_model_is_refused_and_named_where_it_arises(
+        tmp_path: Path, capsys) -> None:
+    """sigma 1e308 is refused with the config (sigma x clip beyond what a float32 model holds); the
+    server's own check after noising (defence in depth, e.g. for a plug-in strategy) names the
+    defence, its sigma and the first non-finite array."""
+    import numpy as np
+    from flwr.app import Array, ArrayRecord
 
-    out = tmp_path / "out"
-    assert cli(small_config(tmp_path), out, "--set", "federation.rounds=2",
-               "--set", "defence={name: central_dp, sigma: 1e308}") == 0
-    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in rows if not r["failed"]] == [1, 1]  # round 1 attacked the finite model
-    failed = [r for r in rows if r["failed"]]
-    assert [r["round"] for r in failed] == [2, 2]
-    for r in failed:
-        assert r["reason"].startswith("client failed: global model non-finite after round 1's central_dp noise"), r
-        assert "sigma=1e+308" in r["reason"] and "clip=1" in r["reason"], r
+    from server.central_dp import TappedCentralDp
+
+    assert cli(small_config(tmp_path), tmp_path / "out", "--set", "defence={name: central_dp, sigma: 1e308}") == 3
+    one_line_error(capsys.readouterr().err, "central_dp", "sigma x clip")
+    assert not (tmp_path / "out").exists()
+
+    server = object.__new__(TappedCentralDp)  # only the noising hook and its attributes
+    server.noise_multiplier, server.clipping_norm, server.num_sampled_clients = 1e308, 1.0, 2
+    server.seed, server.server_round, server.global_fault = 0, 1, None
+    arrays = ArrayRecord({"cls_token": Array(np.zeros((1, 4), np.float32))})
+    server._add_noise_to_aggregated_arrays(arrays)
+    assert server.global_fault is not None
+    assert "sigma=1e+308" in server.global_fault and "cls_token" in server.global_fault
