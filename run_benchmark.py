@@ -122,18 +122,20 @@ def _main(args: argparse.Namespace) -> int:
         return err.exit_code
     except KeyboardInterrupt as err:
         what = "terminated (SIGTERM)" if isinstance(err, Terminated) else "interrupted"
-        where = f" in {output}" if output else ""
-        print(f"\n{what}: finished rows are kept{where}; run the same command with --output {output} "
-              "to resume", file=sys.stderr)
+        if output:
+            print(f"\n{what}: finished rows are kept in {output}; run the same command with --output {output} "
+                  "to resume", file=sys.stderr)
+        else:
+            print(f"\n{what} before the output folder was chosen: nothing was written", file=sys.stderr)
         return EXIT_TERMINATED if isinstance(err, Terminated) else EXIT_INTERRUPTED
     except OSError as err:
         # a write of the tables or grids (pandas, matplotlib) into the output folder that failed
         # (the store's own writes raise OutputWriteError); any other OSError is a bug: traceback
         if err.errno not in _WRITE_ERRNOS or output is None:
             raise
-        print(f"error: cannot write {err.filename or output}: {err.strerror or err}; finished rows are kept in "
-              f"{output}; free disk space, raise the file-size limit or fix the folder's permissions, then run the "
-              "same command to resume", file=sys.stderr)
+        from benchmark.files import write_error
+
+        print(f"error: {write_error(Path(err.filename or output), err)}", file=sys.stderr)
         return OutputWriteError.exit_code
     print()
     print((Path(summary.folder) / "table.md").read_text())

@@ -27,13 +27,15 @@ from .errors import OutputWriteError
 MAX_NAME = 200
 
 
-def _write_error(path: Path, err: OSError) -> OutputWriteError:
+def write_error(path: Path, err: OSError) -> OutputWriteError:
     """A failed write as the user-facing error (exit status 10)."""
     what = err.strerror or str(err)
     if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         hint = "free disk space or raise the file-size limit (ulimit -f), then run the same command to resume"
     elif err.errno == errno.ELOOP:
         hint = "it is a symbolic link, which a run never writes through; remove the link or use another --output"
+    elif err.errno == errno.ENAMETOOLONG:
+        hint = "the path is longer than the file system allows; use a shorter --output folder (or shorter labels)"
     else:
         hint = "make the folder writable or choose another --output folder"
     return OutputWriteError(f"cannot write {path}: {what}; rows written so far are kept; {hint}")
@@ -56,7 +58,7 @@ def write_bytes(path: str | Path, data: bytes, sync: bool = False) -> None:
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
     except OSError as err:
-        raise _write_error(path, err) from err
+        raise write_error(path, err) from err
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
@@ -68,7 +70,7 @@ def write_bytes(path: str | Path, data: bytes, sync: bool = False) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         if isinstance(err, OSError):
-            raise _write_error(path, err) from err
+            raise write_error(path, err) from err
         raise
 
 
@@ -111,5 +113,5 @@ def append_lines(path: Path, lines: Iterable[str]) -> int:
             fh.flush()
             os.fsync(fh.fileno())
     except OSError as err:
-        raise _write_error(path, err) from err
+        raise write_error(path, err) from err
     return n

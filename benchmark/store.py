@@ -49,7 +49,7 @@ from .errors import (
 from .files import (  # noqa: F401
     MAX_NAME,
     _open_append,
-    _write_error,
+    write_error,
     append_line,
     append_lines,
     save_figure,
@@ -358,7 +358,7 @@ class RunFolder:
             raise OutputLockedError(f"output folder {self.folder} is in use by another run (its {LOCK} is locked); "
                                     "wait for that run to end or use another --output folder") from None
         except OSError as err:
-            raise _write_error(self.folder / LOCK, err) from None
+            raise write_error(self.folder / LOCK, err) from None
 
     def unlock(self) -> None:
         """Release the lock (the OS releases it too when the process ends)."""
@@ -406,7 +406,7 @@ class RunFolder:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as err:
-            raise _write_error(path.parent, err) from err
+            raise write_error(path.parent, err) from err
         save_png(image, path)
 
     def save_row_images(self, row: ResultRow, x: torch.Tensor, x_tilde: torch.Tensor | None,

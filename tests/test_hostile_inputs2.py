@@ -358,3 +358,22 @@ def test_central_dp_noise_that_overflows_the_global_model_is_refused_and_named_w
     server._add_noise_to_aggregated_arrays(arrays)
     assert server.global_fault is not None
     assert "sigma=1e+308" in server.global_fault and "cls_token" in server.global_fault
+
+# ------------------------------------------------------------------ 9. messages
+def test_a_file_name_too_long_gets_its_own_advice(tmp_path: Path, capsys) -> None:
+    assert cli(small_config(tmp_path), tmp_path / ("x" * 300)) == 10
+    line = one_line_error(capsys.readouterr().err, "File name too long", "shorter --output")
+    assert "free disk space" not in line
+
+
+def test_an_interrupt_before_the_output_folder_is_chosen_says_nothing_was_written(tmp_path: Path, capsys,
+                                                                                   monkeypatch) -> None:
+    import run_benchmark
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_benchmark, "resolve", interrupted)
+    assert run_benchmark.main(["--config", str(small_config(tmp_path)), "--no-progress"]) == 130
+    err = capsys.readouterr().err
+    assert "nothing was written" in err and "None" not in err
