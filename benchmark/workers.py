@@ -154,8 +154,8 @@ class RayRunner:
                                       f"{' '.join(str(err).split())[:300]}; start it, fix --ray-address, or "
                                       "leave it out to attack on this machine") from err
             else:
-                gpus = {"num_gpus": torch.cuda.device_count()} if cuda else {}
-                ray.init(num_cpus=min(int(workers), os.cpu_count() or 1), **gpus, **kwargs)
+                ray.init(num_cpus=min(int(workers), os.cpu_count() or 1),
+                         num_gpus=torch.cuda.device_count() if cuda else None, **kwargs)
             self.started = True
         share = gpu_share(int(workers), int(ray.cluster_resources().get("GPU", 0))) if cuda else 0.0
         actor = ray.remote(num_cpus=1, num_gpus=share)(_AttackWorker)
