@@ -28,6 +28,7 @@ times ``prior_scale``), so on a clean update the data dominate and the solution 
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -35,8 +36,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-import numpy as np
-import scipy.sparse.linalg as spla
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -44,7 +43,9 @@ from pydantic import model_validator
 
 from defences.spec import DefenceSpec
 from fedmjp.config import Float, Int, option
+from fedmjp.devices import resolve_device
 
+from .linalg import conjugate_gradient
 from .first_layer import check_conditions, gradient_of_Z, is_design_a, unwrap_vit
 from .base import Attack, AttackFailure, AttackMetadata, AttackOptions, AttackResult, Update, register_attack, update_to_gradients
 from .pe_closed_form import images_to_patches, patches_to_images, pe_closed_form_system, pe_conditions
@@ -170,15 +171,15 @@ class _PatchPriorTerm:
     sum over every p x p patch at every offset of (u_p - mu)^T Lambda (u_p - mu), u = std img + mean
     the pixels in [0, 1]. ``torch.nn.functional.unfold``/``fold`` are the patch extraction and its adjoint."""
 
-    def __init__(self, prior: PatchPrior, meta: AttackMetadata, info) -> None:
+    def __init__(self, prior: PatchPrior, meta: AttackMetadata, info, device: torch.device) -> None:
         p, C = prior.patch, info.channels
         self.p, self.size = p, (info.grid[0] * p, info.grid[1] * p)
-        self.s = meta.std.to(_DT).reshape(1, C, 1, 1)
-        self.lam_mat = torch.from_numpy(prior.precision).to(_DT)
+        self.s = meta.std.to(device, _DT).reshape(1, C, 1, 1)
+        self.lam_mat = torch.from_numpy(prior.precision).to(device, _DT)
         # u_p - mu = unfold(std img) - c, c = mu - mean (per channel, repeated over the patch)
-        self.c = torch.from_numpy(prior.mean).to(_DT) - meta.mean.to(_DT).repeat_interleave(p * p)
+        self.c = torch.from_numpy(prior.mean).to(device, _DT) - meta.mean.to(device, _DT).repeat_interleave(p * p)
         self.count = (self.size[0] - p + 1) * (self.size[1] - p + 1)
-        ones = torch.ones(1, self.c.numel(), self.count, dtype=_DT)
+        ones = torch.ones(1, self.c.numel(), self.count, dtype=_DT, device=device)
         self.rhs_img = self.s * F.fold(self.lam_mat @ self.c[:, None] * ones, self.size, p)
         self.diag_img = self.s ** 2 * F.fold(self.lam_mat.diagonal()[:, None] * ones, self.size, p)
 
@@ -220,6 +221,8 @@ class AprilRobust(Attack):
         reestimate_noise: without known defence parameters, re-estimate each equation group's
             noise std from its residual after every alternation (variance components).
         cg_tol, cg_maxiter: the conjugate gradients' relative tolerance and iteration cap.
+        device: where the solves run (float64 throughout): ``cpu``, ``cuda``, ``cuda:N`` or ``auto``
+            (CUDA when available); the benchmark passes the run's ``--device``.
     """
 
     name = "april_robust"
@@ -241,6 +244,7 @@ class AprilRobust(Attack):
         reestimate_noise: bool = True
         cg_tol: Float = 1e-12
         cg_maxiter: Int = 300
+        device: str = "cpu"
 
         @model_validator(mode="after")
         def _sigma_has_clip(self) -> "AprilRobust.Options":
@@ -258,6 +262,7 @@ class AprilRobust(Attack):
         # read now: a missing or malformed file is a ValueError (PriorError) naming it, before any solve
         self.patch_prior = load_patch_prior(o.prior_path) if o.prior in ("gaussian", "auto") else None
         self.cg_tol, self.cg_maxiter = o.cg_tol, o.cg_maxiter
+        self.device = resolve_device(o.device)
         self.quant_cells = True
 
     # --------------------------------------------------------------------------------- noise model
@@ -303,7 +308,7 @@ class AprilRobust(Attack):
         if meta.image_size[1] != pp.image_size:
             notes.append(f"the patch prior was learned on {pp.image_size} px images, these are {meta.image_size[1]} px")
         notes.append(f"prior: Gaussian over every {pp.patch} x {pp.patch} patch, {Path(pp.path).name} ({pp.source})")
-        return _PatchPriorTerm(pp, meta, info)
+        return _PatchPriorTerm(pp, meta, info, self.device)
 
     def _reconstruct(self, model: nn.Module, update: Update, meta: AttackMetadata) -> AttackResult:
         t0 = time.perf_counter()
@@ -319,6 +324,10 @@ class AprilRobust(Attack):
         prior_term = self._prior_term(meta, info, notes)
         prior_name = "gaussian" if prior_term is not None else ("smooth" if self.prior == "auto" else self.prior)
         sysm = pe_closed_form_system(model, grads, _DT, info)
+        dev = self.device
+        sysm = dataclasses.replace(sysm, **{k: None if t is None else t.to(dev) for k, t in (
+            ("G", sysm.G), ("dW_e", sysm.dW_e), ("db_e", sysm.db_e), ("g_unk", sysm.g_unk),
+            ("zero_rows", sysm.zero_rows))})
         N, D, J = info.N, info.D, info.patch_dim
         pre = info.num_prefix
         zeros_missing = self.prune_missing or noise.prune_keep is not None
@@ -328,13 +337,13 @@ class AprilRobust(Attack):
         if info.has_unk:
             mG = mG & ~sysm.zero_rows[:, None]
         proj = vit.patch_embed.proj
-        W_e = proj.weight.detach().to("cpu", _DT).reshape(D, J)
-        b_e = proj.bias.detach().to("cpu", _DT) if proj.bias is not None else W_e.new_zeros(D)
+        W_e = proj.weight.detach().to(self.device, _DT).reshape(D, J)
+        b_e = proj.bias.detach().to(self.device, _DT) if proj.bias is not None else W_e.new_zeros(D)
 
         # bias equations: a^T G = target (a: [N] indicator), observed entries of target
         bias_eqs = []
         if sysm.db_e is not None:
-            bias_eqs.append(("b_e", torch.ones(N, dtype=_DT), sysm.db_e, miss(sysm.db_e)))
+            bias_eqs.append(("b_e", torch.ones(N, dtype=_DT, device=dev), sysm.db_e, miss(sysm.db_e)))
         if sysm.g_unk is not None and bool(sysm.zero_rows.any()):
             bias_eqs.append(("E_unk", sysm.zero_rows.to(_DT), sysm.g_unk, miss(sysm.g_unk)))
 
@@ -350,7 +359,7 @@ class AprilRobust(Attack):
 
         # noise std of each equation group
         # (quantisation levels are per received tensor: P's are set by the whole pos_embed, cls row included)
-        std_known = {"P": noise.tensor_std(grads[info.prefix + "pos_embed"].to("cpu", _DT)),
+        std_known = {"P": noise.tensor_std(grads[info.prefix + "pos_embed"].to(self.device, _DT)),
                      "We": noise.tensor_std(dW)}
         est = self._redundancy_std(G_obs, mG, bias_eqs, N)
 
@@ -377,7 +386,8 @@ class AprilRobust(Attack):
         consistent = (not noise.known and bool(mG.all()) and bool(mW.all())
                       and est <= 1e-9 * float(G_obs.pow(2).mean().sqrt()))
         if consistent:
-            X = torch.linalg.lstsq(G.T, dW, driver="gelsd").solution
+            # gelsd (rank-revealing, SVD) exists on the CPU only; one D x N problem, solved there
+            X = torch.linalg.lstsq(G.T.cpu(), dW.cpu(), driver="gelsd").solution.to(dev)
             notes.append(f"consistent update (bias redundancy residual {est:.1e}): exact closed form, no prior")
             img = patches_to_images(X[None], info)
             res = float((G.T @ X - dW).norm() / dW.norm().clamp_min(1e-300))
@@ -438,7 +448,7 @@ class AprilRobust(Attack):
             elif lam is None:
                 # first solve: unit-variance differences (normalised input), or the learned prior's weight
                 lam = self.prior_scale * (_GAUSSIAN_WEIGHT if prior_term is not None else 1.0)
-            wWj = torch.full((J,), wW, dtype=_DT)
+            wWj = torch.full((J,), wW, dtype=_DT, device=dev)
             if self.errors == "weighted" and X is not None:  # G's noise carried into dL/dW_e = G^T X
                 wWj = 1.0 / (s_We ** 2 + s_P ** 2 * X.pow(2).sum(0))
             tG, tW, tb = G_obs, dW, bias_eqs
@@ -497,27 +507,27 @@ class AprilRobust(Attack):
             notes.append("update lacks blocks.0.attn.qkv.weight: the qkv equation is not used")
             return None
         a_info = check_conditions(vit)
-        G_W = grads[name].to("cpu", _DT)
+        G_W = grads[name].to(self.device, _DT)
         if self.prune_missing and float((G_W == 0).double().mean()) > 1e-3:
             notes.append("the qkv gradient has missing (zero) entries: W^T dL/dW_qkv cannot be formed, "
                          "the qkv equation is not used")
             return None
-        W = vit.blocks[0].attn.qkv.weight.detach().to("cpu", _DT)
+        W = vit.blocks[0].attn.qkv.weight.detach().to(self.device, _DT)
         G_Z = gradient_of_Z(vit, {k.removeprefix(info.prefix): grads[k] for k in
                                    (info.prefix + "pos_embed", info.prefix + "cls_token", info.prefix + "reg_token")
-                                   if k in grads}, a_info).to("cpu", _DT)
+                                   if k in grads}, a_info).to(self.device, _DT)
         D = info.D
-        P = vit.pos_embed.detach().to("cpu", _DT).reshape(-1, D)
+        P = vit.pos_embed.detach().to(self.device, _DT).reshape(-1, D)
         if not a_info["pos_embed_covers_prefix"]:
             P = torch.cat([P.new_zeros(pre, D), P])
         if getattr(vit, "index_embed", None) is not None:
-            P = P + vit.index_embed.detach().to("cpu", _DT).reshape(-1, D)
-        toks = [t.detach().to("cpu", _DT).reshape(-1, D) for t in (getattr(vit, "cls_token", None),
+            P = P + vit.index_embed.detach().to(self.device, _DT).reshape(-1, D)
+        toks = [t.detach().to(self.device, _DT).reshape(-1, D) for t in (getattr(vit, "cls_token", None),
                                                                     getattr(vit, "reg_token", None)) if t is not None]
         Z_pre = (torch.cat(toks) if toks else P.new_zeros(0, D)) + P[:pre]
         offset = P[pre:].clone()
         if info.has_unk and bool(sysm.zero_rows.any()):
-            offset[sysm.zero_rows] = vit.unk_embed.detach().to("cpu", _DT).reshape(D)
+            offset[sysm.zero_rows] = vit.unk_embed.detach().to(self.device, _DT).reshape(D)
         return dict(G_W=G_W, W=W, R=W.T @ G_W, G_pre=G_Z[:pre], Z_pre=Z_pre, offset=offset)
 
     @staticmethod
@@ -593,7 +603,7 @@ class AprilRobust(Attack):
             prec = A1 + torch.diag_embed(dg.T + (eps + jitter)[:, None])
             rhs = rhs + lam * images_to_patches(prior_term.rhs_img, info)[0]
         else:
-            prec = A1 + ((4 * lam + eps) + jitter)[:, None, None] * torch.eye(N, dtype=_DT)
+            prec = A1 + ((4 * lam + eps) + jitter)[:, None, None] * torch.eye(N, dtype=_DT, device=G.device)
         L = torch.linalg.cholesky(prec)  # [J, N, N]
 
         def op(x: torch.Tensor) -> torch.Tensor:
@@ -609,15 +619,11 @@ class AprilRobust(Attack):
             Xc = x.reshape(N, J).T[:, :, None]  # [J, N, 1]
             return torch.cholesky_solve(Xc, L)[:, :, 0].T
 
-        A = spla.LinearOperator((N * J, N * J), dtype=np.float64,
-                                matvec=lambda v: op(torch.from_numpy(np.ascontiguousarray(v))).reshape(-1).numpy())
-        M = spla.LinearOperator((N * J, N * J), dtype=np.float64,
-                                matvec=lambda v: pre(torch.from_numpy(np.ascontiguousarray(v))).reshape(-1).numpy())
-        count = [0]
-        start = pre(rhs.reshape(-1)).reshape(-1).numpy() if X0 is None else X0.reshape(-1).numpy()
-        sol, _ = spla.cg(A, rhs.reshape(-1).numpy(), x0=start, rtol=self.cg_tol, maxiter=self.cg_maxiter, M=M,
-                         callback=lambda _: count.__setitem__(0, count[0] + 1))
-        return torch.from_numpy(sol).reshape(N, J), count[0]
+        b = rhs.reshape(-1)
+        start = pre(b).reshape(-1) if X0 is None else X0.reshape(-1)
+        sol, its, _ = conjugate_gradient(lambda v: op(v).reshape(-1), b, x0=start,
+                                         precond=lambda v: pre(v).reshape(-1), rtol=self.cg_tol, maxiter=self.cg_maxiter)
+        return sol.reshape(N, J), its
 
     def _g_step(self, X, G_obs, mG, wP, dW, mW, wW, bias_eqs, wb, qkv, W_e, b_e, info) -> torch.Tensor:
         """argmin_G of the same objective with X fixed: one N x N system per embedding dimension."""
@@ -640,6 +646,6 @@ class AprilRobust(Attack):
             target = qkv["R"] - qkv["G_pre"].T @ qkv["Z_pre"]  # [D, D], row d = sum_t G[t, d] Zp[t]
             rhs = rhs + om[:, None] * (target @ Zp.T)
         scale = H.diagonal(dim1=1, dim2=2).mean(1).clamp_min(1e-300)
-        H = H + (1e-12 * scale)[:, None, None] * torch.eye(N, dtype=_DT)
+        H = H + (1e-12 * scale)[:, None, None] * torch.eye(N, dtype=_DT, device=X.device)
         return torch.linalg.solve(H, rhs[:, :, None])[:, :, 0].T
 

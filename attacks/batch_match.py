@@ -120,7 +120,7 @@ class BatchMatch(Attack):
         tv: weight of the squared total variation (0: none).
         init_scale: standard deviation of the random start in model-input units.
         seed: seed of the starts.
-        device: ``cpu``, ``cuda`` or ``auto``.
+        device: ``cpu``, ``cuda``, ``cuda:N`` or ``auto``; the benchmark passes the run's ``--device``.
         unroll: on a FedAvg delta of E > 1 local steps, simulate the E SGD steps and match the
             delta (E double backwards per evaluation); False matches the mean-gradient
             approximation.

@@ -164,7 +164,8 @@ class BreachingAttack(Attack):
         lr: ``optim.step_size``; None keeps the config's.
         overrides: further dotted-key overrides, e.g. ``{"regularization.total_variation.scale": 0.1}``.
         seed: seed of the candidate initialisation (the global RNG state is restored afterwards).
-        device: ``cpu``, ``cuda`` or ``auto`` (CUDA when available).
+        device: ``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (CUDA when available); the benchmark passes
+            the run's ``--device``.
         dryrun: run one iteration per trial (breaching's dryrun).
 
     Stats per image: ``objective`` is breaching's restart score of the returned candidate

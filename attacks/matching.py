@@ -227,7 +227,7 @@ class GradientMatching(Attack):
         pe_weight: weight of the position-embedding gradient term (``april_optimization`` only).
         label_strategy: when labels are not granted: ``bias`` or ``idlg`` (:func:`recover_labels`).
         seed: seed of the candidate initialisation (a private generator).
-        device: ``cpu``, ``cuda`` or ``auto``.
+        device: ``cpu``, ``cuda``, ``cuda:N`` or ``auto``; the benchmark passes the run's ``--device``.
         progress: show a tqdm bar over iterations.
         unk_mask: [N] bool positions that get E_unk in the attacker's forward (MJP models), shared
             by every attacked update; None: the plain forward.

@@ -11,7 +11,8 @@ part, so a run stopped by a timeout still leaves the parts it finished):
   A), float64 and float32 clients, a plain and an MJP-shuffled update; the victim gradient computed
   on the device and on the CPU (same weights, same input), and the attack run on both copies of the
   same update.
-- ``april_robust``: on an 8-bit quantised update; the CPU reference at 32 px, the timing at 224 px.
+- ``april_robust``: on an 8-bit quantised update, ``device=`` the device; the CPU reference at 32 px,
+  the timing at 224 px.
 - ``mjp_adaptive``: ``refine=span`` with an explicit ``span_iterations`` (its default budget skips
   the fit at 224 px) on an MJP-shuffled update; CPU reference at 32 px.
 - ``ig_closed_start``: seconds per step and to convergence on one 224 px image (8-bit quantised, its
@@ -21,7 +22,8 @@ part, so a run stopped by a timeout still leaves the parts it finished):
 - ``train_deit_s``, ``train_cifar``: central training images/s (configs/train/deit_s_mjp.yaml at
   224 px with bf16 autocast, configs/train/cifar_deit_mjp.yaml as the recipe sets it); the float32
   loss of one batch on the device against the CPU.
-- ``preset_default``, ``preset_cifar``: ``run_benchmark.py --device DEV`` end to end (the CIFAR
+- ``preset_default``, ``preset_cifar``: ``run_benchmark.py --device DEV`` end to end (the run's
+  device reaches every attacker with a ``device`` option: ``april_robust``, ``ig_closed_start``; the CIFAR
   preset on its two shipped checkpoints, ``ig_closed_start`` capped); the same run on the CPU, its
   per-row PSNR compared. ``--quick``: two rows, two images on two clients, every attacker at its
   cheapest options, the CIFAR preset on the bundled images where the archive is missing.
@@ -310,16 +312,19 @@ def part_closed_forms(ctx: Context) -> dict:
 
 def part_april_robust(ctx: Context, seconds: float) -> dict:
     # at 224 px one alternation is ~10^2 CG steps over 150k unknowns (docs/attacks.md): 4 alternations
+    # the whole solve (float64) on the device: ``device=`` the device, the CPU reference ``device=cpu``
+    dev = str(ctx.device)
     small = dict(iterations=1, cg_maxiter=20) if ctx.quick else {}
     opts224 = dict(iterations=4, cg_tol=1e-8, cg_maxiter=200) if ctx.size == 224 else small
-    ref = compare_attack(ctx, make_case(ctx, 32, "plain", torch.float64, quantize=8), "april_robust", small,
-                         exact=False)
+    ref = compare_attack(ctx, make_case(ctx, 32, "plain", torch.float64, quantize=8), "april_robust",
+                         {**small, "device": "cpu"}, exact=False, dev_options={"device": dev})
     case = make_case(ctx, ctx.size, "plain", torch.float64, quantize=8)
+    opts224 = {**opts224, "device": dev}
     res, dt = run_attack(ctx, "april_robust", opts224, case.model_dev, case.update_dev, case.meta)
     stats = res.stats[0]
     return dict(reference_32px=ref, size=ctx.size, options=opts224, s_per_image=round(dt, 3),
                 psnr=round(psnr(estimate(res), case.truth), 2), cg_iterations=stats.get("cg_iterations"),
-                alternations=stats.get("iterations"), computes_on=where_it_computes("april_robust", {}),
+                alternations=stats.get("iterations"), computes_on=where_it_computes("april_robust", opts224),
                 checks={"april_robust 32 px: device = CPU": ref["agrees"]})
 
 

@@ -35,6 +35,7 @@ from .aggregates import tapped_batch, tapped_partitions
 from .config import (
     SETTING_GROUPS,
     BenchmarkConfig,
+    LabelledAttack,
     attack_entries,
     client_values,
     model_spec,
@@ -198,9 +199,11 @@ def prepare(cfg: BenchmarkConfig) -> Prepared:
     images = load_attack_images(cfg)
     rows = build_rows(cfg, device)
     attackers = []
+    remote = int(cfg.attack_workers) >= 1 or bool(cfg.ray_address)
     for entry in attack_entries(cfg):
         try:
-            attackers.append(Attacker(entry.label, entry.name, attacks.create_attack(entry.name, **entry.options)))
+            options = attack_options_on(entry, device, remote)
+            attackers.append(Attacker(entry.label, entry.name, attacks.create_attack(entry.name, **options)))
         except (TypeError, ValueError) as err:  # unknown or ill-typed options
             raise ConfigError(f"attack {entry.label!r}: {err} (attack options)") from err
     scorer = make_scorer(cfg, device)
@@ -210,6 +213,24 @@ def prepare(cfg: BenchmarkConfig) -> Prepared:
 
         check_ray_address(str(cfg.ray_address))  # an unreachable cluster fails here, before any work
     return Prepared(cfg, device, images.names, rows, attackers, scorer)
+
+
+def attack_options_on(entry: LabelledAttack, device: torch.device, remote: bool = False) -> dict[str, Any]:
+    """The options an attacker is built with: its entry's, plus ``device`` = the run's device where
+    the attack declares a ``device`` option and the entry sets none (an entry's own ``device`` wins).
+
+    ``remote`` (attacks on Ray workers): a CUDA device is passed as ``cuda``, the GPU Ray gives
+    each worker (it sets the worker's ``CUDA_VISIBLE_DEVICES``, so that GPU is the worker's ``cuda:0``).
+
+    Raises:
+        ValueError: an unknown attack name (the valid ones listed).
+    """
+    from attacks.base import attack_class, option_schema
+
+    options = dict(entry.options)
+    if "device" not in options and "device" in option_schema(attack_class(entry.name)).model_fields:
+        options["device"] = "cuda" if remote and device.type == "cuda" else str(device)
+    return options
 
 
 def make_scorer(cfg: BenchmarkConfig, device: torch.device) -> scoring.Scorer:
@@ -344,7 +365,7 @@ def _run_locked(cfg: BenchmarkConfig, run: RunFolder, prepared: Prepared, federa
                 continue
             if runner is None:  # Ray workers start only when there is work for them
                 runner = make_runner([a.attack for a in prepared.attackers], int(cfg.attack_workers),
-                                     cfg.ray_address)
+                                     cfg.ray_address, prepared.device)
             attacker = GroupAttacker(prepared, run, row, group, settings, done, progress, runner, batched)
             federations += 1
             attacker.run(federate)

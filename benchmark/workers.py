@@ -14,6 +14,7 @@ code and libraries, e.g. an editable install of the project).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -104,18 +105,39 @@ class _AttackWorker:
         return run_attack(self.attacks[index], model, updates, metadatas, batched)
 
 
+def gpu_share(workers: int, gpus: int) -> float:
+    """The GPUs each of ``workers`` attack workers requests from a Ray cluster with ``gpus`` GPUs:
+    one whole GPU each where there are enough, else 1/k with k = ceil(workers / gpus) workers per
+    GPU (Ray places fractions of a GPU on one GPU, so k shares of 1/k fill each GPU and every worker
+    fits; with one GPU, 1/workers).
+
+    Raises:
+        ConfigError: no GPU in the cluster.
+    """
+    if gpus < 1:
+        raise ConfigError("device is CUDA but the Ray cluster has no GPU for the attack workers; run with "
+                          "--device cpu, or start Ray on GPU nodes")
+    return 1.0 if workers <= gpus else 1.0 / math.ceil(workers / gpus)
+
+
 class RayRunner:
-    """Attacks on ``workers`` Ray actors (one CPU each).
+    """Attacks on ``workers`` Ray actors (one CPU each; with a CUDA ``device``, also a share of the
+    cluster's GPUs, :func:`gpu_share`: the attacks built with ``device: cuda`` compute there).
 
     Args:
         attacks: the attack objects, in the pipeline's attacker order.
         workers: number of actors.
         address: a Ray cluster address (``ray://host:10001`` or ``auto``); None starts a local Ray
-            instance with ``workers`` CPUs (never more than this machine has).
+            instance with ``workers`` CPUs (never more than this machine has) and this machine's GPUs.
+        device: the run's device; CUDA gives every actor its GPU share.
     """
 
-    def __init__(self, attacks: Sequence[Any], workers: int, address: str | None = None) -> None:
+    def __init__(self, attacks: Sequence[Any], workers: int, address: str | None = None,
+                 device: Any = None) -> None:
         import ray
+        import torch
+
+        cuda = device is not None and torch.device(device).type == "cuda"
 
         self.ray = ray
         self.started = False
@@ -132,9 +154,11 @@ class RayRunner:
                                       f"{' '.join(str(err).split())[:300]}; start it, fix --ray-address, or "
                                       "leave it out to attack on this machine") from err
             else:
-                ray.init(num_cpus=min(int(workers), os.cpu_count() or 1), **kwargs)
+                ray.init(num_cpus=min(int(workers), os.cpu_count() or 1),
+                         num_gpus=torch.cuda.device_count() if cuda else None, **kwargs)
             self.started = True
-        actor = ray.remote(num_cpus=1)(_AttackWorker)
+        share = gpu_share(int(workers), int(ray.cluster_resources().get("GPU", 0))) if cuda else 0.0
+        actor = ray.remote(num_cpus=1, num_gpus=share)(_AttackWorker)
         shared = ray.put(list(attacks))
         self.actors = [actor.remote(shared) for _ in range(int(workers))]
         self.jobs: list[list[Future]] = [[] for _ in self.actors]  # per actor, the jobs sent to it
@@ -265,8 +289,9 @@ def check_ray_address(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
                           "this machine") from err
 
 
-def make_runner(attacks: Sequence[Any], workers: int, address: str | None = None) -> Runner:
-    """:class:`RayRunner` for ``workers`` >= 1 or a cluster address, else :class:`LocalRunner`."""
+def make_runner(attacks: Sequence[Any], workers: int, address: str | None = None, device: Any = None) -> Runner:
+    """:class:`RayRunner` for ``workers`` >= 1 or a cluster address (``device``: the run's device,
+    CUDA gives its actors GPUs), else :class:`LocalRunner`."""
     if workers >= 1 or address:
-        return RayRunner(attacks, max(int(workers), 1), address)
+        return RayRunner(attacks, max(int(workers), 1), address, device)
     return LocalRunner(attacks)

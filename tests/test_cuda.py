@@ -1,6 +1,8 @@
-"""GPU paths: device selection, MJP forward/gradients, AMP training, LPIPS and batched attacks on CUDA.
+"""GPU paths: device selection, MJP forward/gradients, AMP training, LPIPS and the attacks on CUDA.
 
-Every test but the first needs CUDA and is skipped without it; the first checks the CPU-only answer.
+Every ``cuda``-marked test needs CUDA and is skipped without it; one attack of each family runs on
+CUDA and is compared with the same attack on the CPU. The unmarked tests check the CPU-only answer
+and that the benchmark builds its attacks on the run's device.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import attacks
 from fedmjp.devices import resolve_device
 from fedmjp.factory import normalize
 from fedmjp.models import MJPVisionTransformer
-from helpers import make_imagefolder
+from helpers import MD, bundled_images, make_imagefolder, normalize, psnr, tiny_config
 
 HAS_CUDA = torch.cuda.is_available()
 cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
@@ -129,3 +131,134 @@ def test_benchmark_runs_on_cuda(tmp_path):
     code = main(["--setting", "c", "--device", "cuda", "--num-images", "4", "--rounds", "1",
                  "--no-progress", "--output", str(tmp_path / "run")])
     assert code == 0 and (tmp_path / "run" / "table.csv").is_file()
+
+
+# ------------------------------------------------------------------------ the attacks on the device
+
+
+def _design_a(dtype: torch.dtype = torch.float64) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return MJPVisionTransformer(variant="plain", first_block="april", **{**TINY, "embed_dim": 96}).eval().to(dtype)
+
+
+def _case(dtype: torch.dtype = torch.float64, defence: dict | None = None):
+    """A 32 px design-A ViT, one real image's batch-1 update (optionally defended) and its metadata."""
+    from defences import apply_update_defence, validate_defence
+
+    model = _design_a(dtype)
+    x = bundled_images(1, 32, start=2)
+    update = attacks.compute_update(model, normalize(x).to(dtype), torch.tensor([3]))
+    if defence is not None:
+        update = apply_update_defence(update, validate_defence(defence), torch.Generator().manual_seed(0))
+    meta = dict(MD, num_images=1, image_size=(3, 32, 32), labels=torch.tensor([3]))
+    return model, x, update, meta
+
+
+def _on_cuda(model: torch.nn.Module, update: dict) -> tuple[torch.nn.Module, dict]:
+    import copy
+
+    return copy.deepcopy(model).cuda(), {k: v.cuda() if torch.is_tensor(v) else v for k, v in update.items()}
+
+
+@pytest.mark.cuda
+@cuda
+def test_closed_form_on_cuda_victims_equals_the_cpu_result():
+    """pe_closed_form solves in float64 on the CPU whatever the victims' device: same image."""
+    model, x, update, meta = _case()
+    attack = attacks.create_attack("pe_closed_form")
+    on_cpu = attack.reconstruct(model, update, meta)
+    on_gpu = attack.reconstruct(*_on_cuda(model, update), meta)
+    assert not on_cpu.failed and not on_gpu.failed, (on_cpu.reason, on_gpu.reason)
+    assert psnr(on_cpu.images, x) > 60
+    assert psnr(on_gpu.images, on_cpu.images) > 60
+
+
+@pytest.mark.cuda
+@cuda
+def test_april_robust_on_cuda_equals_the_cpu_result():
+    """The whole solve (CG x-steps, G-steps) on CUDA in float64: the CPU's image to float rounding."""
+    model, x, update, meta = _case(defence=dict(name="quantize", bits=8))
+    opts = dict(iterations=3, known_defence=False)
+    on_cpu = attacks.create_attack("april_robust", device="cpu", **opts).reconstruct(model, update, meta)
+    on_gpu = attacks.create_attack("april_robust", device="cuda", **opts).reconstruct(*_on_cuda(model, update), meta)
+    assert not on_cpu.failed and not on_gpu.failed, (on_cpu.reason, on_gpu.reason)
+    assert on_cpu.stats[0]["cg_iterations"] > 0  # the iterative path, not the consistent update's lstsq
+    assert psnr(on_gpu.images, on_cpu.images) > 50
+
+
+@pytest.mark.cuda
+@cuda
+def test_ig_closed_start_on_cuda_follows_the_cpu_run():
+    """Cosine matching from the closed-form start (float32, start drawn on the CPU): a few steps on
+    CUDA end where the CPU's do, to float32 rounding."""
+    model, x, update, meta = _case(defence=dict(name="local_dp", clip=1.0, sigma=1e-4))
+    opts = dict(iterations=5, converge_window=5, restarts=1)
+    on_cpu = attacks.create_attack("ig_closed_start", device="cpu", **opts).reconstruct(model, update, meta)
+    on_gpu = attacks.create_attack("ig_closed_start", device="cuda", **opts).reconstruct(*_on_cuda(model, update), meta)
+    assert not on_cpu.failed and not on_gpu.failed, (on_cpu.reason, on_gpu.reason)
+    assert psnr(on_gpu.images, on_cpu.images) > 40
+
+
+@pytest.mark.cuda
+@cuda
+def test_batch_match_on_cuda_follows_the_cpu_run():
+    """batch_match (float64, start drawn on the CPU) at B = 2: the CUDA run ends where the CPU's does."""
+    torch.manual_seed(0)
+    model = MJPVisionTransformer(variant="plain", **TINY).eval().double()
+    x, y = bundled_images(2, 32), torch.tensor([2, 6])
+    update = attacks.compute_update(model, normalize(x), y)
+    meta = dict(MD, num_images=2, image_size=(3, 32, 32))
+    on_cpu = attacks.create_attack("batch_match", iterations=10, device="cpu").reconstruct(model, update, meta)
+    on_gpu = attacks.create_attack("batch_match", iterations=10, device="cuda").reconstruct(
+        *_on_cuda(model, update), meta)
+    assert not on_cpu.failed and not on_gpu.failed, (on_cpu.reason, on_gpu.reason)
+    assert on_gpu.labels.tolist() == on_cpu.labels.tolist()
+    assert psnr(on_gpu.images, on_cpu.images) > 40
+
+
+@pytest.mark.cuda
+@cuda
+def test_breaching_attack_on_cuda_lowers_its_objective_as_on_cpu():
+    """breaching draws its start on the attack's device (CUDA's random stream is not the CPU's), so
+    the runs differ image for image: both must run the same iterations and lower the objective."""
+    torch.manual_seed(0)
+    model = MJPVisionTransformer(variant="plain", **{**TINY, "img_size": 16, "depth": 1}).eval()
+    x, y = bundled_images(1, 16).float(), torch.tensor([4])
+    update = attacks.compute_update(model, normalize(x).float(), y)
+    meta = dict(MD, labels=y)
+    for device in ("cpu", "cuda"):
+        attack = attacks.create_attack("invertinggradients", iterations=6, raise_errors=True, device=device)
+        res = attack.reconstruct(model, update, meta)
+        assert not res.failed, res.reason
+        assert res.stats[0]["iterations"] == 6
+        assert res.stats[0]["objective_min"] < res.stats[0]["objective_first"]
+
+
+# --------------------------------------------------------------- the benchmark's device for attacks
+
+
+def test_attacks_get_the_run_device_unless_their_entry_sets_one():
+    from benchmark.config import LabelledAttack
+    from benchmark.pipeline import attack_options_on
+
+    def entry(name: str, **options) -> LabelledAttack:
+        return LabelledAttack(name=name, options=options, label=name)
+
+    gpu1 = torch.device("cuda", 1)  # a device object needs no CUDA: only its name is passed on
+    assert attack_options_on(entry("april_robust", iterations=2), gpu1) == dict(iterations=2, device="cuda:1")
+    assert attack_options_on(entry("ig_closed_start"), gpu1, remote=True) == dict(device="cuda")  # Ray's GPU
+    assert attack_options_on(entry("invertinggradients"), torch.device("cpu")) == dict(device="cpu")
+    assert attack_options_on(entry("batch_match", device="cpu"), gpu1) == dict(device="cpu")  # the entry wins
+    assert attack_options_on(entry("pe_closed_form"), gpu1) == {}  # no device option: none passed
+
+
+def test_prepare_builds_every_device_attack_with_the_run_device():
+    from benchmark.config import validate
+    from benchmark.pipeline import prepare
+
+    cfg = validate(tiny_config(attacks=[{"name": "april_analytic"}, {"name": "april_robust"},
+                                        {"name": "batch_match", "options": {"device": "cpu"}}]))
+    attackers = {a.label: a.attack for a in prepare(cfg).attackers}
+    assert "device" in attackers["april_robust"].options.model_fields_set  # set by the pipeline, not defaulted
+    assert attackers["april_robust"].device == torch.device("cpu")
+    assert not hasattr(attackers["april_analytic"].options, "device")

@@ -101,3 +101,14 @@ def test_dispatch_keeps_at_most_limit_rounds_in_flight() -> None:
         threading.Timer(0.1, job.set_result, args=(([], 0.0),)).start()
     dispatch.drain(keep=0)  # the federation's end: every round, waiting for each
     assert finished == ["r1", "r2", "r3"] and not dispatch.pending
+
+
+def test_gpu_share_packs_attack_workers_onto_whole_gpus() -> None:
+    from benchmark.errors import ConfigError
+    from benchmark.workers import gpu_share
+
+    assert gpu_share(1, 1) == 1.0 and gpu_share(2, 4) == 1.0  # a GPU each while there are enough
+    assert gpu_share(4, 1) == 0.25  # k workers on one GPU: 1/k each
+    assert gpu_share(3, 2) == 0.5  # 2 + 1 per GPU: 2/3 each would leave the third worker unplaced
+    with pytest.raises(ConfigError, match="no GPU"):
+        gpu_share(2, 0)
