@@ -402,13 +402,20 @@ class SpanResidual:
             self._inputs[name] = args[0]
         return hook
 
-    def per_layer(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, L] relative squared residual of each candidate at each layer."""
+    def layer_inputs(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Every span layer's inputs for candidates x [B, C, H, W]: name -> [B, T, fan_in] ([B, fan_in]
+        for the head)."""
         self._inputs.clear()
         self.work(x, unk_mask=self.shuffled[None].expand(x.shape[0], -1))
+        inputs, self._inputs = self._inputs, {}
+        return inputs
+
+    def per_layer(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, L] relative squared residual of each candidate at each layer."""
+        inputs = self.layer_inputs(x)
         out = []
         for span in self.spans:
-            A = self._inputs[span.name]
+            A = inputs[span.name]
             A = A[:, None] if A.dim() == 2 else A  # the head sees the pooled token only
             if span.rows is not None:
                 A = A[:, :span.rows]
