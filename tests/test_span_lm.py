@@ -15,7 +15,7 @@ from attacks.april import _gradient_of_Z, check_conditions
 from attacks.mjp_adaptive import SpanResidual, input_spans, mjp_reduction
 from attacks.span_lm import SpanVector, levenberg_marquardt, span_lm, truth_coordinates
 from fedmjp.checkpoint import load_checkpoint
-from helpers import STD, folder_image, normalize
+from helpers import MD, STD, folder_image, normalize
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -43,11 +43,11 @@ def case(imagenet_sample):
     residual = SpanResidual(model, input_spans(model, grads, S.numel() + 1), S)
     vec = SpanVector(residual, red, (8, 8), 3, 4)
     b, a = truth_coordinates(red, xin, 4)
-    return vec, vec.pack(b, a), xin
+    return vec, vec.pack(b, a), xin, model, update
 
 
 def test_vector_norm_equals_the_span_residual_value(case):
-    vec, theta, xin = case
+    vec, theta, xin, _, _ = case
     assert torch.allclose(vec.image(theta), xin, atol=1e-9)  # the truth's coordinates rebuild x~
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -77,7 +77,7 @@ def test_levenberg_marquardt_solves_rosenbrock():
 def test_lm_from_truth_plus_noise_returns_the_truth(case):
     """From the truth's reduced parameters plus Gaussian noise of 0.05 times their spread (~40 dB
     from x~), four Gauss-Newton iterations reach the client's x~ to > 90 dB (pixel units)."""
-    vec, theta, xin = case
+    vec, theta, xin, _, _ = case
     gen = torch.Generator().manual_seed(0)
     b_t, a_t = vec.unpack(theta)
     b0 = b_t + 0.05 * float(b_t.std()) * torch.randn(b_t.shape, generator=gen, dtype=b_t.dtype)
@@ -90,3 +90,30 @@ def test_lm_from_truth_plus_noise_returns_the_truth(case):
     assert start < 50
     b1, a1, out = span_lm(vec.residual, vec.red, b0, a0, (8, 8), 3, 4, max_jacobians=4)
     assert out.value < 1e-14 and psnr(vec.image(vec.pack(b1, a1))) > 90
+
+
+def test_attack_runs_the_lm_stage_where_asked_and_not_on_a_shortened_fit(case):
+    """``lm_jacobians`` None with an explicit ``span_iterations`` keeps the stage off (a note says so),
+    None with the default fit runs :data:`LM_JACOBIANS` on this 32 px model, an explicit number wins."""
+    from attacks.mjp_adaptive import MJPAdaptive
+
+    vec, _, _, _, _ = case
+    T = vec.red.shuffled.numel() + 1
+    attack = MJPAdaptive(span_iterations=10)
+    assert "off" in attack._lm_jacobians(vec.residual.work, T, vec.red, vec.residual.spans)
+    assert MJPAdaptive()._lm_jacobians(vec.residual.work, T, vec.red, vec.residual.spans) == 4
+    assert MJPAdaptive(lm_jacobians=2)._lm_jacobians(vec.residual.work, T, vec.red, vec.residual.spans) == 2
+    with pytest.raises(ValueError, match="lm_jacobians"):
+        MJPAdaptive(lm_jacobians=-1)
+
+
+@pytest.mark.slow
+def test_attack_lm_stage_lowers_the_span_residual(case):
+    """One Levenberg-Marquardt iteration after a short L-BFGS fit, inside the attack: recorded, and the
+    span residual falls (the attack's estimate, no truth used)."""
+    _, _, _, model, update = case
+    res = attacks.create_attack("mjp_adaptive", span_iterations=20, starts=1, probe_iterations=0, lm_jacobians=1,
+                                tv_prior=False, unshuffle=False).reconstruct(model, update, MD)
+    assert not res.failed, res.reason
+    st = res.stats[0]
+    assert st["lm_jacobians"] == 1 and st["objective"] < 0.9 * st["lm_objective_first"]  # measured: -20 %
