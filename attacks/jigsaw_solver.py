@@ -3,19 +3,24 @@
 Given an image grid where some positions hold known patches and the positions ``S`` are free, and
 ``|S|`` candidate patches (in any order), find the assignment patch -> position that makes the image
 most coherent. The cost of a placement is the dissimilarity of the boundary pixels it creates with
-the known neighbours (linear in the assignment: solved exactly by
+the known neighbours plus each candidate's distance to a harmonic fill of the holes from the known
+pixels (both linear in the assignment: solved exactly by
 :func:`scipy.optimize.linear_sum_assignment`); the boundaries between two free positions depend on
-two placements at once, so a greedy pair-swap pass refines the assignment on the full cost.
+two placements at once, so iterated re-assignment and greedy pair swaps refine it on the full cost.
+:func:`oracle_c` is the solver's own bound on setting (c): the solver given the true patches.
 
 Patches are [C, p, p] tensors; positions are row-major indices on a (gh, gw) grid.
 """
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import numpy as np
 import torch
 from scipy.optimize import linear_sum_assignment
+from scipy.sparse import coo_matrix
+from scipy.sparse.linalg import spsolve
 
 _logger = logging.getLogger(__name__)
 
@@ -35,17 +40,75 @@ def _edges(patches: torch.Tensor, width: int = 1) -> dict[str, torch.Tensor]:
     return {"top": top, "bottom": bottom, "left": left, "right": right}
 
 
-def edge_cost(prediction: bool, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+#: Boundary costs :func:`edge_cost` knows.
+COSTS = ("l2", "prediction", "mgc", "lp")
+#: Ridge added to the 3 x 3 colour covariance of a strip's p gradient samples (``mgc``): p = 4 samples
+#: cannot make it full rank (Gallagher adds dummy gradients for the same reason); pixel units^2.
+MGC_RIDGE = 1e-3
+
+
+#: The default weight of the harmonic-fill term of :func:`solve_jigsaw` is INPAINT_SCALE / p^3 (the
+#: fill's error grows inwards from the known border, so larger patches need less of it). Measured on
+#: the solver given the true patches (ImageNet validation images, gamma 0.27): at 32 px / p = 4 (40
+#: images) weight 0 -> 23.5 dB median, 4 -> 24.6, 16 -> 25.3, 64 -> 24.8; at 224 px / p = 16 (10
+#: images) 0 -> 31.6 dB and 0/10 exact, 0.25 -> 35.9 dB and 2/10, 1 -> 29.4 dB, 4 -> 24.5 dB.
+INPAINT_SCALE = 1024.0
+
+
+def default_inpaint(patch_size: int) -> float:
+    """The default weight of :func:`solve_jigsaw`'s harmonic-fill term for p x p patches."""
+    return INPAINT_SCALE / float(patch_size) ** 3
+
+
+def _cost_name(cost: "bool | str") -> str:
+    name = {False: "l2", True: "prediction"}.get(cost, cost) if isinstance(cost, bool) else cost
+    if name not in COSTS:
+        raise ValueError(f"jigsaw cost must be one of {COSTS}, got {cost!r}")
+    return name
+
+
+def _mahalanobis_gradient(a0: torch.Tensor, a1: torch.Tensor, b0: torch.Tensor) -> torch.Tensor:
+    """One direction of Gallagher's (2012) Mahalanobis gradient compatibility: a0, a1 [K, C, p] the
+    outer and inner lines of side a, b0 [L, C, p] the facing outer line of side b -> [K, L]: the
+    Mahalanobis distance of the p boundary gradients b0 - a0 under the distribution (colour mean and
+    covariance over the p positions) of side a's own gradients a0 - a1, summed over positions."""
+    g = a0 - a1  # [K, C, p]
+    mu = g.mean(dim=2)  # [K, C]
+    centred = g - mu[:, :, None]
+    cov = centred @ centred.transpose(1, 2) / max(g.shape[2] - 1, 1)
+    prec = torch.linalg.inv(cov + MGC_RIDGE * torch.eye(g.shape[1], dtype=g.dtype))  # [K, C, C]
+    d = b0[None] - a0[:, None] - mu[:, None, :, None]  # [K, L, C, p]
+    return torch.einsum("klcp,kcd,kldp->kl", d, prec, d)
+
+
+def edge_cost(cost: "bool | str", a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Dissimilarity of facing strips: a [K, C, 2, p] and b [L, C, 2, p] (outermost line first,
-    then the line inside) -> [K, L]: mean squared difference of the outer lines, or with
-    ``prediction``: (as in Gallagher's Mahalanobis gradient compatibility, simplified): each side's
-    outer line plus its own gradient predicts the other side's outer line; the cost is the mean
-    squared prediction error of both directions plus the plain squared difference of the outer lines.
+    then the line inside) -> [K, L].
+
+    ``cost`` (a bool picks ``l2`` / ``prediction``):
+
+    - ``l2``: mean squared difference of the outer lines;
+    - ``prediction``: each side's outer line plus its own gradient predicts the other side's outer
+      line; the mean squared prediction error of both directions plus the ``l2`` term;
+    - ``mgc``: Gallagher's Mahalanobis gradient compatibility, both directions (the boundary
+      gradients judged by each side's own gradient statistics), plus the ``l2`` term relative to
+      the strips' mean squared gradient;
+    - ``lp``: the prediction errors under a robust (L_0.3)^(1/16) norm (Pomeranz et al. 2011's best
+      dissimilarity), which counts how many pixels disagree rather than by how much.
     """
+    name = _cost_name(cost)
     a0, a1 = a[:, :, 0].flatten(1), a[:, :, 1].flatten(1)
     b0, b1 = b[:, :, 0].flatten(1), b[:, :, 1].flatten(1)
-    if not prediction:
+    if name == "l2":
         return torch.cdist(a0, b0).pow(2) / a0.shape[1]
+    if name == "mgc":
+        A0, A1, B0, B1 = a[:, :, 0], a[:, :, 1], b[:, :, 0], b[:, :, 1]  # [K, C, p]
+        mgc = _mahalanobis_gradient(A0, A1, B0) + _mahalanobis_gradient(B0, B1, A0).T
+        return mgc / A0.shape[1] / A0.shape[2]
+    if name == "lp":
+        pb = (2 * a0 - a1)[:, None] - b0[None]  # [K, L, F]
+        pa = a0[:, None] - (2 * b0 - b1)[None]
+        return ((pb.abs().pow(0.3).sum(-1) + pa.abs().pow(0.3).sum(-1)) / a0.shape[1]).pow(1 / 16)
     pred_b = 2 * a0 - a1  # [K, F]
     pred_a = 2 * b0 - b1  # [L, F]
     d_ab = torch.cdist(pred_b, b0).pow(2)
@@ -64,8 +127,9 @@ def _neighbours(pos: int, grid: tuple[int, int]):
 
 
 def _costs(patches: torch.Tensor, grid: tuple[int, int], free_idx: list[int], known: torch.Tensor,
-           prediction: bool) -> tuple[np.ndarray, dict, list]:
-    """(unary [candidate, slot] cost with known neighbours, pair costs by edge, free-free links)."""
+           prediction: "bool | str", inpaint: float) -> tuple[np.ndarray, dict, list]:
+    """(unary [candidate, slot] cost with known neighbours (+ the harmonic-fill term), pair costs by
+    edge, free-free links)."""
     K = len(free_idx)
     slot = {pos: j for j, pos in enumerate(free_idx)}
     edges_c = _edges(patches.double(), 2)
@@ -82,6 +146,13 @@ def _costs(patches: torch.Tensor, grid: tuple[int, int], free_idx: list[int], kn
                     links.append((j, slot[nb], mine, theirs))
             else:
                 unary[:, j] += edge_cost(prediction, edges_c[mine], edges_k[theirs][nb:nb + 1])[:, 0].numpy()
+    if inpaint > 0:
+        # Each candidate against the smooth fill of the holes from the known pixels: the whole patch
+        # (its mean colour and slow variation) counts, not only its boundary lines.
+        free = torch.zeros(grid[0] * grid[1], dtype=torch.bool)
+        free[free_idx] = True
+        fill = harmonic_fill(known, free, grid)[free_idx].double().flatten(1)  # [K slots, C p^2]
+        unary += inpaint * (torch.cdist(patches.double().flatten(1), fill).pow(2) / fill.shape[1]).numpy()
     return unary, pair, links
 
 
@@ -91,10 +162,54 @@ def _full_cost(unary: np.ndarray, pair: dict, links: list, order: np.ndarray) ->
 
 
 def arrangement_cost(patches: torch.Tensor, grid: tuple[int, int], free: torch.Tensor, known: torch.Tensor,
-                     order: np.ndarray, prediction: bool = False) -> float:
-    """Full boundary cost of placing ``patches[order[j]]`` at the j-th free position."""
+                     order: np.ndarray, prediction: "bool | str" = False, inpaint: Optional[float] = None) -> float:
+    """Full cost :func:`solve_jigsaw` minimises of placing ``patches[order[j]]`` at the j-th free
+    position (``inpaint`` None: the solver's default weight)."""
     free_idx = [int(i) for i in torch.nonzero(free.reshape(-1)).flatten()]
-    return _full_cost(*_costs(patches, grid, free_idx, known, prediction), np.asarray(order))
+    w = default_inpaint(patches.shape[-1]) if inpaint is None else float(inpaint)
+    return _full_cost(*_costs(patches, grid, free_idx, known, prediction, w), np.asarray(order))
+
+
+def harmonic_fill(known: torch.Tensor, free: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+    """[N, C, p, p] patches with the free positions' pixels replaced by the harmonic interpolation of
+    the known pixels: the discrete Laplace equation on the free pixels (4-neighbourhood, the known
+    pixels as boundary values), one sparse solve (``scipy.sparse.linalg.spsolve``) for all channels.
+    A tiny pull towards the known pixels' mean keeps a free component without a known border well
+    posed."""
+    from patchgrid import patchify, unpatchify
+
+    img = unpatchify(known.double()[None], grid)[0].numpy()  # [C, H, W]
+    C, H, W = img.shape
+    p = known.shape[-1]
+    mask = (unpatchify(free.reshape(-1).double()[None, :, None, None, None].expand(1, -1, 1, p, p), grid)[0, 0]
+            > 0).numpy()
+    n = int(mask.sum())
+    if n == 0:
+        return known.clone()
+    index = np.full((H, W), -1, dtype=np.int64)
+    index[mask] = np.arange(n)
+    diag = np.full(n, 1e-9)
+    rhs = np.tile(1e-9 * img[:, ~mask].mean(axis=1), (n, 1))  # [n, C]
+    r, c = np.nonzero(mask)
+    me = index[r, c]
+    rows, cols = [], []
+    for dr, dc in ((-1, 0), (1, 0), (0, -1), (0, 1)):
+        rr, cc = r + dr, c + dc
+        inside = (rr >= 0) & (rr < H) & (cc >= 0) & (cc < W)
+        i, rr, cc = me[inside], rr[inside], cc[inside]
+        np.add.at(diag, i, 1.0)
+        other = index[rr, cc]
+        nb_free = other >= 0
+        rows.append(i[nb_free])
+        cols.append(other[nb_free])
+        np.add.at(rhs, i[~nb_free], img[:, rr[~nb_free], cc[~nb_free]].T)
+    off_r, off_c = np.concatenate(rows), np.concatenate(cols)
+    L = coo_matrix((np.concatenate([-np.ones(len(off_r)), diag]),
+                    (np.concatenate([off_r, np.arange(n)]), np.concatenate([off_c, np.arange(n)]))), shape=(n, n))
+    sol = np.asarray(spsolve(L.tocsc(), rhs)).reshape(n, C)
+    out = img.copy()
+    out[:, mask] = sol.T
+    return patchify(torch.from_numpy(out)[None], p)[0].to(known.dtype)
 
 
 def slot_of(free_idx: list[int]) -> dict[int, int]:
@@ -186,7 +301,8 @@ def _local_search(order: np.ndarray, unary: np.ndarray, pair: dict, links: list,
 
 
 def solve_jigsaw(patches: torch.Tensor, grid: tuple[int, int], free: torch.Tensor,
-                 known: torch.Tensor, swap_passes: int = 3, prediction: bool = False) -> tuple[np.ndarray, dict]:
+                 known: torch.Tensor, swap_passes: int = 3, prediction: "bool | str" = False,
+                 inpaint: Optional[float] = None) -> tuple[np.ndarray, dict]:
     """Assign candidate patches to free positions.
 
     Args:
@@ -195,7 +311,11 @@ def solve_jigsaw(patches: torch.Tensor, grid: tuple[int, int], free: torch.Tenso
         free: [N] bool, True at the free positions (K of them).
         known: [N, C, p, p] patches at every position (values at free positions are ignored).
         swap_passes: greedy pair-swap passes on the full cost (0: assignment only).
-        prediction: add the gradient-prediction terms to the boundary cost (see :func:`edge_cost`).
+        prediction: the boundary cost, a name of :data:`COSTS` (see :func:`edge_cost`); False / True
+            are ``l2`` / ``prediction``.
+        inpaint: weight of a per-slot term: each candidate's mean squared distance to the harmonic
+            fill of the free positions from the known pixels (:func:`harmonic_fill`); 0: off
+            (boundaries only); None: :func:`default_inpaint`.
     Returns:
         (order, info): ``order[j]`` is the candidate placed at the j-th free position (row-major);
         info holds ``cost_assignment``, ``cost_final`` and ``swaps``.
@@ -206,7 +326,8 @@ def solve_jigsaw(patches: torch.Tensor, grid: tuple[int, int], free: torch.Tenso
         raise ValueError(f"{patches.shape[0]} candidate patches for {K} free positions")
     if K == 0:
         return np.zeros(0, dtype=np.int64), dict(cost_assignment=0.0, cost_final=0.0, swaps=0)
-    unary, pair, links = _costs(patches, grid, free_idx, known, prediction)
+    w = default_inpaint(patches.shape[-1]) if inpaint is None else float(inpaint)
+    unary, pair, links = _costs(patches, grid, free_idx, known, prediction, w)
     # Linear surrogate for the assignment: a free-free boundary costs the candidate's mean distance
     # to its three most compatible partners (the partner is unknown at this stage).
     surrogate = unary.copy()
@@ -242,3 +363,45 @@ def place(patches: torch.Tensor, order: np.ndarray, free: torch.Tensor, known: t
     idx = torch.nonzero(free.reshape(-1)).flatten()
     out[idx] = patches[torch.as_tensor(order, dtype=torch.long)].to(out)
     return out
+
+
+def unshuffle_image(image: torch.Tensor, shuffled: torch.Tensor, patch_size: int, **options) -> tuple[torch.Tensor, dict]:
+    """Solve the jigsaw of one image whose patches at ``shuffled`` are in unknown order.
+
+    Args:
+        image: [1, C, H, W] (pixels, e.g. an estimate of x~ with the shuffled patches at S in any order).
+        shuffled: [N] bool, the free positions S (row-major on the patch grid).
+        patch_size: p.
+        options: :func:`solve_jigsaw`'s keyword options (``swap_passes``, ``prediction``, ``inpaint``).
+    Returns:
+        ([1, C, H, W] the image with the patches at S rearranged, the solver's info).
+    """
+    from patchgrid import patchify, unpatchify
+
+    _, _, H, W = image.shape
+    grid = (H // patch_size, W // patch_size)
+    pix = patchify(image, patch_size)[0]  # [N, C, p, p]
+    S = shuffled.reshape(-1).cpu()
+    idx = torch.nonzero(S).flatten()
+    order, info = solve_jigsaw(pix[idx], grid, S, pix, **options)
+    return unpatchify(place(pix[idx], order, S, pix)[None], grid), info
+
+
+def oracle_c(x: torch.Tensor, x_tilde: torch.Tensor, shuffled: torch.Tensor, patch_size: int,
+             **options) -> tuple[float, torch.Tensor]:
+    """The jigsaw solver's own bound on setting (c): the solver given the *true* x~ (every unshuffled
+    patch exact, the shuffled set exact, in MJP's order), scored by PSNR against x. No attack that
+    hands the same solver an estimate of x~ does better than this except by chance.
+
+    Args:
+        x: [1, C, H, W] the original image, pixels in [0, 1].
+        x_tilde: [1, C, H, W] the client's shuffled image x~, pixels.
+        shuffled: [N] bool, S.
+        patch_size: p.
+        options: :func:`solve_jigsaw`'s options.
+    Returns:
+        (PSNR in dB of the solver's unshuffled x~ against x, that image [1, C, H, W]).
+    """
+    est, _ = unshuffle_image(x_tilde, shuffled, patch_size, **options)
+    mse = float((est.double() - x.double()).pow(2).mean())
+    return (float("inf") if mse == 0 else -10 * float(np.log10(mse))), est

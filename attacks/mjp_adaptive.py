@@ -22,7 +22,10 @@ docs/design.md, "Attacking MJP with knowledge of MJP". For one batch-1 update of
    later block's qkv, proj, fc1, fc2, the head) spans that layer's inputs (dL/dW = sum_t g_t a_t^T),
    so the candidate's inputs must lie in those spans, a residual that is zero at the client's
    input and needs neither the label nor the loss (:func:`input_spans`, :class:`SpanResidual`);
-   L-BFGS in float64 from several starts of the shuffled patches. ``match`` instead matches the
+   L-BFGS in float64 from several starts of the shuffled patches, then (``lm_jacobians``)
+   Levenberg-Marquardt on the residual's vector form with its exact Jacobian (:mod:`attacks.span_lm`:
+   the Jacobian has full column rank at the client's input on trained models but condition ~1e4,
+   where L-BFGS stalls and Gauss-Newton converges quadratically from close by). ``match`` instead matches the
    whole gradient over (b, a) with the attacker's forward using ``unk_mask = S`` (L-BFGS,
    alternating blocks: shuffled with unshuffled fixed, then both). How far the spans resolve the
    orbit depends on how sharp attention is: on fresh weights the tokens after block 0 differ by
@@ -55,13 +58,13 @@ from scipy.sparse.linalg import LinearOperator, cg
 from torch.func import functional_call
 
 from fedmjp.config import Float, Int, option
-from patchgrid import patchify, unpatchify
+from patchgrid import unpatchify
 
 from .first_layer import check_conditions
 from .first_layer import gradient_of_Z as _gradient_of_Z, is_design_a as _is_design_a, unwrap_vit as _vit
 from .base import (Attack, AttackFailure, AttackMetadata, AttackOptions, AttackResult, Update, register_attack,
                    update_to_gradients)
-from .jigsaw_solver import place, solve_jigsaw
+from .jigsaw_solver import unshuffle_image
 from .matching import recover_labels
 from .mjp_update import dal_pe_term, detect_shuffled, read_mjp_update  # noqa: F401  (detect_shuffled: public here too)
 
@@ -76,6 +79,16 @@ SPAN_BUDGET = 1.9e11
 #: Below this many affordable iterations the default skips the span fit (with a note) instead of
 #: running one too short to help (DeiT-S at 224 px: ~40).
 SPAN_MIN_ITERATIONS = 100
+#: Levenberg-Marquardt Jacobians of the span fit's final stage by default (:mod:`attacks.span_lm`):
+#: off. LM is exact from within ~0.05 RMS of x~, but the attack's own starts are 0.3-0.9 RMS away:
+#: there, on three held-out photographs and the trained checkpoint at 32 px, 4 Jacobians gained
+#: 0.0 to +0.5 dB for 2.7x the CPU time (docs/attacks.md). ``lm_jacobians: 4`` runs it.
+LM_JACOBIANS = 0
+#: Forward multiply-adds one default Jacobian may spend (unknowns x forward cost): the 32 px depth-4
+#: model's 1,024 unknowns x ~1.2e8 with room; DeiT-S at 224 px is ~1e5 times over it.
+LM_BUDGET = 5e11
+#: Bytes of the dense float64 Jacobian the default allows (~1.5 GB at 32 px, depth 4, |S| = 17).
+LM_MEMORY = 3e9
 #: x~ estimates kept by :class:`MJPAdaptive` (see :func:`estimate_key`): a benchmark round runs
 #: ``mjp_adaptive`` and then ``ig_closed_start``, which starts from the same estimate of the same update.
 ESTIMATE_CACHE_SIZE = 64
@@ -404,13 +417,20 @@ class SpanResidual:
             self._inputs[name] = args[0]
         return hook
 
-    def per_layer(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, L] relative squared residual of each candidate at each layer."""
+    def layer_inputs(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Every span layer's inputs for candidates x [B, C, H, W]: name -> [B, T, fan_in] ([B, fan_in]
+        for the head)."""
         self._inputs.clear()
         self.work(x, unk_mask=self.shuffled[None].expand(x.shape[0], -1))
+        inputs, self._inputs = self._inputs, {}
+        return inputs
+
+    def per_layer(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, L] relative squared residual of each candidate at each layer."""
+        inputs = self.layer_inputs(x)
         out = []
         for span in self.spans:
-            A = self._inputs[span.name]
+            A = inputs[span.name]
             A = A[:, None] if A.dim() == 2 else A  # the head sees the pooled token only
             if span.rows is not None:
                 A = A[:, :span.rows]
@@ -513,6 +533,11 @@ class MJPAdaptive(Attack):
             ``starts - 1`` more, each run ``probe_iterations`` (batched), the lowest residual kept.
         probe_iterations: L-BFGS iterations of every start before one is kept.
         tv_prior: refine the quadratic prior's unshuffled coefficients under a total-variation prior.
+        lm_jacobians: the final stage of ``span``: Levenberg-Marquardt on the span residual's vector
+            form (:mod:`attacks.span_lm`), at most this many exact Jacobians (0: off). None: with the
+            default span fit (``span_iterations`` None), up to :data:`LM_JACOBIANS` where the dense
+            Jacobian fits :data:`LM_BUDGET` and :data:`LM_MEMORY` (the 32 px models: ~50 CPU-s per
+            Jacobian at depth 4), else off with a note.
         joint_prior: the prior also inpaints the shuffled patches inside their affine hull (else
             they start as random points of the hull).
         rounds: alternating rounds (shuffled block, then all parameters) of ``match``.
@@ -543,6 +568,7 @@ class MJPAdaptive(Attack):
         dal_weight: Optional[Float] = None
         joint_prior: bool = False
         tv_prior: bool = True
+        lm_jacobians: Optional[Int] = option(None, ge=0)
         fallback_iterations: Int = 200
         seed: Int = 0
         reuse: bool = True
@@ -555,6 +581,7 @@ class MJPAdaptive(Attack):
         self.prior_weight, self.unshuffle, self.rcond = o.prior_weight, o.unshuffle, o.rcond
         self.dal_weight, self.fallback_iterations, self.seed = o.dal_weight, o.fallback_iterations, o.seed
         self.joint_prior, self.tv_prior = o.joint_prior, o.tv_prior
+        self.lm_jacobians = o.lm_jacobians
 
     # ------------------------------------------------------------------------------- pieces
     def read_update(self, vit: nn.Module, grads: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict, dict]:
@@ -568,9 +595,9 @@ class MJPAdaptive(Attack):
         return dict(refine=self.refine, iterations=self.iterations, rounds=self.rounds,
                     prior_weight=self.prior_weight, span_iterations=self.span_iterations, starts=self.starts,
                     probe_iterations=self.probe_iterations, rcond=self.rcond, dal_weight=self.dal_weight,
-                    joint_prior=self.joint_prior, tv_prior=self.tv_prior,
+                    joint_prior=self.joint_prior, tv_prior=self.tv_prior, lm_jacobians=self.lm_jacobians,
                     fallback_iterations=self.fallback_iterations, seed=self.seed,
-                    budget=(SPAN_ITERATIONS, SPAN_BUDGET, SPAN_MIN_ITERATIONS))  # the default's iterations
+                    budget=(SPAN_ITERATIONS, SPAN_BUDGET, SPAN_MIN_ITERATIONS, LM_JACOBIANS, LM_BUDGET, LM_MEMORY))  # the default's iterations
 
     def _reconstruct(self, model: nn.Module, update: Update, meta: AttackMetadata) -> AttackResult:
         t0, c0 = time.perf_counter(), time.process_time()
@@ -599,17 +626,11 @@ class MJPAdaptive(Attack):
             if key is not None:
                 ESTIMATES.put(key, tuple(copy.deepcopy(v) for v in (x_tilde, S, stats, notes)))
         design_a = _is_design_a(vit.blocks[0])
-        C, H, W = meta.image_size
         p = int(vit.patch_embed.patch_size[0])
-        grid = (H // p, W // p)
         images = meta.denormalize(x_tilde)
         unshuffled = None
         if self.unshuffle:
-            pix = patchify(images, p)[0]  # [N, C, p, p] (the attack reconstructs one image)
-            idx = torch.nonzero(S).flatten()
-            order, jinfo = solve_jigsaw(pix[idx], grid, S, pix)
-            placed = place(pix[idx], order, S, pix)
-            unshuffled = unpatchify(placed[None], grid)
+            unshuffled, jinfo = unshuffle_image(images, S, p)  # the attack reconstructs one image
             stats.update(jigsaw_cost=jinfo["cost_final"], jigsaw_swaps=jinfo["swaps"])
         stats.update(time_s=time.perf_counter() - t0, failed=False, notes=notes, attack=self.name,
                      design_a=design_a)
@@ -713,14 +734,40 @@ class MJPAdaptive(Attack):
         if iterations:
             b, a, n = _lbfgs(lambda vb, va: objective(vb, va).sum(), b, a, iterations)
             iters += n
+        out: dict[str, Any] = {}
+        b, a = b[0], a[0]
+        lm = self._lm_jacobians(vit, T, red, spans)
+        if isinstance(lm, str):
+            out["lm_note"] = lm
+        elif lm > 0:
+            from .span_lm import span_lm
+
+            with torch.no_grad():
+                before = float(objective(b[None], a[None])[0])
+            b, a, lm_out = span_lm(residual, red, b, a, grid, C, p, max_jacobians=lm)
+            out.update(lm_objective_first=before, lm_jacobians=lm_out.jacobians, lm_evaluations=lm_out.evaluations)
         with torch.no_grad():
             per_layer = residual.per_layer(self._assemble(red, b, a, grid, C, p))[0]
         last = float(per_layer.mean())
         _logger.debug("mjp_adaptive span residual: %.3e -> %.3e in %d iterations", float(first.min()), last, iters)
-        return b[0], a[0], dict(objective=last, objective_first=float(first[0]), iterations=iters,
-                                span_layers=[sp.name for sp in spans], span_start=best,
-                                span_start_objectives=[float(v) for v in probe],
-                                span_worst_layer=spans[int(torch.argmax(per_layer))].name)
+        out.update(objective=last, objective_first=float(first[0]), iterations=iters,
+                   span_layers=[sp.name for sp in spans], span_start=best,
+                   span_start_objectives=[float(v) for v in probe],
+                   span_worst_layer=spans[int(torch.argmax(per_layer))].name)
+        return b, a, out
+
+    def _lm_jacobians(self, vit: nn.Module, T: int, red: Reduction, spans: list[InputSpan]) -> int | str:
+        """Jacobians the final Levenberg-Marquardt stage gets, or a note saying why it is skipped."""
+        if self.lm_jacobians is not None:
+            return self.lm_jacobians
+        if self.span_iterations is not None:  # a shortened (or lengthened) fit asked for by name
+            return "Levenberg-Marquardt stage off: span_iterations is set; set lm_jacobians to run it"
+        unknowns = red.x_unshuffled.shape[0] * red.null_basis.shape[1] + int(red.shuffled.sum()) * red.null_basis.shape[1]
+        rows = sum((T if sp.rows is None else sp.rows) * (sp.basis.shape[0] - sp.basis.shape[1]) for sp in spans)
+        if unknowns * forward_cost(vit, T) > LM_BUDGET or 8.0 * rows * unknowns > LM_MEMORY:
+            return (f"Levenberg-Marquardt stage skipped: a {rows} x {unknowns} Jacobian exceeds the default "
+                    "budget; set lm_jacobians to run it")
+        return LM_JACOBIANS
 
     @staticmethod
     def _draw_shuffled(red: Reduction, b: torch.Tensor, nS: int, gen: torch.Generator) -> torch.Tensor:

@@ -12,16 +12,20 @@ about as sharp as a trained model's), produces a client update; each attacker re
 Printed per image: PSNR of the unshuffled region, of the shuffled patches as a set (after the
 best matching; their order is invisible), of setting (c) (the jigsaw's unshuffled image against
 the original), and the attack's CPU seconds (process time: with OMP_NUM_THREADS=1, one core's work
-even on a shared machine).
+even on a shared machine); and once per image the *oracle* (c): the same jigsaw solver given the
+true x~ (:func:`attacks.jigsaw_solver.oracle_c`), the bound on (c) that the solver sets.
 
     OMP_NUM_THREADS=1 python bench/mjp_adaptive_strength.py                   # scikit-image's images
     OMP_NUM_THREADS=1 python bench/mjp_adaptive_strength.py --images DIR      # the first 4 JPEGs of DIR
 
 ``--basin 0.05,0.2,1`` asks instead how far from the client's x~ the span fit still finds it: the
 fit starts at the truth's reduced parameters (b, a) plus Gaussian noise of ``eps`` times their spread
-and runs ``--basin-iterations`` L-BFGS iterations; printed: the residual and the RMS distance to
-the truth (model-input units) before and after. ``--basin-part a`` (or ``b``) perturbs only the
-shuffled (unshuffled) patches' coordinates.
+and runs ``--basin-iterations`` L-BFGS iterations (``--basin-solver lbfgs``) or ``--basin-jacobians``
+Levenberg-Marquardt iterations (``lm``, :mod:`attacks.span_lm`); printed: the residual, the RMS
+distance to the truth (model-input units) and the PSNR of x~ before and after. ``--basin-part a``
+(or ``b``) perturbs only the shuffled (unshuffled) patches' coordinates. ``--identifiability``
+prints, before the basin test, the rank and condition number of the span residual's Jacobian at the
+truth (:func:`attacks.span_lm.identifiability`; about one Jacobian's time, ~45 CPU-s at depth 4).
 """
 from __future__ import annotations
 
@@ -40,8 +44,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import attacks  # noqa: E402
 import fedmjp  # noqa: E402,F401  (registers the models)
 from attacks.april import _gradient_of_Z, check_conditions  # noqa: E402
+from attacks.jigsaw_solver import oracle_c  # noqa: E402
 from attacks.mjp_adaptive import MJPAdaptive, SpanResidual, _lbfgs, input_spans, mjp_reduction  # noqa: E402
-from patchgrid import patchify  # noqa: E402
+from attacks.span_lm import SpanVector, identifiability, span_lm, truth_coordinates  # noqa: E402
 from fedmjp.checkpoint import load_checkpoint  # noqa: E402
 from fedmjp.factory import normalize  # noqa: E402
 from metrics.regions import region_scores  # noqa: E402
@@ -100,18 +105,19 @@ def _residuals(model: torch.nn.Module, update: dict, mask: torch.Tensor, x_t: to
 
 
 def basin(model: torch.nn.Module, update: dict, xin: torch.Tensor, eps_list: list[float], iterations: int,
-          part: str, seed: int) -> list[str]:
-    """The span fit started at the truth (b, a) + eps x spread noise: residual and RMS distance to the
-    client's normalised x~ ``xin`` [1, C, H, W], before -> after ``iterations`` L-BFGS iterations."""
+          part: str, seed: int, solver: str = "lm", jacobians: int = 6, ident: bool = False) -> list[str]:
+    """The span fit started at the truth (b, a) + eps x spread noise: residual, RMS distance to the
+    client's normalised x~ ``xin`` [1, C, H, W] and PSNR of x~, before -> after ``iterations`` L-BFGS
+    iterations (``solver="lbfgs"``) or ``jacobians`` Levenberg-Marquardt iterations (``"lm"``); with
+    ``ident`` first the rank and condition number of the span Jacobian at the truth."""
     S, grads, _ = attacks.create_attack("mjp_adaptive").read_update(model, dict(update))
     red = mjp_reduction(model, _gradient_of_Z(model, grads, check_conditions(model)),
                         grads["blocks.0.attn.qkv.weight"], S)
     C, p = xin.shape[1], int(model.patch_embed.patch_size[0])
     grid = tuple(int(g) for g in model.patch_embed.grid_size)
-    X = patchify(xin, p).flatten(2)[0]  # [N, C p^2] in the model's patch order
-    b_t = (X[~S] - red.x_unshuffled) @ red.null_basis  # the truth's reduced parameters
-    a_t = (X[S] - red.x_bar) @ red.null_basis
+    b_t, a_t = truth_coordinates(red, xin, p)  # the truth's reduced parameters
     residual = SpanResidual(model, input_spans(model, grads, S.numel() + 1), S)
+    vec = SpanVector(residual, red, grid, C, p)
 
     def objective(vb: torch.Tensor, va: torch.Tensor) -> torch.Tensor:
         return residual.value(MJPAdaptive._assemble(red, vb, va, grid, C, p))
@@ -119,17 +125,33 @@ def basin(model: torch.nn.Module, update: dict, xin: torch.Tensor, eps_list: lis
     def dist(vb: torch.Tensor, va: torch.Tensor) -> float:
         return float((MJPAdaptive._assemble(red, vb, va, grid, C, p) - xin).pow(2).mean().sqrt())
 
+    def psnr(vb: torch.Tensor, va: torch.Tensor) -> float:
+        err = (MJPAdaptive._assemble(red, vb, va, grid, C, p) - xin) * STD[:, None, None]
+        return float(-10 * torch.log10(err.pow(2).mean()))
+
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         lines = [f"k={red.null_basis.shape[1]} truth residual {float(objective(b_t[None], a_t[None])[0]):.1e}"]
+    if ident:
+        t0 = time.process_time()
+        info = identifiability(vec, vec.pack(b_t, a_t))
+        lines.append(f"span Jacobian at the truth: {vec(vec.pack(b_t, a_t)).numel()} x {info['unknowns']}, rank "
+                     f"{info['rank']}, condition {info['condition']:.1e} ({time.process_time() - t0:.0f} CPU s)")
     for eps in eps_list:
         nb = torch.randn(b_t.shape, generator=gen, dtype=torch.float64) * float(b_t.std()) * eps * (part != "a")
         na = torch.randn(a_t.shape, generator=gen, dtype=torch.float64) * float(a_t.std()) * eps * (part != "b")
         b0, a0 = (b_t + nb)[None], (a_t + na)[None]
-        b1, a1, n = _lbfgs(lambda vb, va: objective(vb, va).sum(), b0.clone(), a0.clone(), iterations)
+        t0 = time.process_time()
+        if solver == "lm":
+            b1, a1, out = span_lm(residual, red, b0[0], a0[0], grid, C, p, max_jacobians=jacobians)
+            b1, a1, n = b1[None], a1[None], f"{out.jacobians} Jacobians"
+        else:
+            b1, a1, it = _lbfgs(lambda vb, va: objective(vb, va).sum(), b0.clone(), a0.clone(), iterations)
+            n = f"{it} it"
         with torch.no_grad():
-            lines.append(f"eps {eps:g}: residual {float(objective(b0, a0)[0]):.1e} -> {float(objective(b1, a1)[0]):.1e}, "
-                         f"distance {dist(b0, a0):.3f} -> {dist(b1, a1):.3f} ({n} it)")
+            lines.append(f"eps {eps:g} ({solver}): residual {float(objective(b0, a0)[0]):.1e} -> "
+                         f"{float(objective(b1, a1)[0]):.1e}, distance {dist(b0, a0):.3f} -> {dist(b1, a1):.1e}, "
+                         f"x~ {psnr(b0, a0):.1f} -> {psnr(b1, a1):.1f} dB ({n}, {time.process_time() - t0:.0f} CPU s)")
     return lines
 
 
@@ -153,9 +175,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--basin", default=None, help="comma-separated noise scales: run the basin test instead")
     p.add_argument("--basin-iterations", type=int, default=400)
     p.add_argument("--basin-part", choices=("both", "a", "b"), default="both")
+    p.add_argument("--basin-solver", choices=("lm", "lbfgs"), default="lm")
+    p.add_argument("--basin-jacobians", type=int, default=6, help="Levenberg-Marquardt iterations of --basin-solver lm")
+    p.add_argument("--identifiability", action="store_true",
+                   help="with --basin: the span Jacobian's rank and condition number at the truth first")
+    p.add_argument("--lm-jacobians", type=int, default=None, help="mjp_adaptive's lm_jacobians (0: L-BFGS only)")
+    p.add_argument("--jigsaw-prediction", action="store_true",
+                   help="the oracle (c) with the gradient-prediction boundary cost (solve_jigsaw's prediction)")
     args = p.parse_args(argv)
     images = load_images(args.images, args.first + args.num_images, 32)[args.first:]
-    extra = {k: v for k, v in (("span_iterations", args.span_iterations), ("starts", args.starts)) if v is not None}
+    extra = {k: v for k, v in (("span_iterations", args.span_iterations), ("starts", args.starts),
+                               ("lm_jacobians", args.lm_jacobians)) if v is not None}
     makers = {"april": lambda: attacks.create_attack("april_analytic"),
               "prior": lambda: attacks.create_attack("mjp_adaptive", refine="prior"),
               "span": lambda: attacks.create_attack("mjp_adaptive", refine="span", **extra),
@@ -168,16 +198,20 @@ def main(argv: list[str] | None = None) -> None:
     for label, qk, ckpt in (weights[w] for w in args.weights.split(",")):
         model = make_model(qk, args.depth, ckpt)
         table: dict[str, list[tuple[float, float, float, float]]] = {n: [] for n in names}
+        oracles: list[float] = []
         for i, (name, x) in enumerate(images):
             x = x[None]
             plan = model.draw_plan(1, gamma=0.27, seed=100 + args.first + i)
             x_t = model.shuffle_images(x, plan)
             update = attacks.compute_update(model, normalize(x_t, MEAN, STD), torch.tensor([(args.first + i) % 10]),
                                             unk_mask=plan.mask)
-            line = [f"[{label}] {name:12s} |S|={int(plan.mask.sum()):2d}"]
+            oracle, _ = oracle_c(x, x_t, plan.mask[0], 4, prediction=args.jigsaw_prediction)
+            oracles.append(oracle)
+            line = [f"[{label}] {name:12s} |S|={int(plan.mask.sum()):2d} oracle (c) {oracle:5.1f}"]
             if args.basin:
                 eps = [float(e) for e in args.basin.split(",")]
-                out = basin(model, update, normalize(x_t, MEAN, STD), eps, args.basin_iterations, args.basin_part, i)
+                out = basin(model, update, normalize(x_t, MEAN, STD), eps, args.basin_iterations, args.basin_part, i,
+                            args.basin_solver, args.basin_jacobians, args.identifiability)
                 print("  ".join(line + out[:1]) + "\n    " + "\n    ".join(out[1:]), flush=True)
                 continue
             for n in names:
@@ -196,7 +230,8 @@ def main(argv: list[str] | None = None) -> None:
         for n in names if not args.basin else []:
             cols = list(zip(*table[n]))
             print(f"[{label}] median {n:6s} {statistics.median(cols[0]):5.1f} / {statistics.median(cols[1]):5.1f} / "
-                  f"{statistics.median(cols[2]):5.1f} dB, {statistics.mean(cols[3]):5.1f} CPU s/image", flush=True)
+                  f"{statistics.median(cols[2]):5.1f} dB (oracle (c) {statistics.median(oracles):5.1f}), "
+                  f"{statistics.mean(cols[3]):5.1f} CPU s/image", flush=True)
 
 
 if __name__ == "__main__":
