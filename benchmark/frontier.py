@@ -185,7 +185,8 @@ def points_markdown(points: pd.DataFrame) -> str:
              "|---|---|---|---|---|---|---|---|"]
     for _, p in points.sort_values("sweep_index").iterrows():
         eps = "" if math.isnan(p["epsilon"]) else f"{p['epsilon']:.3g} ({p['delta']:g})"
-        lines.append(f"| {p['sweep']} | {p['model']} ({p['setting']}) | {p['curve']} | "
+        name = "no defence" if p["curve"] == NONE else f"{p['curve']} {p['point_label']}"
+        lines.append(f"| {name} | {p['model']} ({p['setting']}) | {p['curve']} | "
                      f"{_fmt(p['top1'], p['top1_low'], p['top1_high'], 2)} | {eps} | {p['psnr']:.1f} | "
                      f"{p['lpips']:.2f} | {p['n']} |")
     return "\n".join(lines) + "\n"

@@ -73,7 +73,7 @@ def run_sweep(cfg: BenchmarkConfig, output: str, federate: Callable[..., Any] | 
         {"folder", "points": [point folders], "csv", "plots": [paths], "rows"}.
     """
     from .pipeline import run_benchmark
-    from .store import RunFolder, slug
+    from .store import RunFolder, short_name, slug
 
     points = grid_points(cfg)
     if not points:
@@ -83,7 +83,7 @@ def run_sweep(cfg: BenchmarkConfig, output: str, federate: Callable[..., Any] | 
     top.init(cfg)
     folders = []
     for i, (point, pcfg) in enumerate(zip(points, configs)):
-        folder = top.folder / "points" / f"{i:02d}-{slug(point_label(point))}"
+        folder = top.folder / "points" / short_name(f"{i:02d}-{slug(point_label(point))}")  # long labels: head + hash
         pcfg.output = str(folder)
         _logger.info("sweep point %d/%d: %s", i + 1, len(points), point_label(point))
         run_benchmark(pcfg, str(folder), federate=federate, progress=progress)

@@ -235,3 +235,44 @@ def train_split_utility(cfg: BenchmarkConfig, row: Any, federate: Callable[..., 
             "utility_local_steps": int(u.local_steps), "utility_lr": float(u.lr), "utility_train_images": n_train,
             "utility_curve": [[r, curve[r]] for r in sorted(curve)], "utility_seconds": round(seconds, 1),
             **{f"utility_{k}": v for k, v in eps.items()}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m benchmark.utility --config FILE [--point N] [--set key=value ...]``: one point's
+    utility federation alone (no attack), as JSON on stdout; with ``--set "utility.curve=[10,20]"``
+    the learning curve a sweep's budget is chosen from (docs/defences.md)."""
+    import argparse
+    import json
+    import sys
+
+    import torch
+
+    from . import config as C
+    from .errors import BenchmarkError, ConfigError
+    from .pipeline import build_rows
+
+    p = argparse.ArgumentParser(description="utility of one sweep point (FedAvg with its defence, then top-1)")
+    p.add_argument("--config", required=True, help="benchmark config with a utility section")
+    p.add_argument("--point", type=int, help="index of the config's sweep point (default: the config itself)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override (dotted key)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    try:
+        cfg = C.validate(C.apply_overrides(C.load_config(args.config), args.set))
+        if args.point is not None:
+            points = C.grid_points(cfg)
+            if not 0 <= args.point < len(points):
+                p.error(f"--point {args.point}: the config's sweep has {len(points)} points (0..{len(points) - 1})")
+            cfg = C.point_config(cfg, points[args.point])
+        if cfg.utility.rounds < 1:
+            p.error("utility.rounds is 0: set it (--set utility.rounds=40)")
+        results = [{"model": row.name, **defence_utility(cfg, row)} for row in build_rows(cfg, torch.device("cpu"))]
+    except (BenchmarkError, ConfigError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
