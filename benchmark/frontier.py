@@ -267,6 +267,33 @@ def write_frontier(sweep_csv: str | Path, out_dir: str | Path, mjp_models: Seque
             "markdown": str(out / "frontier.md"), "plot": str(plot)}
 
 
+def finished_points_csv(config: str | Path, sweep_dir: str | Path) -> tuple[Path, list[str], int]:
+    """The ``sweep.csv`` of the points of ``config``'s sweep that have finished in ``sweep_dir``
+    (rows stored and utility measured), written as ``sweep_dir/sweep_finished.csv``, for a sweep that
+    is still running or was stopped; returns (path, the MJP row names, number of grid points)."""
+    from . import config as C
+    from .files import write_text
+    from .sweep import gather_rows, point_folder_name, sweep_table
+
+    cfg = C.validate(C.load_config(config))
+    points = C.grid_points(cfg)
+    done, folders = [], []
+    for i, point in enumerate(points):
+        folder = Path(sweep_dir) / "points" / point_folder_name(i, point)
+        if (folder / "utility.jsonl").is_file() and (folder / "results.jsonl").is_file():
+            done.append(point)
+            folders.append(folder)
+    rows = gather_rows(done, folders)
+    # gather_rows numbers the finished points 0..n-1: give them back their grid index
+    index = {id(p): i for i, p in enumerate(points)}
+    for row in rows:
+        row["sweep_index"] = index[id(done[row["sweep_index"]])]
+    path = Path(sweep_dir) / "sweep_finished.csv"
+    write_text(path, sweep_table(rows).to_csv(index=False))
+    mjp = sorted({m.name for p in points for m in C.point_config(cfg, p).models if m.variant == "mjp"})
+    return path, mjp, len(points)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m benchmark.frontier SWEEP_DIR [--mjp-model NAME ...] [--plot PATH]``."""
     import argparse
@@ -278,12 +305,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    "(default: DeiT+MJP)")
     p.add_argument("--plot", help="also copy frontier.png here")
     p.add_argument("--title")
+    p.add_argument("--config", help="the sweep's config: use the points that have finished so far (a sweep "
+                   "still running or stopped) instead of sweep.csv")
     args = p.parse_args(argv)
     csv = Path(args.sweep_dir) / "sweep.csv"
-    if not csv.is_file():
-        p.error(f"{csv} does not exist: run the sweep first (python run_benchmark.py --config ... --output DIR)")
+    mjp = args.mjp_model or ["DeiT+MJP"]
+    if args.config:
+        csv, found, n = finished_points_csv(args.config, args.sweep_dir)
+        mjp = args.mjp_model or found
+        print(f"{len(pd.read_csv(csv).drop_duplicates('sweep_index')) if csv.stat().st_size > 1 else 0} of {n} "
+              "grid points finished")
+    elif not csv.is_file():
+        p.error(f"{csv} does not exist: run the sweep first (python run_benchmark.py --config ... --output DIR), "
+                "or pass --config for the points finished so far")
     try:
-        written = write_frontier(csv, args.sweep_dir, args.mjp_model or ("DeiT+MJP",), args.title)
+        written = write_frontier(csv, args.sweep_dir, mjp, args.title)
     except ValueError as err:
         p.error(str(err))
     if args.plot:

@@ -73,7 +73,7 @@ def run_sweep(cfg: BenchmarkConfig, output: str, federate: Callable[..., Any] | 
         {"folder", "points": [point folders], "csv", "plots": [paths], "rows"}.
     """
     from .pipeline import run_benchmark
-    from .store import RunFolder, short_name, slug
+    from .store import RunFolder
 
     points = grid_points(cfg)
     if not points:
@@ -83,7 +83,7 @@ def run_sweep(cfg: BenchmarkConfig, output: str, federate: Callable[..., Any] | 
     top.init(cfg)
     folders = []
     for i, (point, pcfg) in enumerate(zip(points, configs)):
-        folder = top.folder / "points" / short_name(f"{i:02d}-{slug(point_label(point))}")  # long labels: head + hash
+        folder = top.folder / "points" / point_folder_name(i, point)
         pcfg.output = str(folder)
         _logger.info("sweep point %d/%d: %s", i + 1, len(points), point_label(point))
         run_benchmark(pcfg, str(folder), federate=federate, progress=progress)
@@ -110,6 +110,13 @@ def run_sweep(cfg: BenchmarkConfig, output: str, federate: Callable[..., Any] | 
         plots.append(Path(write_frontier(csv, top.folder, mjp)["plot"]))
     return {"folder": str(top.folder), "points": [str(f) for f in folders], "csv": str(csv),
             "plots": [str(p) for p in plots], "rows": len(rows)}
+
+
+def point_folder_name(index: int, point: dict[str, Any]) -> str:
+    """``NN-<label>`` of grid point ``index`` under ``<output>/points/`` (a long label: its head and a hash)."""
+    from .store import short_name, slug
+
+    return short_name(f"{index:02d}-{slug(point_label(point))}")
 
 
 def point_utility(cfg: BenchmarkConfig, folder: Path, federate: Callable[..., Any] | None = None
