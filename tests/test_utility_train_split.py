@@ -25,19 +25,22 @@ def _dataset(root, train_per_class=4, val_per_class=2, classes=10):
     return root
 
 
-def _cfg(tmp_path, source, **utility):
-    from benchmark import config as C
-
+def _raw(source, **utility) -> dict:
     u = {"split": "train", "rounds": 2, "source": str(source), "num_train": 0, "num_eval": 20, "clients": 2,
          "local_steps": 1, "batch_size": 4, "lr": 0.05, "curve": [1], "curve_eval": 20, **utility}
-    cfg = C.conform({
+    return {
         "name": "tiny", "device": "cpu", "settings": ["a"],
         "data": {"source": "embedded", "image_size": 32, "num_images": 2, "num_classes": 10},
         "federation": {"engine": "inprocess", "rounds": 1, "clients": 2, "precision": "float64"},
         "models": [{"name": "DeiT", "arch": "mjp_vit_cifar_patch4_32", "variant": "plain", "kwargs": {"depth": 1}}],
         "attack": {"name": "april_analytic"}, "metrics": {"lpips": False}, "report": {"grid_images": 0},
-        "utility": u})
-    return C.validate(cfg)
+        "utility": u}
+
+
+def _cfg(tmp_path, source, **utility):
+    from benchmark import config as C
+
+    return C.validate(C.conform(_raw(source, **utility)))
 
 
 @pytest.fixture(scope="module")
@@ -98,3 +101,36 @@ def test_a_source_without_val_split_names_the_key(tmp_path, one_torch_thread):
     cfg = _cfg(tmp_path, root)
     with pytest.raises(InputDataError, match=r"utility.source .*no val/ folder"):
         defence_utility(cfg, build_rows(cfg, torch.device("cpu"))[0])
+
+
+def test_a_real_sweep_writes_the_frontier_of_its_own_rows(tmp_path, dataset, one_torch_thread):
+    """run_sweep with utility.split train: frontier_points.csv holds one point per grid point, each
+    the sweep.csv `strongest` row's PSNR/LPIPS and the point's utility; the finished-points reader
+    (for a sweep still running) rebuilds the same table from the point folders."""
+    import pandas as pd
+    import yaml
+
+    from benchmark.frontier import finished_points_csv
+    from benchmark.sweep import run_sweep, strongest
+
+    from benchmark import config as C
+
+    raw = {**_raw(dataset, rounds=1, curve=[]), "attacks": [{"name": "april_analytic"}, {"name": "pe_closed_form"}],
+           "sweep": [{"defence": {"name": "none"}}, {"defence": {"name": "prune", "keep": 0.1}}]}
+    cfg = C.validate(C.conform(raw))
+    out = run_sweep(cfg, str(tmp_path / "sweep"), progress=False)
+    table = pd.read_csv(out["csv"])
+    best = strongest(table)
+    points = pd.read_csv(tmp_path / "sweep" / "frontier_points.csv")
+    assert len(points) == len(best) == 2 and (tmp_path / "sweep" / "frontier.png").is_file()
+    for _, p in points.iterrows():
+        row = best[best["sweep_index"] == p["sweep_index"]].iloc[0]
+        assert row["attack"] == "strongest"
+        assert p["psnr"] == pytest.approx(row["psnr"]) and p["top1"] == pytest.approx(100 * row["utility_top1"])
+    assert list(points["curve"]) == ["none", "prune"]
+    config = tmp_path / "sweep.yaml"
+    config.write_text(yaml.safe_dump(raw, sort_keys=False))  # the point labels keep the keys in their order
+    csv, _, n = finished_points_csv(config, tmp_path / "sweep")
+    again = pd.read_csv(csv)
+    assert n == 2 and list(again["sweep_index"].unique()) == [0, 1]
+    assert sorted(again["psnr"].fillna(-1).round(6)) == sorted(table["psnr"].fillna(-1).round(6))
