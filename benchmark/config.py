@@ -179,6 +179,15 @@ class Utility(Schema):
     local_steps: Int = option(2, ge=1)
     batch_size: Int = option(8, ge=1)
     lr: Float = option(0.05, ge=0.0)
+    # holdout: the clients train on the source's first num_train images, top-1 on the next num_eval;
+    # train: the clients train on the archive's train/ split (num_train 0: all of it), top-1 on the
+    # first num_eval images of its val/ split, with a bootstrap interval
+    split: Literal["holdout", "train"] = "holdout"
+    partition: Partitioner = "iid"  # iid | dirichlet (by label, dirichlet_alpha)
+    dirichlet_alpha: Float = option(0.5, gt=0.0)
+    curve: list[Int] = []  # rounds after which the global model is also scored (a learning curve, ending at rounds)
+    curve_eval: Int = option(2000, ge=1)  # images the curve's points are scored on (the first of num_eval)
+    delta: Float = option(1e-5, gt=0.0, lt=1.0)  # delta of local and central DP's epsilon (dp_sgd: its own)
 
 
 class BenchmarkConfig(Schema):

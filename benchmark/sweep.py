@@ -44,6 +44,10 @@ _logger = logging.getLogger(__name__)
 
 SWEEP_METRICS = ("psnr", "ssim", "mse", "lpips", "fft2d", "correct", "defence_cos", "dp_epsilon", "utility_top1",
                  "utility_top1_start")
+#: per-point utility columns (:func:`benchmark.utility.train_split_utility`), one value per (point,
+#: model): carried into sweep.csv beside the metrics, not plotted against the grid
+UTILITY_COLUMNS = ("utility_top1_low", "utility_top1_high", "utility_top1_start_low", "utility_top1_start_high",
+                   "utility_dp_epsilon", "utility_dp_delta", "utility_rounds", "utility_num_eval")
 
 
 def parse_sweep_flag(text: str) -> tuple[str, list[Any]]:
@@ -69,7 +73,7 @@ def run_sweep(cfg: BenchmarkConfig, output: str, federate: Callable[..., Any] | 
         {"folder", "points": [point folders], "csv", "plots": [paths], "rows"}.
     """
     from .pipeline import run_benchmark
-    from .store import RunFolder, slug
+    from .store import RunFolder
 
     points = grid_points(cfg)
     if not points:
@@ -79,7 +83,7 @@ def run_sweep(cfg: BenchmarkConfig, output: str, federate: Callable[..., Any] | 
     top.init(cfg)
     folders = []
     for i, (point, pcfg) in enumerate(zip(points, configs)):
-        folder = top.folder / "points" / f"{i:02d}-{slug(point_label(point))}"
+        folder = top.folder / "points" / point_folder_name(i, point)
         pcfg.output = str(folder)
         _logger.info("sweep point %d/%d: %s", i + 1, len(points), point_label(point))
         run_benchmark(pcfg, str(folder), federate=federate, progress=progress)
@@ -98,8 +102,21 @@ def run_sweep(cfg: BenchmarkConfig, output: str, federate: Callable[..., Any] | 
 
     by_batch = batch_plot(frame, top.folder / "batch_size.png")  # None unless the sweep varies B
     plots += [by_batch] if by_batch is not None else []
+    if any(pc.utility.rounds > 0 and pc.utility.split == "train" for pc in configs):
+        from .frontier import write_frontier
+
+        # the MJP rows: every row of an MJP variant in any point (their undefended points form MJP's curve)
+        mjp = sorted({m.name for pc in configs for m in pc.models if m.variant == "mjp"})
+        plots.append(Path(write_frontier(csv, top.folder, mjp)["plot"]))
     return {"folder": str(top.folder), "points": [str(f) for f in folders], "csv": str(csv),
             "plots": [str(p) for p in plots], "rows": len(rows)}
+
+
+def point_folder_name(index: int, point: dict[str, Any]) -> str:
+    """``NN-<label>`` of grid point ``index`` under ``<output>/points/`` (a long label: its head and a hash)."""
+    from .store import short_name, slug
+
+    return short_name(f"{index:02d}-{slug(point_label(point))}")
 
 
 def point_utility(cfg: BenchmarkConfig, folder: Path, federate: Callable[..., Any] | None = None
@@ -155,7 +172,7 @@ def sweep_table(rows: list[dict]) -> pd.DataFrame:
         return df
     # with several attackers: the per-image best of them as attack "strongest" (aggregate.STRONGEST_NOTE)
     df = with_strongest(df, extra_keys=("sweep_index",) if "sweep_index" in df else ())
-    for col in ("defence_cos", "dp_epsilon", "utility_top1", "utility_top1_start"):
+    for col in ("defence_cos", "dp_epsilon", "utility_top1", "utility_top1_start", *UTILITY_COLUMNS):
         if col in df:
             df[col] = pd.to_numeric(df[col], errors="coerce").astype(float)
     df["psnr"] = df["psnr"].clip(upper=M.PSNR_CAP_DB)  # exact reconstructions (+inf) count as the cap
@@ -164,7 +181,7 @@ def sweep_table(rows: list[dict]) -> pd.DataFrame:
     keys = ["sweep_index", "sweep", "model", "label", "defence", "setting", "attack"]
     keys = [k for k in keys if k in df] + sorted(c for c in df if c.startswith("sweep."))
     ok = df[~df["failed"].astype(bool)] if "failed" in df else df
-    metrics = [m for m in SWEEP_METRICS if m in df]
+    metrics = [m for m in (*SWEEP_METRICS, *UTILITY_COLUMNS) if m in df]
     table = ok.groupby(keys, dropna=False)[metrics].mean(numeric_only=True).reset_index()
     counts = df.groupby(keys, dropna=False).agg(n=("failed", "size"), failed=("failed", "sum")).reset_index()
     out = counts.merge(table, on=keys, how="left")
