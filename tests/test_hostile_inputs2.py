@@ -152,8 +152,8 @@ def test_bad_model_kwargs_are_config_errors(tmp_path: Path, capsys, kwargs: str,
 ])
 def test_sizes_that_set_a_run_s_memory_and_time_are_bounded_before_work(tmp_path: Path, capsys, setting: str,
                                                                          words: list[str]) -> None:
-    """An image side, a batch or a number of local steps beyond its bound is refused at once (the
-    image side used to be checked after every image was resized to it: killed for memory)."""
+    """An image side, a batch, a number of local steps or a DP noise scale beyond its bound is refused
+    at once, before any image is resized to that side or any client trains."""
     start = time.monotonic()
     assert cli(small_config(tmp_path), tmp_path / "out", "--set", setting) == 3
     assert time.monotonic() - start < 30
