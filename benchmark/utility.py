@@ -27,7 +27,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
     from .config import BenchmarkConfig
@@ -53,21 +53,11 @@ def defence_utility(cfg: BenchmarkConfig, row: Any, federate: Callable[..., Any]
     from server.federation import run_federation
 
     from .errors import InputDataError
-    from .pipeline import client_run_config
 
     u = cfg.utility
     if u.split == "train":
         return train_split_utility(cfg, row, federate)
-    group = "shuffled" if set(cfg.settings) & {"b", "c"} else "clean"
-    run_config = client_run_config(cfg, row, group)
-    if row.acc_model is not None:  # ``april: surgery`` is the attacker's view: train the model as deployed
-        run_config["model-april"] = ""
-    run_config.update({
-        "num-server-rounds": int(u.rounds), "mode": "fedavg", "local-steps": int(u.local_steps),
-        "batch-size": int(u.batch_size), "lr": float(u.lr), "images": str(u.source),
-        "num-images": int(u.num_train), "num-partitions": int(u.clients), "min-nodes": int(u.clients),
-        "precision": "float32", "server-eval": False, "out-dir": "",
-    })
+    group, run_config = utility_run_config(cfg, row, str(u.source))
     resolved = resolve_config(run_config)
     try:
         data = load_images(u.source, int(cfg.data.image_size), int(u.num_train) + int(u.num_eval),
@@ -93,6 +83,26 @@ def defence_utility(cfg: BenchmarkConfig, row: Any, federate: Callable[..., Any]
 
 #: Start top-1 per (checkpoint, eval set): every point of a sweep starts from the same weights.
 _START_CACHE: dict[tuple, tuple[float, float, float]] = {}
+
+
+def utility_run_config(cfg: Any, row: Any, images: str, extra: Optional[dict] = None) -> tuple[str, dict]:
+    """(group, the clients' run config) of a utility federation: the row's run config as the attack
+    federation builds it, trained as deployed (no APRIL surgery), FedAvg with the ``utility``
+    section's rounds, local steps, batch, lr and clients on ``images``, plus ``extra`` keys."""
+    from .pipeline import client_run_config
+
+    u = cfg.utility
+    group = "shuffled" if set(cfg.settings) & {"b", "c"} else "clean"
+    run_config = client_run_config(cfg, row, group)
+    if row.acc_model is not None:  # ``april: surgery`` is the attacker's view: train the model as deployed
+        run_config["model-april"] = ""
+    run_config.update({
+        "num-server-rounds": int(u.rounds), "mode": "fedavg", "local-steps": int(u.local_steps),
+        "batch-size": int(u.batch_size), "lr": float(u.lr), "images": images,
+        "num-images": int(u.num_train), "num-partitions": int(u.clients), "min-nodes": int(u.clients),
+        "precision": "float32", "server-eval": False, "out-dir": "", **(extra or {}),
+    })
+    return group, run_config
 
 
 def top1_interval(correct: Any) -> tuple[float, float, float]:
@@ -164,21 +174,11 @@ def train_split_utility(cfg: BenchmarkConfig, row: Any, federate: Callable[..., 
 
     from .accounting import federation_epsilon
     from .errors import InputDataError
-    from .pipeline import client_run_config
 
     u = cfg.utility
     train, val = _split_folders(str(u.source))
-    group = "shuffled" if set(cfg.settings) & {"b", "c"} else "clean"
-    run_config = client_run_config(cfg, row, group)
-    if row.acc_model is not None:  # ``april: surgery`` is the attacker's view: train the model as deployed
-        run_config["model-april"] = ""
-    run_config.update({
-        "num-server-rounds": int(u.rounds), "mode": "fedavg", "local-steps": int(u.local_steps),
-        "batch-size": int(u.batch_size), "lr": float(u.lr), "images": str(train),
-        "num-images": int(u.num_train), "num-partitions": int(u.clients), "min-nodes": int(u.clients),
-        "partitioner": u.partition, "dirichlet-alpha": float(u.dirichlet_alpha),
-        "precision": "float32", "server-eval": False, "out-dir": "",
-    })
+    group, run_config = utility_run_config(cfg, row, str(train), {
+        "partitioner": u.partition, "dirichlet-alpha": float(u.dirichlet_alpha)})
     resolved = resolve_config(run_config)
     try:
         data = load_images(str(val), int(cfg.data.image_size), int(u.num_eval), int(cfg.data.num_classes))
