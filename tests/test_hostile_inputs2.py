@@ -192,6 +192,37 @@ def _yaml_tree(depth: int) -> st.SearchStrategy:
                         max_leaves=depth)
 
 
+_BOUNDED = {"data.image_size": 1024, "federation.batch_size": 1024, "federation.local_steps": 1000}
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(key=st.sampled_from(sorted(_BOUNDED)),
+       value=st.one_of(st.integers(-10**12, 10**12), st.floats(allow_nan=True, allow_infinity=True),
+                       st.sampled_from(["1e9", "1024", "1025", "-1", "0", "x"])),
+       sigma=st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(0, 10**40)))
+def test_fuzz_sizes_are_in_bounds_or_a_config_error_naming_them(key: str, value, sigma) -> None:
+    """Whatever number (or text) a size key or a DP noise multiplier gets, validation either accepts a
+    value within its bound or refuses it with a ConfigError naming the key; never anything else."""
+    from benchmark.config import ConfigError, validate
+    from tests.helpers import tiny_config
+
+    base = tiny_config()
+    section, name = key.split(".")
+    cfg = {**base, section: {**base.get(section, {}), name: value}}
+    try:
+        got = validate(cfg)
+    except ConfigError as err:
+        assert key in str(err), (key, value, str(err))
+    else:
+        assert 1 <= getattr(getattr(got, section), name) <= _BOUNDED[key]
+    try:
+        spec = validate({**base, "defence": {"name": "local_dp", "clip": 1.0, "sigma": sigma}}).defence
+    except ConfigError as err:
+        assert "sigma" in str(err), (sigma, str(err))
+    else:
+        assert 0 <= spec.sigma * spec.clip <= 1e30
+
+
 @settings(max_examples=40, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(tree=_yaml_tree(20), nest=st.integers(0, 200), aliases=st.integers(0, 12), width=st.integers(1, 12),
        key=st.sampled_from(["models.0.kwargs", "attack.options", "federation", "defence", "report", "data"]))
