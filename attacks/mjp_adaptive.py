@@ -50,11 +50,9 @@ from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
 import cachetools
-import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from scipy.sparse.linalg import LinearOperator, cg
 from torch.func import functional_call
 
 from fedmjp.config import Float, Int, option
@@ -65,6 +63,7 @@ from .first_layer import gradient_of_Z as _gradient_of_Z, is_design_a as _is_des
 from .base import (Attack, AttackFailure, AttackMetadata, AttackOptions, AttackResult, Update, register_attack,
                    update_to_gradients)
 from .jigsaw_solver import unshuffle_image
+from .linalg import conjugate_gradient
 from .matching import recover_labels
 from .mjp_update import dal_pe_term, detect_shuffled, read_mjp_update  # noqa: F401  (detect_shuffled: public here too)
 
@@ -278,19 +277,20 @@ def _prior_cg(Ns: torch.Tensor, where: torch.Tensor, N: int, d0: torch.Tensor, v
               grid: tuple[int, int], channels: int, p: int, ridge: float, tol: float, iterations: int
               ) -> torch.Tensor:
     """The same least-squares problem as the dense path, matrix-free: conjugate gradients
-    (``scipy.sparse.linalg.cg``) on the normal equations (J J^T + ridge) c = -J d0, with J applied
-    as "coefficients -> image -> pixel differences" and its adjoint by autograd, wrapped in a
-    ``LinearOperator``; at 224 px / patch 16 the dense J would need ~10^10 entries.
+    (:func:`attacks.linalg.conjugate_gradient`, scipy's ``cg`` step for step, on the device of ``Ns``)
+    on the normal equations (J J^T + ridge) c = -J d0, with J applied as "coefficients -> image ->
+    pixel differences" and its adjoint by autograd; at 224 px / patch 16 the dense J would need
+    ~10^10 entries.
 
     Returns:
         c [len(where), k].
     """
-    k = Ns.shape[0]
+    k, device = Ns.shape[0], Ns.device
 
     def forward(c: torch.Tensor) -> torch.Tensor:  # [n_var, k] -> pixel differences [F]
-        patches = torch.zeros(N, Ns.shape[1], dtype=torch.float64)
-        patches = patches.index_put((where,), c @ Ns)
-        return _neighbour_diffs(patches_to_image(patches, grid, channels, p), valid)
+        patches = torch.zeros(N, Ns.shape[1], dtype=torch.float64, device=device)
+        patches = patches.index_put((where.to(device),), c @ Ns)
+        return _neighbour_diffs(patches_to_image(patches, grid, channels, p), valid.to(device))
 
     def normal(c: torch.Tensor) -> torch.Tensor:  # (J J^T + ridge) applied to c
         c = c.detach().requires_grad_(True)
@@ -298,16 +298,10 @@ def _prior_cg(Ns: torch.Tensor, where: torch.Tensor, N: int, d0: torch.Tensor, v
         (g,) = torch.autograd.grad(y, c, grad_outputs=y.detach())
         return g + ridge * c.detach()
 
-    c0 = torch.zeros(len(where), k, dtype=torch.float64, requires_grad=True)
-    (rhs,) = torch.autograd.grad(forward(c0), c0, grad_outputs=-d0)
-    n = rhs.numel()
-
-    def matvec(v: np.ndarray) -> np.ndarray:
-        return normal(torch.from_numpy(np.ascontiguousarray(v)).reshape(rhs.shape)).reshape(-1).numpy()
-
-    sol, _ = cg(LinearOperator((n, n), matvec=matvec, dtype=np.float64), rhs.reshape(-1).numpy(),
-                rtol=tol, atol=0.0, maxiter=iterations)
-    return torch.from_numpy(sol).reshape(rhs.shape)
+    c0 = torch.zeros(len(where), k, dtype=torch.float64, device=device, requires_grad=True)
+    (rhs,) = torch.autograd.grad(forward(c0), c0, grad_outputs=-d0.to(device))
+    sol, _, _ = conjugate_gradient(normal, rhs.detach(), rtol=tol, maxiter=iterations)
+    return sol
 
 
 def tv_prior_refine(red: Reduction, b0: torch.Tensor, grid: tuple[int, int], channels: int, p: int,
