@@ -32,7 +32,7 @@ from typing import Annotated, Any, Callable, ClassVar, Literal, Mapping, Optiona
 import numpy as np
 import torch
 import torch.nn as nn
-from pydantic import BeforeValidator, ConfigDict, create_model
+from pydantic import BeforeValidator, ConfigDict, ValidationInfo, create_model, field_validator
 
 from defences.spec import DefenceSpec, Observation, validate_defence
 from fedmjp import config as core
@@ -340,6 +340,23 @@ class AttackOptions(core.Schema):
     """
 
     raise_errors: bool = False
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _bounded_count(cls, value: Any, info: ValidationInfo) -> Any:
+        """Every integer option but a seed is a count (iterations, restarts, steps, windows): bounded
+        before work starts, so that no config can ask for a run that never ends (``restarts: 1e9``)."""
+        if isinstance(value, int) and not isinstance(value, bool) and "seed" not in (info.field_name or ""):
+            limit = COUNT_LIMITS.get(info.field_name or "", COUNT_LIMIT)
+            if not 0 <= value <= limit:
+                raise ValueError(f"must be a count in [0, {limit:,}], got {value}")
+        return value
+
+
+#: The largest value of an integer attack option (a count); breaching's defaults run ~24k iterations.
+COUNT_LIMIT = 1_000_000
+#: Counts that multiply the whole attack (each restart or start is a full run).
+COUNT_LIMITS = {"restarts": 1_000, "starts": 1_000}
 
 
 OptionsT = TypeVar("OptionsT", bound=core.Schema)

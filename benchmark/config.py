@@ -20,13 +20,15 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Annotated, Any, Iterable, Literal, Mapping, Optional, Sequence, Union, get_args
 
 from pydantic import AfterValidator, BeforeValidator, Field, SerializeAsAny
 
-from clients.runconfig import MAX_BATCH_SIZE, MAX_IMAGE_SIZE, MAX_LOCAL_STEPS, Mode, Partitioner, Precision, RunConfig
+from clients.runconfig import (MAX_BATCH_SIZE, MAX_CLASSES, MAX_CLIENTS, MAX_DATASET_IMAGES, MAX_IMAGE_SIZE,
+                               MAX_LOCAL_STEPS, MAX_ROUNDS, Mode, Partitioner, Precision, RunConfig)
 from defences.spec import DefenceSpec, NoDefence, validate_defence
 from fedmjp import config as core
 from fedmjp import datadir
@@ -41,6 +43,8 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 #: Largest seed (torch, numpy and Flower's 64-bit config values all take it, with room for the
 #: per-row and per-round offsets added to it).
 SEED_MAX = 2**32 - 1
+#: The most points one sweep runs (each is a whole benchmark run into the same folder).
+MAX_SWEEP_POINTS = 1_000
 DEFAULT_CONFIG = PROJECT_ROOT / "configs" / "default.yaml"
 
 #: settings (b) and (c) attack the same gradient (of x~): one federation per model row serves both.
@@ -102,14 +106,14 @@ class Data(Schema):
     image_size: Int = option(32, ge=1, le=MAX_IMAGE_SIZE, client="image-size")
     # None: all images of the source (the run config has no null: 0 there means all)
     num_images: Optional[Int] = option(None, ge=1, client="num-images", client_null=0)
-    num_classes: Int = option(10, ge=1, client="num-classes")  # labels are (sorted index) % num_classes
+    num_classes: Int = option(10, ge=1, le=MAX_CLASSES, client="num-classes")  # labels are (sorted index) % num_classes
     on_corrupt: Literal["skip", "fail"] = "skip"
 
 
 class Federation(Schema):
     engine: Engine = "inprocess"  # inprocess | simulation (Flower's Ray simulation)
-    rounds: Int = option(2, ge=1, client="num-server-rounds")
-    clients: Int = option(4, ge=1, client=("num-partitions", "min-nodes"))
+    rounds: Int = option(2, ge=1, le=MAX_ROUNDS, client="num-server-rounds")
+    clients: Int = option(4, ge=1, le=MAX_CLIENTS, client=("num-partitions", "min-nodes"))
     # fedsgd (one batch's gradient) | fedavg (weight delta of local steps)
     algorithm: Mode = option("fedsgd", client="mode")
     batch_size: Int = option(1, ge=1, le=MAX_BATCH_SIZE, client="batch-size")
@@ -171,13 +175,13 @@ class Utility(Schema):
     """Utility of each sweep point: top-1 after ``rounds`` FedAvg rounds with the defence on (0: off);
     meaning: benchmark/utility.py."""
 
-    rounds: Int = option(0, ge=0)
+    rounds: Int = option(0, ge=0, le=MAX_ROUNDS)
     source: ConfigPath = Field("$FEDMJP_DATA/cifar10.tar.gz", validate_default=True)
-    num_train: Int = option(64, ge=0)
-    num_eval: Int = option(200, ge=1)
-    clients: Int = option(2, ge=1)
-    local_steps: Int = option(2, ge=1)
-    batch_size: Int = option(8, ge=1)
+    num_train: Int = option(64, ge=0, le=MAX_DATASET_IMAGES)
+    num_eval: Int = option(200, ge=1, le=MAX_DATASET_IMAGES)
+    clients: Int = option(2, ge=1, le=MAX_CLIENTS)
+    local_steps: Int = option(2, ge=1, le=MAX_LOCAL_STEPS)
+    batch_size: Int = option(8, ge=1, le=MAX_BATCH_SIZE)
     lr: Float = option(0.05, ge=0.0)
     # holdout: the clients train on the source's first num_train images, top-1 on the next num_eval;
     # train: the clients train on the archive's train/ split (num_train 0: all of it), top-1 on the
@@ -186,7 +190,7 @@ class Utility(Schema):
     partition: Partitioner = "iid"  # iid | dirichlet (by label, dirichlet_alpha)
     dirichlet_alpha: Float = option(0.5, gt=0.0)
     curve: list[Int] = []  # rounds after which the global model is also scored (a learning curve, ending at rounds)
-    curve_eval: Int = option(2000, ge=1)  # images the curve's points are scored on (the first of num_eval)
+    curve_eval: Int = option(2000, ge=1, le=MAX_DATASET_IMAGES)  # images the curve's points are scored on (the first of num_eval)
     delta: Float = option(1e-5, gt=0.0, lt=1.0)  # delta of local and central DP's epsilon (dp_sgd: its own)
 
 
@@ -343,6 +347,10 @@ def validate_sweep(cfg: BenchmarkConfig) -> None:
     for key in [k for p in cfg.sweep for k in p] if isinstance(cfg.sweep, list) else cfg.sweep:
         if key in ("sweep", "output") or str(key).startswith("sweep."):
             raise ConfigError(f"sweep key {key!r} cannot be swept")
+    size = len(cfg.sweep) if isinstance(cfg.sweep, list) else math.prod(len(v) for v in (cfg.sweep or {}).values())
+    if size > MAX_SWEEP_POINTS:  # counted before the grid is built: a product of long lists is astronomical
+        raise ConfigError(f"the sweep has {size:,} points; at most {MAX_SWEEP_POINTS:,} (each point is a whole "
+                          "benchmark run): sweep fewer values or split it into several folders")
     for point in grid_points(cfg) if cfg.sweep else []:
         try:
             point_config(cfg, point)

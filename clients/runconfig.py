@@ -72,10 +72,15 @@ JsonOrMapping = Annotated[Union[str, dict], ByShape()]  # JSON (a TOML value can
 #: Bounds checked before any work starts (the memory and time a run needs grow with them): the side
 #: of the square images (ViT inputs: 32 and 224 here; 1024 leaves room for larger patch grids), the
 #: images per client update, and FedAvg's local SGD steps per round (an attacker simulating them
-#: pays as many double backwards per evaluation).
+#: pays as many double backwards per evaluation), the classifier's classes (ImageNet-21k has 21,843),
+#: the federation's rounds and clients, and the images a utility federation trains or scores on.
 MAX_IMAGE_SIZE = 1024
 MAX_BATCH_SIZE = 1024
 MAX_LOCAL_STEPS = 1000
+MAX_CLASSES = 100_000
+MAX_ROUNDS = 100_000
+MAX_CLIENTS = 100_000
+MAX_DATASET_IMAGES = 10_000_000
 
 
 class RunConfig(Schema):
@@ -85,7 +90,7 @@ class RunConfig(Schema):
 
     model_config = ConfigDict(alias_generator=lambda name: name.replace("_", "-"))  # Flower's keys: batch-size
 
-    num_server_rounds: Int = option(2, ge=1)
+    num_server_rounds: Int = option(2, ge=1, le=MAX_ROUNDS)
     mode: Mode = option("fedsgd", round=True)
     setting: Setting = option("a", round=True)
     gamma: Float = option(0.27, ge=0.0, le=1.0, round=True)
@@ -98,8 +103,8 @@ class RunConfig(Schema):
     images: str = "embedded"
     image_size: Int = option(32, ge=1, le=MAX_IMAGE_SIZE)
     num_images: Int = 16  # 0: all images of the source
-    num_classes: Int = 10
-    num_partitions: Int = option(2, ge=1)
+    num_classes: Int = option(10, ge=1, le=MAX_CLASSES)
+    num_partitions: Int = option(2, ge=1, le=MAX_CLIENTS)
     partitioner: Partitioner = "iid"
     dirichlet_alpha: Float = 0.5
     model_name: str = "ViT+MJP"

@@ -60,12 +60,17 @@ def load_error_text(err: BaseException) -> str:
     return detail
 
 
+def missing_checkpoint(path: Path) -> str:
+    """Why ``path`` cannot be read as a checkpoint file, and what to do."""
+    what = "is not a regular file" if path.exists() else "does not exist"
+    return f"checkpoint {path} {what}; fix the path in the config or set it to null for a seeded fresh initialisation"
+
+
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """Read a state dict from a checkpoint file (unwrapping ``{"model": ...}`` and DDP prefixes)."""
     path = Path(path)
     if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist; fix the path in the config or set it to null "
-                              "for a seeded fresh initialisation")
+        raise CheckpointError(missing_checkpoint(path))
     if path.suffix == ".safetensors":  # the shipped weights (checkpoints/): see read_safetensors
         return read_safetensors(path)[0]
     try:
@@ -190,8 +195,7 @@ def read_safetensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[st
 
     path = Path(path)
     if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist; fix the path in the config or set it to null "
-                              "for a seeded fresh initialisation")
+        raise CheckpointError(missing_checkpoint(path))
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             metadata = dict(f.metadata() or {})

@@ -286,16 +286,21 @@ def parse_value(text: str, what: str) -> Any:
         raise ConfigError(f"{what}: value is not a YAML scalar: {' '.join(str(err).split())}") from err
 
 
+def _shown(text: str, limit: int = 120) -> str:
+    """``text`` quoted for a message, cut to ``limit`` characters (a hostile value can be megabytes)."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text):,} characters)"
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """``"a.b=0.5"`` -> (["a", "b"], 0.5); the value is YAML data (:func:`parse_value`)."""
     key, eq, raw = text.partition("=")
     if not eq:
-        raise ConfigError(f"override {text!r} must look like key=value (e.g. federation.rounds=3)")
+        raise ConfigError(f"override {_shown(text)} must look like key=value (e.g. federation.rounds=3)")
     if not key.strip() or any(not part for part in key.strip().split(".")):
-        raise ConfigError(f"override {text!r} has an empty key part")
+        raise ConfigError(f"override {_shown(text)} has an empty key part")
     if key.count(".") >= MAX_DEPTH:
         raise ConfigError(f"override key {key[:60]!r}... has more than {MAX_DEPTH} parts; no config key is that deep")
-    return key.strip().split("."), parse_value(raw, f"override {text!r}")
+    return key.strip().split("."), parse_value(raw, f"override {_shown(text)}")
 
 
 def set_dotted(data: dict, parts: list[str], value: Any) -> None:

@@ -149,6 +149,10 @@ def test_bad_model_kwargs_are_config_errors(tmp_path: Path, capsys, kwargs: str,
     ("federation.options={image-size: 100000}", ["image-size", "1024"]),
     ("defence={name: local_dp, sigma: 1.0e+308}", ["local_dp", "sigma x clip", "lower sigma or clip"]),
     ("defence={name: dp_sgd, sigma: 1.0e+308, clip: 1.0e+308}", ["dp_sgd", "sigma x clip"]),
+    ("federation.rounds=1000000000", ["federation.rounds", "[1, 100000]"]),
+    ("data.num_classes=1000000000", ["data.num_classes", "[1, 100000]"]),
+    ("attacks=[{name: ig_closed_start, options: {restarts: 1000000000}}]", ["restarts", "[0, 1,000]"]),
+    ("attacks=[{name: batch_match, options: {iterations: 10000000}}]", ["iterations", "[0, 1,000,000]"]),
 ])
 def test_sizes_that_set_a_run_s_memory_and_time_are_bounded_before_work(tmp_path: Path, capsys, setting: str,
                                                                          words: list[str]) -> None:
@@ -192,7 +196,8 @@ def _yaml_tree(depth: int) -> st.SearchStrategy:
                         max_leaves=depth)
 
 
-_BOUNDED = {"data.image_size": 1024, "federation.batch_size": 1024, "federation.local_steps": 1000}
+_BOUNDED = {"data.image_size": 1024, "federation.batch_size": 1024, "federation.local_steps": 1000,
+            "federation.rounds": 100_000, "data.num_classes": 100_000, "federation.clients": 100_000}
 
 
 @settings(max_examples=60, deadline=None, database=None)
@@ -408,3 +413,51 @@ def test_an_interrupt_before_the_output_folder_is_chosen_says_nothing_was_writte
     assert run_benchmark.main(["--config", str(small_config(tmp_path)), "--no-progress"]) == 130
     err = capsys.readouterr().err
     assert "nothing was written" in err and "None" not in err
+
+
+def test_every_integer_attack_option_but_a_seed_is_a_bounded_count() -> None:
+    """Iterations, restarts and other counts of the built-in attacks are bounded (no config can ask
+    for a run that never ends); seeds are not counts."""
+    import attacks
+    from attacks.base import COUNT_LIMIT, attack_class
+
+    checked = 0
+    for name in ("batch_match", "ig_closed_start", "april_robust", "mjp_adaptive", "invertinggradients"):
+        fields = attack_class(name).Options.model_fields  # type: ignore[attr-defined]
+        for field, info in fields.items():
+            if type(info.default) is int and "seed" not in field:
+                with pytest.raises(ValueError, match=f"{field}: must be a count"):
+                    attacks.create_attack(name, **{field: COUNT_LIMIT + 1})
+                checked += 1
+    assert checked >= 10
+    attacks.create_attack("batch_match", seed=2**31)
+
+
+def test_a_sweep_s_size_is_counted_before_its_grid_is_built(tmp_path: Path, capsys) -> None:
+    """Three swept keys of 100 values are a million runs: refused from the sizes alone (the grid's
+    product is never built), with what to do."""
+    start = time.monotonic()
+    code = cli(small_config(tmp_path), tmp_path / "out", "--sweep", "seed=" + ",".join(map(str, range(100))),
+               "--sweep", "gamma=" + ",".join(str(i / 1000) for i in range(100)),
+               "--sweep", "federation.lr=" + ",".join(str(i + 1) for i in range(100)))
+    assert code == 3 and time.monotonic() - start < 30
+    one_line_error(capsys.readouterr().err, "1,000,000 points", "at most 1,000")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_huge_override_is_shown_cut_in_its_error(tmp_path: Path, capsys) -> None:
+    """A 60 kB override value is refused in one line that quotes its start and its length, not the
+    whole value."""
+    code = cli(small_config(tmp_path), tmp_path / "out", "--set", "attacks=" + "[" * 30_000 + "]" * 30_000)
+    assert code == 3
+    err = capsys.readouterr().err
+    one_line_error(err, "60,008 characters", "32 levels")
+    assert len(err) < 1_000
+
+
+def test_a_checkpoint_path_that_is_not_a_file_says_so(tmp_path: Path, capsys) -> None:
+    """A device or folder named as a checkpoint is 'not a regular file' (not 'does not exist'), exit 5,
+    before anything reads from it."""
+    code = cli(small_config(tmp_path), tmp_path / "out", "--set", f"models.0.checkpoint={tmp_path}")
+    assert code == 5
+    one_line_error(capsys.readouterr().err, str(tmp_path), "is not a regular file")
