@@ -99,6 +99,7 @@ class Prepared:
     cfg: BenchmarkConfig
     device: torch.device
     image_names: list[str]  # the attack set in order (the tensors stay with the clients' loader)
+    images_record: dict[str, Any]  # their digest for the provenance record (benchmark/provenance.py)
     rows: list[ModelRow]
     attackers: list[Attacker]
     scorer: scoring.Scorer
@@ -212,7 +213,10 @@ def prepare(cfg: BenchmarkConfig) -> Prepared:
         from .workers import check_ray_address
 
         check_ray_address(str(cfg.ray_address))  # an unreachable cluster fails here, before any work
-    return Prepared(cfg, device, images.names, rows, attackers, scorer)
+    from .provenance import images_record
+
+    return Prepared(cfg, device, images.names, images_record(images.images, images.labels, images.names), rows,
+                    attackers, scorer)
 
 
 def attack_options_on(entry: LabelledAttack, device: torch.device, remote: bool = False) -> dict[str, Any]:
@@ -333,7 +337,7 @@ def run_benchmark(cfg: BenchmarkConfig, output: str, federate: Callable[..., Any
     prepared = prepare(cfg)  # every bad input fails here, before the folder is touched
     from .provenance import collect
 
-    run.init(cfg, collect(cfg, prepared.device))
+    run.init(cfg, collect(cfg, prepared.device, prepared.images_record))
     try:
         return _run_locked(cfg, run, prepared, federate, progress, t0, batched)
     finally:

@@ -2,7 +2,8 @@
 (``provenance.json`` in the run folder), and the resume check against it.
 
 A resume refuses (:class:`~benchmark.errors.OutputConflictError`, exit status 6) when the git
-commit, a library version, the device or a checkpoint's sha256 differs from the stored record:
+commit, a library version, the device, a checkpoint's sha256 or the attack images (decoded pixels,
+names and labels) differ from the stored record:
 rows computed by different code or weights are never mixed in one table. The code is recorded by
 commit and by a fingerprint of the project's source files (:func:`code_fingerprint`), so an
 uncommitted edit of an attack refuses the resume and names the file, while editing a README or a
@@ -110,8 +111,18 @@ def device_record(device: torch.device) -> str:
     return str(device)
 
 
-def collect(cfg: BenchmarkConfig, device: torch.device) -> dict[str, Any]:
-    """The provenance record of a run of ``cfg`` on ``device``."""
+def images_record(images: torch.Tensor, labels: torch.Tensor, names: list[str]) -> dict[str, Any]:
+    """``{"count": N, "sha256": ...}`` of the attack images as decoded and resized (names, labels and
+    pixels): a resume on an image folder whose files changed would score new images against rows
+    rebuilt from the old ones."""
+    digest = hashlib.sha256(json.dumps([list(names), labels.tolist()]).encode())
+    digest.update(images.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return {"count": len(names), "sha256": digest.hexdigest()}
+
+
+def collect(cfg: BenchmarkConfig, device: torch.device, images: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The provenance record of a run of ``cfg`` on ``device`` (``images``: :func:`images_record` of
+    the attack set)."""
     checkpoints = {}
     for row in cfg.models:
         if row.checkpoint:
@@ -119,7 +130,8 @@ def collect(cfg: BenchmarkConfig, device: torch.device) -> dict[str, Any]:
     backbone = cfg.metrics.lpips_backbone
     files = {"lpips_backbone": sha256_file(backbone)} if backbone and Path(backbone).is_file() else {}
     return {"code": {**code_version(), **code_fingerprint()}, "libraries": library_versions(), "device": device_record(device),
-            "python": platform.python_version(), "checkpoints": checkpoints, "files": files}
+            "python": platform.python_version(), "checkpoints": checkpoints, "files": files,
+            **({"images": dict(images)} if images is not None else {})}
 
 
 def _flatten(data: Any, where: str = "") -> dict[str, Any]:
@@ -189,10 +201,14 @@ def check_or_write(folder: Path, record: Mapping[str, Any], replace: bool = Fals
         diffs = [d for d in diffs if not d.startswith(("code.fingerprint", "code.files."))]
         _logger.warning("%s of %s holds no code fingerprint (an older run): source changes since its rows "
                         "cannot be detected", PROVENANCE, folder)
+    if "images" not in stored and "images" in current:  # recorded before the images were
+        diffs = [d for d in diffs if not d.startswith("images.")]
+        _logger.warning("%s of %s holds no digest of the attack images (an older run): a changed image folder "
+                        "cannot be detected", PROVENANCE, folder)
     refuse = [d for d in diffs if not d.startswith(WARN_ONLY)]
     if refuse and not force:
         raise OutputConflictError(
-            f"output folder {folder} holds rows produced by different code, libraries, device or checkpoints; "
+            f"output folder {folder} holds rows produced by different code, libraries, device, checkpoints or images; "
             f"results are never mixed. Differences (stored -> now): {'; '.join(refuse)}. "
             "Use a new --output folder, restore what produced the stored rows, or resume with --force to mix "
             f"them knowingly (recorded in {PROVENANCE})")

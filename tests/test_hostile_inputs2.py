@@ -285,6 +285,29 @@ def test_fuzz_image_bytes_of_other_formats_are_corrupt(tmp_path_factory, fmt: st
 
 
 # ------------------------------------------------------------------ 3. mixed results after a code change
+def test_a_resume_on_changed_images_is_refused(tmp_path: Path, capsys) -> None:
+    """The attack images' digest (decoded pixels, names, labels) is in provenance.json: replacing one
+    file of the image folder between a run and its resume refuses the resume (exit 6) naming the
+    images, so no table mixes rows rebuilt from two image sets."""
+    import json
+
+    import numpy as np
+
+    folder = tmp_path / "images"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(2):
+        Image.fromarray((rng.random((16, 16, 3)) * 255).astype("uint8")).save(folder / f"{i}.png")
+    config, out = small_config(tmp_path), tmp_path / "out"
+    assert cli(config, out, "--dry-run", "--images", str(folder)) == 0
+    assert json.loads((out / "provenance.json").read_text())["images"]["count"] == 2
+    assert cli(config, out, "--dry-run", "--images", str(folder)) == 0  # same files: resumes
+    Image.fromarray((rng.random((16, 16, 3)) * 255).astype("uint8")).save(folder / "1.png")
+    capsys.readouterr()
+    assert cli(config, out, "--dry-run", "--images", str(folder)) == 6
+    one_line_error(capsys.readouterr().err, "images.sha256", "--force")
+
+
 def test_a_resume_by_changed_code_is_refused_naming_the_file_unless_forced(tmp_path: Path, capsys) -> None:
     """provenance.json holds a fingerprint of every source file of the project; rows made by other
     code (here: a stored record whose attacks/april.py differs, dirty flag equal) refuse the resume
