@@ -296,11 +296,15 @@ def _train(cfg: TrainConfig, info: DistInfo, resume: Optional[str], progress: bo
     steps_per_epoch = len(train_loader) if cfg.max_steps_per_epoch is None else min(
         len(train_loader), cfg.max_steps_per_epoch)
     if steps_per_epoch == 0:
-        raise ValueError(f"no training steps: {len(train_set)} images, batch size {cfg.batch_size}")
+        raise ConfigError(f"config key 'batch_size' is {cfg.batch_size}, but the training set holds {len(train_set)} "
+                          "image(s): no training step; lower batch_size or add images")
 
     seed_everything(cfg.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
     kwargs = model_kwargs(cfg, num_classes)
-    model = create_model(cfg.model, **kwargs).to(info.device)
+    try:
+        model = create_model(cfg.model, **kwargs).to(info.device)
+    except ValueError as err:  # kwargs the model cannot take or whose parameters would not fit
+        raise ConfigError(f"config keys 'model', 'img_size', 'num_classes', 'model_kwargs': {err}") from None
     mjp_model = isinstance(model, MJPVisionTransformer)
     lr, warmup_lr, min_lr = scaled_lrs(cfg, info.world_size)
     # Passing the module lets timm honour model.no_weight_decay() (PE, cls token, E_unk; not the

@@ -49,6 +49,16 @@ def _not_empty(value: str) -> str:
     return value
 
 
+#: Bounds checked before anything is loaded or written (each sets memory or time: a model's
+#: position table and head, a batch, worker processes, threads; 1e6 threads crash the process).
+MAX_IMG_SIZE = 1024
+MAX_CLASSES = 100_000
+MAX_IMAGES = 100_000_000
+MAX_BATCH = 65_536
+MAX_WORKERS = 256
+MAX_THREADS = 1024
+MAX_EPOCHS = 100_000
+
 #: A path that must not be empty (``Path("")`` would be the current folder).
 Folder = Annotated[str, AfterValidator(_not_empty)]
 
@@ -63,7 +73,7 @@ class TrainConfig(Schema):
     gamma: Float = option(0.1, ge=0.0, le=1.0)  # training shuffle ratio (official train.sh: --mask-ratio 0.1)
     per_sample: bool = False  # official: one mask/permutation per batch
     shuffle_prob: Float = option(0.5, ge=0.0, le=1.0)  # official: a step is shuffled when rand > 0.5
-    shuffle_start_epoch: Int = option(20, ge=0)  # official: no shuffling during the warm-up epochs
+    shuffle_start_epoch: Int = option(20, ge=0, le=MAX_EPOCHS)  # official: no shuffling during the warm-up epochs
     dal_head: DalHead = "nln"
     dal_normalize: bool = False  # official regresses raw grid indices
     dal_lambda: Float = option(0.01, ge=0.0)  # lambda of the DAL loss (paper)
@@ -71,19 +81,19 @@ class TrainConfig(Schema):
     dal_schedule: DalSchedule = "official"
     pe_init: PeInit = "timm"  # timm (trunc-normal, no decay) | official (N(0,1), decayed)
     first_block: FirstBlock = "standard"  # april: APRIL design A
-    img_size: Int = option(224, ge=1)
-    num_classes: Optional[Int] = option(None, ge=1)  # None: number of class folders in train/
+    img_size: Int = option(224, ge=1, le=MAX_IMG_SIZE)
+    num_classes: Optional[Int] = option(None, ge=1, le=MAX_CLASSES)  # None: number of class folders in train/
     drop_path: Float = option(0.1, ge=0.0, lt=1.0)  # 1 would drop every residual branch
     model_kwargs: dict = {}  # extra timm kwargs (depth, embed_dim, ...)
 
     # ---- data
     data_path: Optional[str] = None  # ImageFolder root (train/, val/) or a .tar.gz of one
     data_cache: Optional[str] = None  # where archives are extracted (default ~/.cache/fedmjp/data)
-    train_subset: Optional[Int] = option(None, ge=1)  # train on a fixed random subset of this many images
-    val_subset: Optional[Int] = option(None, ge=1)
-    batch_size: Int = option(128, ge=1)  # per process
-    num_workers: Int = option(4, ge=0)  # 0: load in the training process
-    aug_repeats: Int = option(3, ge=1)  # repeated augmentation (RepeatAugSampler; used when distributed)
+    train_subset: Optional[Int] = option(None, ge=1, le=MAX_IMAGES)  # train on a fixed random subset of this many images
+    val_subset: Optional[Int] = option(None, ge=1, le=MAX_IMAGES)
+    batch_size: Int = option(128, ge=1, le=MAX_BATCH)  # per process
+    num_workers: Int = option(4, ge=0, le=MAX_WORKERS)  # 0: load in the training process
+    aug_repeats: Int = option(3, ge=1, le=100)  # repeated augmentation (RepeatAugSampler; used when distributed)
     auto_augment: Optional[str] = "rand-m9-mstd0.5-inc1"  # timm policy (rand-*, augmix-*, original, v0, ...); null: off
     color_jitter: Float = option(0.4, ge=0.0)  # 0: off
     reprob: Float = option(0.25, ge=0.0, le=1.0)
@@ -104,8 +114,8 @@ class TrainConfig(Schema):
     opt_eps: Float = option(1e-8, gt=0.0)
     clip_grad: Optional[Float] = option(5.0, gt=0.0)  # max grad norm; null: no clipping
     sched: Scheduler = "cosine"
-    epochs: Int = option(300, ge=1)
-    warmup_epochs: Int = option(20, ge=0)
+    epochs: Int = option(300, ge=1, le=MAX_EPOCHS)
+    warmup_epochs: Int = option(20, ge=0, le=MAX_EPOCHS)
     warmup_lr: Float = option(5e-7, ge=0.0)  # scaled by global_batch / 512 like lr (official code)
     min_lr: Float = option(5e-6, ge=0.0)  # idem
 
@@ -114,11 +124,11 @@ class TrainConfig(Schema):
     amp: AmpMode = "auto"
     device: str = "auto"  # auto | cpu | cuda
     output_dir: Folder = "runs/train"
-    threads: Optional[Int] = option(None, ge=1)  # torch.set_num_threads for CPU runs
-    max_steps_per_epoch: Optional[Int] = option(None, ge=1)  # cap (smoke tests, benchmarks)
-    stop_epoch: Optional[Int] = option(None, ge=1)  # stop after this many epochs (time-limited jobs); resume later
-    eval_every: Int = option(1, ge=1)  # epochs between validations (the last epoch is always validated)
-    log_interval: Int = option(50, ge=1)  # steps between progress-bar updates
+    threads: Optional[Int] = option(None, ge=1, le=MAX_THREADS)  # torch.set_num_threads for CPU runs
+    max_steps_per_epoch: Optional[Int] = option(None, ge=1, le=MAX_IMAGES)  # cap (smoke tests, benchmarks)
+    stop_epoch: Optional[Int] = option(None, ge=1, le=MAX_EPOCHS)  # stop after this many epochs (time-limited jobs); resume later
+    eval_every: Int = option(1, ge=1, le=MAX_EPOCHS)  # epochs between validations (the last epoch is always validated)
+    log_interval: Int = option(50, ge=1, le=MAX_IMAGES)  # steps between progress-bar updates
 
     def replace(self, **changes: Any) -> "TrainConfig":
         """A copy with ``changes``, checked like a loaded config."""

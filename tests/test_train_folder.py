@@ -127,3 +127,23 @@ def test_a_bad_config_on_a_new_folder_leaves_no_folder(tmp_path, tiny_data, caps
     assert _cli(tmp_path, tiny_data, out, num_classes=1) == EXIT_BAD_CONFIG  # the data has 2 classes
     assert "num_classes" in capsys.readouterr().err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("flag, value, words", [
+    ("--img_size", "100000", ["img_size", "[1, 1024]"]),
+    ("--batch_size", "1000000000", ["batch_size", "[1, 65536]"]),
+    ("--num_workers", "100000", ["num_workers", "[0, 256]"]),
+    ("--threads", "1000000", ["threads", "[1, 1024]"]),  # 1e6 threads crashed the process
+    ("--num_classes", "1000000000", ["num_classes", "[1, 100000]"]),
+    ("--model_kwargs", "{embed_dim: 200000}", ["model_kwargs", "embed_dim"]),  # checked on the meta device
+])
+def test_training_sizes_are_bounded_before_anything_is_written(tmp_path, tiny_data, capsys, flag, value, words):
+    """Sizes that set a training's memory, processes or threads are refused with the key and its
+    range (exit 2), and no output folder is left."""
+    out = tmp_path / "out"
+    assert _cli(tmp_path, tiny_data, out, flag, value) == EXIT_BAD_CONFIG
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    for w in words:
+        assert w in err, err
+    assert not out.exists()
