@@ -219,38 +219,52 @@ def _gamma(text: str) -> float:
     return value
 
 
+#: At most this many gammas in --gamma-sweep (each is a pass over the split).
+MAX_GAMMAS = 101
+
+
 def _floats(text: str) -> list[float]:
-    return [_gamma(v) for v in text.split(",") if v.strip()]
+    values = text.split(",")
+    if len(values) > MAX_GAMMAS:
+        raise argparse.ArgumentTypeError(f"{len(values):,} values; at most {MAX_GAMMAS} (each is a pass over the split)")
+    return [_gamma(v) for v in values if v.strip()]
 
 
-def _count(minimum: int):
-    """An argparse type: an integer >= ``minimum``."""
+def _count(minimum: int, maximum: int = 10**9):
+    """An argparse type: an integer in [``minimum``, ``maximum``]."""
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+            raise argparse.ArgumentTypeError(f"not an integer: {text[:40]!r}") from None
+        if not minimum <= value <= maximum:
+            raise argparse.ArgumentTypeError(f"must be in [{minimum}, {maximum:,}], got {value}")
         return value
-    parse.__name__ = f"integer >= {minimum}"
+    parse.__name__ = f"integer in [{minimum}, {maximum}]"
     return parse
+
+
+def _split(text: str) -> str:
+    """An argparse type: the name of a folder inside the data root (never a path out of it)."""
+    if not text or text in (".", "..") or "/" in text or "\\" in text:
+        raise argparse.ArgumentTypeError(f"must be a folder name inside --data-path (val, train), got {text[:40]!r}")
+    return text
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True, help="last.pth written by fedmjp.train")
     p.add_argument("--data-path", required=True, help="ImageFolder root (or .tar.gz) with the split")
-    p.add_argument("--split", default="val")
+    p.add_argument("--split", type=_split, default="val")
     p.add_argument("--gamma", type=_gamma, default=0.27, help="inference gamma of the main result")
     p.add_argument("--gamma-sweep", type=_floats, default=None,
                    help=f"comma-separated gammas for the sweep (e.g. {','.join(map(str, DEFAULT_SWEEP))})")
-    p.add_argument("--seed", type=_count(0), default=0)
-    p.add_argument("--batch-size", type=_count(1), default=128)
-    p.add_argument("--num-workers", type=_count(0), default=2)
+    p.add_argument("--seed", type=_count(0, 2**32 - 1), default=0)
+    p.add_argument("--batch-size", type=_count(1, 65_536), default=128)
+    p.add_argument("--num-workers", type=_count(0, 256), default=2)
     p.add_argument("--max-images", type=_count(1), default=None, help="fixed random subset of the split")
     p.add_argument("--device", default="auto")
-    p.add_argument("--threads", type=_count(1), default=None)
+    p.add_argument("--threads", type=_count(1, 1024), default=None)
     p.add_argument("--output-dir", default=None,
                    help="default: <checkpoint dir>/eval, or runs/eval/<name> for a .safetensors weights file")
     args = p.parse_args(argv)

@@ -182,3 +182,21 @@ def test_cli_refuses_bad_input_in_one_line(trained, tmp_path, capsys, extra, nam
     assert status == 2 and named in err and "Traceback" not in err
     assert len([line for line in err.splitlines() if "error" in line]) == 1
     assert not out.exists()
+
+
+@pytest.mark.parametrize("flag, value, words", [
+    ("--threads", "1000000", ["--threads", "[1, 1,024]"]),  # 1e6 threads: MemoryError
+    ("--num-workers", "100000", ["--num-workers", "[0, 256]"]),
+    ("--gamma-sweep", ",".join(["0.5"] * 500), ["--gamma-sweep", "500 values", "at most 101"]),
+    ("--split", "../../etc", ["--split", "folder name inside --data-path"]),
+])
+def test_cli_bounds_and_split_names_are_checked_before_loading(tmp_path, capsys, flag, value, words):
+    """Sizes are bounded and the split is a folder name inside the data root (no path out of it):
+    refused by the argument parser (exit 2) before the checkpoint or any image is read."""
+    from fedmjp.evaluate import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--checkpoint", str(tmp_path / "missing.pth"), "--data-path", str(tmp_path), flag, value])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and all(w in err for w in words), err
