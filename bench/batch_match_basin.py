@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     _logger.info("span at the batch: one-sided %.1e two-sided %.1e; image 1 twice: %.1e / %.2e",
                  *agree(xn), *agree(xn[:1].expand_as(xn)))
     gen = torch.Generator().manual_seed(0)
-    for sigma in [float(v) for v in args.noise.split(",")]:
+    for sigma in [float(v) for v in args.noise.split(",") if v.strip()]:
         x0 = xn + sigma * torch.randn(xn.shape, generator=gen, dtype=torch.float64)
         t0 = time.process_time()
         x1 = lbfgs(term, x0, args.iterations)
