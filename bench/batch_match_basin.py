@@ -77,11 +77,10 @@ class SpanAgreement:
     two-sided mean (in the last block and the head only the class tokens are constrained).
     """
 
-    def __init__(self, model: nn.Module, spans: list[InputSpan], batch: int) -> None:
+    def __init__(self, model: nn.Module, spans: list[InputSpan]) -> None:
         self.model, self.spans, self._inputs = model, spans, {}
         modules = dict(model.named_modules())
         self._hooks = [modules[s.name].register_forward_hook(self._keep(s.name)) for s in spans]
-        self.batch = batch
 
     def _keep(self, name: str):
         def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
@@ -165,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     params = dict(model.named_parameters())
     names = matched_names(model, update, tuple(x.shape[1:]))
     term = gradient_distance(model, [params[n] for n in names], [update[n] for n in names], labels)
-    agree = SpanAgreement(model, input_spans(model, update, B * tokens), B)
+    agree = SpanAgreement(model, input_spans(model, update, B * tokens))
     _logger.info("span at the batch: one-sided %.1e two-sided %.1e; image 1 twice: %.1e / %.2e",
                  *agree(xn), *agree(xn[:1].expand_as(xn)))
     gen = torch.Generator().manual_seed(0)

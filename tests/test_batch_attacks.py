@@ -207,7 +207,7 @@ def test_two_sided_span_agreement_keeps_the_candidates_apart() -> None:
     model = _deit()
     xn = _inputs(2)
     update = attacks.compute_update(model, xn, torch.tensor([3, 5]))
-    agree = basin.SpanAgreement(model, input_spans(model, update, 130), 2)
+    agree = basin.SpanAgreement(model, input_spans(model, update, 130))
     one, two = agree(xn)
     assert one < 1e-12 and two < 1e-8  # measured 1.8e-19 and 5.1e-10 (the spans' rank cut-off)
     one_dup, two_dup = agree(xn[:1].expand_as(xn))
