@@ -188,3 +188,53 @@ def test_unrolled_fedavg_matching_beats_the_mean_gradient_reading() -> None:
         assert not res.failed, res.reason
         got[unroll] = psnr(res.images.float(), x.float())
     assert got[True] > got[False] + 3.0, got
+
+
+def _bench(name: str):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", Path(__file__).resolve().parents[1] / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_two_sided_span_agreement_keeps_the_candidates_apart() -> None:
+    """bench/batch_match_basin.py's span agreement on a real B = 2 update: both sides ~0 at the
+    client's batch; a pair of one image twice passes the one-sided (per-token) test but not the
+    two-sided one; noise raises the two-sided term with its size."""
+    from attacks.mjp_adaptive import input_spans
+    basin = _bench("batch_match_basin")
+    model = _deit()
+    xn = _inputs(2)
+    update = attacks.compute_update(model, xn, torch.tensor([3, 5]))
+    agree = basin.SpanAgreement(model, input_spans(model, update, 130))
+    one, two = agree(xn)
+    assert one < 1e-12 and two < 1e-8  # measured 1.8e-19 and 5.1e-10 (the spans' rank cut-off)
+    one_dup, two_dup = agree(xn[:1].expand_as(xn))
+    assert one_dup < 1e-12 and two_dup > 0.1  # measured 5e-22 and 0.35
+    gen = torch.Generator().manual_seed(0)
+    noise = torch.randn(xn.shape, generator=gen, dtype=torch.float64)
+    small, large = agree(xn + 0.01 * noise)[1], agree(xn + 0.3 * noise)[1]
+    assert 1e-4 < small < large  # measured 1.5e-3 (RMS 0.01) and 0.14 (RMS 0.3)
+
+
+@pytest.mark.slow
+def test_batch_match_tv_lifts_a_batch_of_two_above_the_mean_colour() -> None:
+    """B = 2, labels known, 40 L-BFGS iterations from the same start: ``tv: 1`` ends above
+    ``tv: 0`` and above the data set's mean colour as a reconstruction (docs/attacks.md, "Batches":
+    without a prior the batch attack stays below that flat image)."""
+    basin = _bench("batch_match_basin")
+    model = _deit()
+    x = bundled_images(2, 32).double()
+    update = attacks.compute_update(model, _inputs(2), torch.tensor([3, 5]))
+    meta = {"num_images": 2, "labels": [3, 5], "mean": MEAN.tolist(), "std": STD.tolist()}
+
+    def mean_psnr(rec: torch.Tensor) -> float:
+        return sum(basin.paired_psnr(rec.double(), x)) / 2
+
+    flat = mean_psnr(MEAN.double()[:, None, None].expand_as(x))
+    got = {tv: mean_psnr(attacks.create_attack("batch_match", iterations=40, tv=tv).reconstruct(model, update, meta).images)
+           for tv in (0.0, 1.0)}
+    # measured: mean colour 14.47 dB, tv 0 13.26 dB, tv 1 15.28 dB
+    assert got[1.0] > got[0.0] + 1.0
+    assert got[1.0] > flat

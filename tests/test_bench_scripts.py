@@ -24,6 +24,7 @@ SMALLEST: dict[str, list[str]] = {
                           "--mjp-images", "1", "--closed-images", "1", "--closed-sizes", "32"],
     "attention_entropy": ["--checkpoint", str(ROOT / "checkpoints" / "cifar_deit.safetensors"),
                           "--data-path", "{cifar}", "--images", "2", "--out", "{tmp}/rows.json"],
+    "batch_match_basin": ["--data", "{imagenet}", "--noise", "0.1", "--iterations", "1", "--attack-iterations", "1"],
     "batch_labels": ["--data", "{cifar}", "--batch-sizes", "2", "--updates", "1", "--pool", "4", "--starts", "2",
                      "--iterations", "5", "--models", "cifar_deit:plain"],
     "benchmark_overhead": ["--config", str(ROOT / "configs" / "default.yaml"), "--num-images", "1",
