@@ -13,7 +13,9 @@ from .first_layer import AprilConditionError, check_conditions
 from .april import AprilAnalytic
 from .breaching_adapter import BREACHING_ATTACKS, BreachingAttack, load_attack_config
 from .matching import AprilOptimization, GradientMatching, InvertingGradientsBatched, recover_labels
-from .mjp_adaptive import MJPAdaptive, detect_shuffled, mjp_reduction
+from .mjp_adaptive import MJPAdaptive
+from .mjp_maths import mjp_reduction
+from .mjp_update import detect_shuffled
 from .jigsaw_solver import solve_jigsaw
 from .pe_closed_form import PEClosedForm, PESystem, pe_closed_form_system, pe_conditions
 from .april_robust import AprilRobust

@@ -41,12 +41,12 @@ detected ``unk_mask``) from the same detection.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
 import cachetools
@@ -56,16 +56,17 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from fedmjp.config import Float, Int, option
-from patchgrid import unpatchify
 
 from .first_layer import check_conditions
 from .first_layer import gradient_of_Z as _gradient_of_Z, is_design_a as _is_design_a, unwrap_vit as _vit
 from .base import (Attack, AttackFailure, AttackMetadata, AttackOptions, AttackResult, Update, register_attack,
                    update_to_gradients)
 from .jigsaw_solver import unshuffle_image
-from .linalg import conjugate_gradient
 from .matching import recover_labels
-from .mjp_update import dal_pe_term, detect_shuffled, read_mjp_update  # noqa: F401  (detect_shuffled: public here too)
+from .mjp_maths import (Reduction, assemble, mjp_reduction, neighbour_diffs, patches_to_image, smoothness_prior_solve,
+                        tv_prior_refine)
+from .mjp_update import read_mjp_update
+from .spans import InputSpan, SpanResidual, forward_cost, input_spans
 
 _logger = logging.getLogger(__name__)
 
@@ -91,360 +92,6 @@ LM_MEMORY = 3e9
 #: x~ estimates kept by :class:`MJPAdaptive` (see :func:`estimate_key`): a benchmark round runs
 #: ``mjp_adaptive`` and then ``ig_closed_start``, which starts from the same estimate of the same update.
 ESTIMATE_CACHE_SIZE = 64
-
-
-# ------------------------------------------------------------------------------------ reduction
-@dataclass
-class Reduction:
-    """The linear part of the attack (float64; shapes for N patches, nU unshuffled, k null dims).
-
-    Attributes:
-        shuffled: [N] bool, detected S.
-        projector: [D, D] Pi onto span{z_s}.
-        z_u_perp: [prefix + nU, D] Z_U (I - Pi), prefix rows first.
-        x_unshuffled: [nU, C p^2] minimum-norm unshuffled patches (model-input space).
-        null_basis: [C p^2, k] N, orthonormal: span of differences of the shuffled patches.
-        x_bar: [C p^2] a point on the affine hull of the shuffled patches.
-        stats: residuals and ranks.
-    """
-
-    shuffled: torch.Tensor
-    projector: torch.Tensor
-    z_u_perp: torch.Tensor
-    x_unshuffled: torch.Tensor
-    null_basis: torch.Tensor
-    x_bar: torch.Tensor
-    stats: dict[str, Any]
-
-
-#: A gap ratio (largest dropped / smallest kept singular value) above this is reported as weak.
-WEAK_GAP = 1e-2
-
-
-def expected_null_dims(n_shuffled: int, patch_dim: int, D: int) -> int:
-    """Dimension of the null space of (I - Pi) W_e for |S| shuffled patches (generic data):
-    {x : W_e x in span{z_s}}, z_s = W_e x_s + c with c = b_e + E_unk.
-
-    Where the patch embedding is injective (C p^2 < D) and c lies outside its range, that is the
-    span of differences of the shuffled patches, |S| - 1 dims; where C p^2 >= D (W_e onto R^D, e.g.
-    DeiT-S/16: 768 > 384) it is null(W_e) plus a preimage of all of span{z_s}: C p^2 - D + |S|.
-    """
-    if n_shuffled == 0:
-        return max(patch_dim - D, 0)
-    return n_shuffled - 1 if patch_dim < D else patch_dim - D + n_shuffled
-
-
-def mjp_reduction(vit: nn.Module, G_Z: torch.Tensor, G_W: torch.Tensor, shuffled: torch.Tensor,
-                  rcond: Optional[float] = None) -> Reduction:
-    """Analytic reduction on a design-A model (module docstring, step 2).
-
-    Args:
-        vit: the timm ViT (design A).
-        G_Z: [T, D] dL/dZ rows (dL/dP with the prefix rows; zero at S), DAL term removed.
-        G_W: [3D, D] dL/dW_qkv of block 0.
-        shuffled: [N] bool.
-        rcond: None (default): the null space of (I - Pi) W_e has the dimension the theory gives
-            (:func:`expected_null_dims`), as the span step takes rank |S|. A float: the relative
-            singular-value cut-off instead. A fixed cut-off is fragile: the "null" singular values
-            sit at the noise floor of Pi (1e-6..1e-4 relative on real images, float64), so one
-            cut-off at 1e-4 gave k = 15 on one CPU and 16 on another for the same update.
-    """
-    dt = torch.float64
-    info = check_conditions(vit)
-    prefix, D = info["num_prefix"], info["D"]
-    G_Z, G_W = G_Z.to("cpu", dt), G_W.to("cpu", dt)
-    W = vit.blocks[0].attn.qkv.weight.detach().to("cpu", dt)
-    M = W.T @ G_W  # [D, D] = sum_t g_t z_t^T
-    known = torch.cat([torch.ones(prefix, dtype=torch.bool), ~shuffled.cpu()])
-    G_U = G_Z[known]  # [nU + prefix, D]
-    nS = int(shuffled.sum())
-    # Q: orthogonal complement of the row space of G_U.
-    _, s_u, Vh_u = torch.linalg.svd(G_U, full_matrices=True)
-    r_u = int((s_u > s_u[0] * 1e-12).sum())
-    Q = Vh_u[r_u:].T  # [D, D - r_u]
-    QM = Q.T @ M
-    _, s_q, Vh_q = torch.linalg.svd(QM, full_matrices=False)
-    V_S = Vh_q[:nS].T  # [D, |S|]
-    Pi = V_S @ V_S.T
-    I_P = torch.eye(D, dtype=dt) - Pi
-    rhs = M @ I_P
-    Z_U_perp = torch.linalg.lstsq(G_U.T, rhs, driver="gelsd").solution  # [nU + prefix, D]
-    red_res = float((G_U.T @ Z_U_perp - rhs).norm() / rhs.norm().clamp_min(1e-300))
-    # Known additive terms of the unshuffled rows: P (+ index embedding) and the patch bias.
-    P = vit.pos_embed.detach().to("cpu", dt).reshape(-1, D)
-    if not info["pos_embed_covers_prefix"]:
-        P = torch.cat([torch.zeros(prefix, D, dtype=dt), P])
-    if getattr(vit, "index_embed", None) is not None:
-        P = P + vit.index_embed.detach().to("cpu", dt).reshape(-1, D)
-    proj = vit.patch_embed.proj
-    W_e = proj.weight.detach().to("cpu", dt).reshape(D, -1)
-    b_e = proj.bias.detach().to("cpu", dt) if proj.bias is not None else W_e.new_zeros(D)
-    unk = vit.unk_embed.detach().to("cpu", dt).reshape(D)
-    A = I_P @ W_e  # [D, C p^2]
-    U_a, s_a, Vh_a = torch.linalg.svd(A, full_matrices=True)
-    if rcond is None:
-        r = max(W_e.shape[1] - expected_null_dims(nS, W_e.shape[1], D), 0)
-    else:
-        r = int((s_a > rcond * s_a[0]).sum())
-    pinv = Vh_a[:r].T @ torch.diag(1 / s_a[:r]) @ U_a[:, :r].T  # [C p^2, D]
-    N_basis = Vh_a[r:].T  # [C p^2, k]
-    targets = Z_U_perp[prefix:] - (P[prefix:][~shuffled.cpu()] + b_e) @ I_P  # (I - Pi) W_e x_u
-    x_u = targets @ pinv.T
-    x_bar = pinv @ (-(I_P @ (b_e + unk)))
-    hull_res = float((A @ x_bar + I_P @ (b_e + unk)).norm() / (b_e + unk).norm())
-    cls_ref = torch.cat([t.detach().to("cpu", dt).reshape(-1, D) for t in (vit.cls_token, getattr(vit, "reg_token", None))
-                         if t is not None]) if prefix else None
-    cls_res = (float(((Z_U_perp[:prefix] - (cls_ref + P[:prefix]) @ I_P).norm() / cls_ref.norm()))
-               if prefix else 0.0)
-    stats = dict(num_shuffled=nS, rank_G_U=r_u, reduction_residual=red_res, hull_residual=hull_res,
-                 cls_residual_perp=cls_res, null_dims=int(N_basis.shape[1]),
-                 span_gap=float(s_q[nS] / s_q[nS - 1]) if 0 < nS < len(s_q) else float("nan"),
-                 null_gap=float(s_a[r] / s_a[r - 1]) if 0 < r < len(s_a) else float("nan"))
-    if N_basis.shape[1] != expected_null_dims(nS, W_e.shape[1], D):  # only with an explicit rcond
-        stats["note"] = (f"null space has {N_basis.shape[1]} dims, expected "
-                         f"{expected_null_dims(nS, W_e.shape[1], D)} (rcond={rcond})")
-    elif stats["null_gap"] > WEAK_GAP or stats["span_gap"] > WEAK_GAP:
-        stats["note"] = (f"weak spectral gap (span {stats['span_gap']:.1e}, null space {stats['null_gap']:.1e}): "
-                         "the split into known and unknown directions is noisy for this image")
-    if r_u < G_U.shape[0]:
-        # e.g. a depth-1 model: dL/dZ has rank ~ 2 heads + 1; the closed form is not unique either.
-        stats["note"] = (f"rank(dL/dP known rows) = {r_u} < {G_U.shape[0]}: the unshuffled tokens are not "
-                         "separable; minimum-norm estimates only")
-    return Reduction(shuffled.cpu(), Pi, Z_U_perp, x_u, N_basis, x_bar, stats)
-
-
-# ------------------------------------------------------------------------------------ image helpers
-def patches_to_image(patches: torch.Tensor, grid: tuple[int, int], channels: int, p: int) -> torch.Tensor:
-    """[..., N, C p^2] (timm's (C, p, p) order) -> [..., C, H, W]."""
-    lead, N = patches.shape[:-2], patches.shape[-2]
-    x = unpatchify(patches.reshape(-1, N, channels, p, p), grid)  # leading dims flattened into the batch
-    return x.reshape(*lead, *x.shape[1:])
-
-
-def _neighbour_diffs(img: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Horizontal and vertical pixel differences of [..., C, H, W] where both pixels are valid [H, W]."""
-    dh = (img[..., :, 1:] - img[..., :, :-1]) * (valid[:, 1:] & valid[:, :-1])
-    dv = (img[..., 1:, :] - img[..., :-1, :]) * (valid[1:, :] & valid[:-1, :])
-    return torch.cat([dh.flatten(-3), dv.flatten(-3)], dim=-1)
-
-
-#: Above this many entries of the dense Jacobian (n_var k x N C p^2) the prior is solved matrix-free.
-DENSE_PRIOR_LIMIT = 2 * 10 ** 7
-
-
-def smoothness_prior_solve(red: Reduction, grid: tuple[int, int], channels: int, p: int,
-                           std: torch.Tensor, ridge: float = 1e-6, joint: bool = True,
-                           dense_limit: int = DENSE_PRIOR_LIMIT, cg_tol: float = 1e-10,
-                           cg_iterations: int = 2000) -> tuple[torch.Tensor, torch.Tensor]:
-    """Null-space coefficients that minimise the squared differences of neighbouring pixels (in
-    [0, 1] pixel units): a linear least-squares problem in x_u = x_u0 + N b_u and, with ``joint``,
-    x_s = x_bar + N a_s for the shuffled patches placed at S in index order (an inpainting of the
-    holes from their borders inside the affine hull; without ``joint`` only the unshuffled region
-    counts and a = 0).
-
-    Returns:
-        (b [nU, k], a [nS, k]).
-    """
-    nU, k = red.x_unshuffled.shape[0], red.null_basis.shape[1]
-    N = red.shuffled.numel()
-    nS = N - nU
-    if k == 0:
-        return red.x_unshuffled.new_zeros(nU, k), red.x_unshuffled.new_zeros(nS, k)
-    order = torch.cat([torch.nonzero(~red.shuffled).flatten(), torch.nonzero(red.shuffled).flatten()])
-    n_var = N if joint else nU
-    scale = std.to(torch.float64).repeat_interleave(p * p)  # model input -> pixel units, (C, p, p) order
-    region = torch.ones(N, dtype=torch.bool) if joint else ~red.shuffled
-    valid = patches_to_image(region.double()[:, None].expand(N, channels * p * p), grid, channels, p)[0] > 0
-    base = torch.zeros(N, channels * p * p, dtype=torch.float64)
-    base[order[:nU]] = red.x_unshuffled * scale
-    base[order[nU:]] = red.x_bar * scale
-    d0 = _neighbour_diffs(patches_to_image(base, grid, channels, p), valid)  # [F]
-    Ns = (red.null_basis * scale[:, None]).T  # [k, C p^2]
-    if n_var * k * N * channels * p * p <= dense_limit:
-        cols = torch.zeros(n_var * k, N, channels * p * p, dtype=torch.float64)
-        for j in range(n_var):
-            cols[j * k:(j + 1) * k, order[j]] = Ns
-        J = _neighbour_diffs(patches_to_image(cols, grid, channels, p), valid)  # [n_var k, F]
-        lhs = J @ J.T + ridge * torch.eye(n_var * k, dtype=torch.float64)
-        coef = torch.linalg.solve(lhs, -(J @ d0)).reshape(n_var, k)
-    else:
-        coef = _prior_cg(Ns, order[:n_var], N, d0, valid, grid, channels, p, ridge, cg_tol, cg_iterations)
-    a = coef[nU:] if joint else coef.new_zeros(nS, k)
-    return coef[:nU], a
-
-
-def _prior_cg(Ns: torch.Tensor, where: torch.Tensor, N: int, d0: torch.Tensor, valid: torch.Tensor,
-              grid: tuple[int, int], channels: int, p: int, ridge: float, tol: float, iterations: int
-              ) -> torch.Tensor:
-    """The same least-squares problem as the dense path, matrix-free: conjugate gradients
-    (:func:`attacks.linalg.conjugate_gradient`, scipy's ``cg`` step for step, on the device of ``Ns``)
-    on the normal equations (J J^T + ridge) c = -J d0, with J applied as "coefficients -> image ->
-    pixel differences" and its adjoint by autograd; at 224 px / patch 16 the dense J would need
-    ~10^10 entries.
-
-    Returns:
-        c [len(where), k].
-    """
-    k, device = Ns.shape[0], Ns.device
-
-    def forward(c: torch.Tensor) -> torch.Tensor:  # [n_var, k] -> pixel differences [F]
-        patches = torch.zeros(N, Ns.shape[1], dtype=torch.float64, device=device)
-        patches = patches.index_put((where.to(device),), c @ Ns)
-        return _neighbour_diffs(patches_to_image(patches, grid, channels, p), valid.to(device))
-
-    def normal(c: torch.Tensor) -> torch.Tensor:  # (J J^T + ridge) applied to c
-        c = c.detach().requires_grad_(True)
-        y = forward(c)
-        (g,) = torch.autograd.grad(y, c, grad_outputs=y.detach())
-        return g + ridge * c.detach()
-
-    c0 = torch.zeros(len(where), k, dtype=torch.float64, device=device, requires_grad=True)
-    (rhs,) = torch.autograd.grad(forward(c0), c0, grad_outputs=-d0.to(device))
-    sol, _, _ = conjugate_gradient(normal, rhs.detach(), rtol=tol, maxiter=iterations)
-    return sol
-
-
-def tv_prior_refine(red: Reduction, b0: torch.Tensor, grid: tuple[int, int], channels: int, p: int,
-                    std: torch.Tensor, eps: float = 1e-4, iterations: int = 300) -> torch.Tensor:
-    """Refine the unshuffled coefficients b [nU, k] under a total-variation prior (Charbonnier,
-    sum sqrt(d^2 + eps) over neighbouring pixel differences of the unshuffled region, pixel units),
-    from the quadratic prior's solution; L-BFGS, no model evaluations. Returns b."""
-    if b0.numel() == 0:
-        return b0
-    scale = std.to(torch.float64).repeat_interleave(p * p)
-    N = red.shuffled.numel()
-    valid = patches_to_image((~red.shuffled).double()[:, None].expand(N, channels * p * p), grid, channels, p)[0] > 0
-    U_idx = torch.nonzero(~red.shuffled).flatten()
-    b = b0.clone().requires_grad_(True)
-    opt = torch.optim.LBFGS([b], max_iter=iterations, history_size=50, line_search_fn="strong_wolfe",
-                            tolerance_grad=1e-12, tolerance_change=1e-15)
-
-    def closure() -> torch.Tensor:
-        opt.zero_grad()
-        xu = (red.x_unshuffled + b @ red.null_basis.T) * scale
-        full = torch.zeros(N, channels * p * p, dtype=torch.float64).index_put((U_idx,), xu)
-        obj = (_neighbour_diffs(patches_to_image(full, grid, channels, p), valid).pow(2) + eps).sqrt().sum()
-        obj.backward()
-        return obj
-
-    opt.step(closure)
-    return b.detach()
-
-
-# ------------------------------------------------------------------------------------ deeper layers
-@dataclass
-class InputSpan:
-    """The span of one linear layer's inputs, read off its weight gradient.
-
-    Attributes:
-        name: the layer's module name (``blocks.1.attn.qkv``, ``head``, ...).
-        basis: [fan_in, r] orthonormal basis of the row space of dL/dW.
-        rows: None: every token's input lies in the span; an int n: only the first n (prefix) rows.
-    """
-
-    name: str
-    basis: torch.Tensor
-    rows: Optional[int]
-
-
-def input_spans(vit: nn.Module, grads: dict, num_tokens: int, noise_factor: float = 10.0) -> list[InputSpan]:
-    """Known input spans of the linear layers of every block and of the classifier head.
-
-    For y = a W^T + c over the T tokens of one image, dL/dW = sum_t g_t a_t^T, so the row space of
-    dL/dW is span{a_t} wherever the output gradients g_t have rank T (T <= fan-in): an exact
-    constraint on the layer's inputs that needs neither the label nor the loss. The rank is read
-    against the gradient's own rounding noise: dL/dW has rank <= T, so its (T+1)-th singular value
-    is noise, and r counts the singular values above ``noise_factor`` times it (above 64 eps s_0
-    where the matrix has no (T+1)-th). Where r = T every token is constrained. Where r < T the span
-    holds only some combinations of the tokens; in the last block and the head of a class-token
-    model only the class token reaches the loss (its query, the attention's keys and values), and
-    its own input is in the span, so the prefix rows are constrained there; elsewhere the layer is
-    left out. Block 0's qkv is left out: its input span is what the reduction already satisfies.
-    """
-    prefix = int(getattr(vit, "num_prefix_tokens", 1))
-    last = f"blocks.{len(vit.blocks) - 1}."
-    token_pool = getattr(vit, "global_pool", "token") == "token" and prefix > 0
-    out = []
-    for name, module in vit.named_modules():
-        if not isinstance(module, nn.Linear) or name + ".weight" not in grads or name == "blocks.0.attn.qkv":
-            continue
-        if not (name.startswith("blocks.") or name == "head"):
-            continue
-        G = grads[name + ".weight"].to("cpu", torch.float64)
-        if G.shape[1] <= num_tokens or float(G.abs().max()) == 0:
-            continue  # fan-in <= T: the span is the whole input space (or nothing is known)
-        _, sv, Vh = torch.linalg.svd(G, full_matrices=False)
-        floor = float(sv[num_tokens]) if len(sv) > num_tokens else 64 * torch.finfo(G.dtype).eps * float(sv[0])
-        r = int((sv > noise_factor * max(floor, torch.finfo(G.dtype).tiny)).sum())
-        if r >= num_tokens:
-            rows = None
-        elif token_pool and (name.startswith(last) or name == "head") and r > 0:
-            rows = prefix
-        else:
-            continue
-        out.append(InputSpan(name, Vh[:r].T.contiguous(), rows))
-    return out
-
-
-class SpanResidual:
-    """Distance of candidate tokens' layer inputs from the spans the update gives (float64).
-
-    ``value(x)`` runs the attacker's copy of the model on candidate inputs x [B, C, H, W] with E_unk
-    at the detected positions and returns, per candidate, the mean over layers of
-    ||A_l - A_l V_l V_l^T||^2 / ||A_l||^2 (A_l the layer's inputs, V_l the basis of its span): zero at
-    the client's input, and a function of the orbit the first layer cannot resolve.
-    """
-
-    def __init__(self, vit: nn.Module, spans: list[InputSpan], shuffled: torch.Tensor) -> None:
-        self.work = copy.deepcopy(vit).to("cpu", torch.float64).eval().requires_grad_(False)
-        for blk in self.work.blocks:
-            if hasattr(blk.attn, "fused_attn"):
-                blk.attn.fused_attn = False
-        self.spans, self.shuffled = spans, shuffled.cpu()
-        self._inputs: dict[str, torch.Tensor] = {}
-        modules = dict(self.work.named_modules())
-        for span in spans:
-            modules[span.name].register_forward_hook(self._keep(span.name))
-
-    def _keep(self, name: str):
-        def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-            self._inputs[name] = args[0]
-        return hook
-
-    def layer_inputs(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Every span layer's inputs for candidates x [B, C, H, W]: name -> [B, T, fan_in] ([B, fan_in]
-        for the head)."""
-        self._inputs.clear()
-        self.work(x, unk_mask=self.shuffled[None].expand(x.shape[0], -1))
-        inputs, self._inputs = self._inputs, {}
-        return inputs
-
-    def per_layer(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, L] relative squared residual of each candidate at each layer."""
-        inputs = self.layer_inputs(x)
-        out = []
-        for span in self.spans:
-            A = inputs[span.name]
-            A = A[:, None] if A.dim() == 2 else A  # the head sees the pooled token only
-            if span.rows is not None:
-                A = A[:, :span.rows]
-            R = A - (A @ span.basis) @ span.basis.T
-            out.append(R.pow(2).sum(dim=(1, 2)) / A.pow(2).sum(dim=(1, 2)).clamp_min(1e-300))
-        return torch.stack(out, dim=1)
-
-    def value(self, x: torch.Tensor) -> torch.Tensor:
-        """[B] mean over layers of :meth:`per_layer`."""
-        return self.per_layer(x).mean(dim=1)
-
-
-def forward_cost(vit: nn.Module, num_tokens: int) -> float:
-    """Multiply-adds of one forward of ``vit`` over ``num_tokens`` tokens: its blocks' linear layers
-    and attention products (the patch embedding and head are negligible)."""
-    total = 0.0
-    for blk in vit.blocks:
-        total += sum(m.in_features * m.out_features for m in blk.modules() if isinstance(m, nn.Linear)) * num_tokens
-        total += 2.0 * num_tokens ** 2 * int(vit.embed_dim)
-    return total
 
 
 def _lbfgs(objective, b: torch.Tensor, a: torch.Tensor, iterations: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -480,7 +127,8 @@ def estimate_key(model: nn.Module, update: Update, meta: AttackMetadata, options
         _hash_tensor(h, "u:" + name, update[name])
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         _hash_tensor(h, "m:" + name, t)
-    fields = {k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in meta.__dict__.items()}
+    fields = {f.name: (v.tolist() if isinstance(v := getattr(meta, f.name), torch.Tensor) else v)
+              for f in dataclasses.fields(meta)}
     h.update(json.dumps([fields, options], sort_keys=True, default=str).encode())
     return h.digest()
 
@@ -676,19 +324,7 @@ class MJPAdaptive(Attack):
             b, a, mstats = self._match(vit, grads, red, b, a, labels, grid, C, p, std)
             stats.update(mstats)
             stats["_labels"] = labels
-        return self._assemble(red, b, a, grid, C, p), stats
-
-    @staticmethod
-    def _assemble(red: Reduction, b: torch.Tensor, a: torch.Tensor, grid, C: int, p: int) -> torch.Tensor:
-        """Model-input images from the reduced parameters (shuffled at S in our order): b [nU, k],
-        a [nS, k] -> [1, C, H, W]; b [B, nU, k], a [B, nS, k] -> [B, C, H, W]."""
-        batched = b.dim() == 3
-        b, a = (b, a) if batched else (b[None], a[None])
-        N = red.shuffled.numel()
-        x = torch.zeros(b.shape[0], N, C * p * p, dtype=torch.float64)
-        x[:, ~red.shuffled] = red.x_unshuffled + b @ red.null_basis.T
-        x[:, red.shuffled] = red.x_bar + a @ red.null_basis.T
-        return patches_to_image(x, grid, C, p)
+        return assemble(red, b, a, grid, C, p), stats
 
     def _span(self, vit: nn.Module, grads: dict, red: Reduction, b0: torch.Tensor, a0: torch.Tensor, grid,
               C: int, p: int, gen: torch.Generator):
@@ -713,7 +349,7 @@ class MJPAdaptive(Attack):
         a = torch.stack(starts)
 
         def objective(vb: torch.Tensor, va: torch.Tensor) -> torch.Tensor:
-            return residual.value(self._assemble(red, vb, va, grid, C, p))
+            return residual.value(assemble(red, vb, va, grid, C, p))
 
         with torch.no_grad():
             first = objective(b, a)
@@ -741,7 +377,7 @@ class MJPAdaptive(Attack):
             b, a, lm_out = span_lm(residual, red, b, a, grid, C, p, max_jacobians=lm)
             out.update(lm_objective_first=before, lm_jacobians=lm_out.jacobians, lm_evaluations=lm_out.evaluations)
         with torch.no_grad():
-            per_layer = residual.per_layer(self._assemble(red, b, a, grid, C, p))[0]
+            per_layer = residual.per_layer(assemble(red, b, a, grid, C, p))[0]
         last = float(per_layer.mean())
         _logger.debug("mjp_adaptive span residual: %.3e -> %.3e in %d iterations", float(first.min()), last, iters)
         out.update(objective=last, objective_first=float(first[0]), iterations=iters,
@@ -793,7 +429,7 @@ class MJPAdaptive(Attack):
         scale = std.repeat_interleave(p * p)
 
         def objective(b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-            x = self._assemble(red, b, a, grid, C, p)
+            x = assemble(red, b, a, grid, C, p)
             out = functional_call(work, (params, buffers), (x,), {"unk_mask": mask})
             loss = F.cross_entropy(out, y)
             g = torch.autograd.grad(loss, [params[n] for n in names], create_graph=True)
@@ -802,7 +438,7 @@ class MJPAdaptive(Attack):
                 xu = torch.zeros(red.shuffled.numel(), C * p * p, dtype=torch.float64)
                 xu = xu.index_put((torch.nonzero(~red.shuffled).flatten(),),
                                   (red.x_unshuffled + b @ red.null_basis.T) * scale)
-                d = _neighbour_diffs(patches_to_image(xu, grid, C, p), valid)
+                d = neighbour_diffs(patches_to_image(xu, grid, C, p), valid)
                 obj = obj + self.prior_weight * d.pow(2).mean()
             return obj
 
@@ -847,13 +483,13 @@ class MJPAdaptive(Attack):
             # Any block 0: the patch-embedding closed form is exact where it applies (learned PE, batch
             # 1); the optimisation only where it refuses.
             attack = PEClosedForm()
-            result = attack.reconstruct(model, update, dict(meta.__dict__))
+            result = attack.reconstruct(model, update, meta)
             if not result.failed:
                 for st in result.stats:
                     st.setdefault("notes", []).append(f"no E_unk in this model: plain {attack.name}")
                 return result
             attack = AprilOptimization(iterations=self.fallback_iterations, seed=self.seed)
-        result = attack.reconstruct(model, update, dict(meta.__dict__))
+        result = attack.reconstruct(model, update, meta)
         for st in result.stats:
             st.setdefault("notes", []).append(f"no E_unk in this model: plain {attack.name}")
         return result
@@ -864,8 +500,10 @@ class MJPAdaptive(Attack):
         from .matching import AprilOptimization
 
         attack = AprilOptimization(iterations=self.fallback_iterations, seed=self.seed, unk_mask=S)
-        res = attack.reconstruct(model, grads, dict(num_images=1, image_size=meta.image_size, mean=meta.mean,
-                                                    std=meta.std, labels=meta.labels))
+        # The gradients are already in gradient units with the DAL term removed: a plain FedSGD
+        # update of one image, whatever the client sent (so no update type, learning rate or defence).
+        plain = AttackMetadata(1, meta.image_size, meta.mean.double(), meta.std.double(), meta.labels)
+        res = attack.reconstruct(model, grads, plain)
         if res.failed:
             raise AttackFailure(f"MJP-aware april_optimization failed: {res.reason}")
         x = meta.normalize(res.images.double())

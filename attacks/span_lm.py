@@ -1,9 +1,9 @@
 """Second-order fit of the span residual: Levenberg-Marquardt on its vector form (float64, CPU).
 
-:class:`attacks.mjp_adaptive.SpanResidual` is a mean over layers of ||A_l - A_l V_l V_l^T||^2 /
+:class:`attacks.spans.SpanResidual` is a mean over layers of ||A_l - A_l V_l V_l^T||^2 /
 ||A_l||^2, a sum of squares. Written as one vector r(theta) (every span layer's A_l Q_l / ||A_l||
 / sqrt(L), Q_l an orthonormal basis of the complement of layer l's span, theta the reduced
-parameters (b, a) of :class:`attacks.mjp_adaptive.Reduction`), ||r||^2 equals the residual's value,
+parameters (b, a) of :class:`attacks.mjp_maths.Reduction`), ||r||^2 equals the residual's value,
 and the problem is a nonlinear least-squares problem whose Jacobian at the client's input has full
 column rank on trained models (docs/design.md, "Attacking MJP with knowledge of MJP"): locally the
 orbit is identified, and first-order methods stall only because the Jacobian is ill conditioned
@@ -24,7 +24,8 @@ from typing import Callable
 import torch
 from torch.func import jvp, vmap
 
-from .mjp_adaptive import MJPAdaptive, Reduction, SpanResidual, patches_to_image
+from .mjp_maths import Reduction, assemble, patches_to_image
+from .spans import SpanResidual
 
 _logger = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ class SpanVector:
     """The span residual as a vector of reduced parameters theta = (b [nU, k], a [nS, k]) flattened.
 
     ``self(theta)`` [R] with ``self(theta).pow(2).sum()`` equal to ``residual.value(x)[0]`` for the
-    image x that theta assembles (:meth:`MJPAdaptive._assemble`).
+    image x that theta assembles (:func:`attacks.mjp_maths.assemble`).
     """
 
     def __init__(self, residual: SpanResidual, red: Reduction, grid: tuple[int, int], channels: int, p: int) -> None:
@@ -71,10 +72,10 @@ class SpanVector:
     def image(self, theta: torch.Tensor) -> torch.Tensor:
         """[1, C, H, W] model input that theta assembles."""
         b, a = self.unpack(theta)
-        return MJPAdaptive._assemble(self.red, b, a, self.grid, self.channels, self.p)
+        return assemble(self.red, b, a, self.grid, self.channels, self.p)
 
     def __call__(self, theta: torch.Tensor) -> torch.Tensor:
-        # Written without in-place writes into a preallocated buffer (unlike _assemble) so that
+        # Written without in-place writes into a preallocated buffer (unlike :func:`attacks.mjp_maths.assemble`) so that
         # forward-mode AD under vmap sees one differentiable expression.
         b, a = self.unpack(theta)
         red = self.red

@@ -76,7 +76,6 @@ def bare_work(cfg: C.BenchmarkConfig) -> list[Victims]:
     """The victims per model row and gradient group (x for setting a, x~ for b/c), one warm-up
     gradient per model done."""
     from clients.partition import private_batch
-    from clients.runconfig import resolve_config
     from clients.update import fedsgd_gradients, load_global_model
 
     rows = build_rows(cfg, torch.device("cpu"))
@@ -85,7 +84,7 @@ def bare_work(cfg: C.BenchmarkConfig) -> list[Victims]:
     work = []
     for row in rows:
         for group in groups:
-            resolved = resolve_config(client_run_config(cfg, row, group))
+            resolved = client_run_config(cfg, row, group)
             model = load_global_model(resolved).to(getattr(torch, resolved.precision))
             batches = [private_batch(resolved, p, r, clients)
                        for r in range(1, rounds + 1) for p in range(clients)]

@@ -45,7 +45,9 @@ import attacks  # noqa: E402
 import fedmjp  # noqa: E402,F401  (registers the models)
 from attacks.april import _gradient_of_Z, check_conditions  # noqa: E402
 from attacks.jigsaw_solver import oracle_c  # noqa: E402
-from attacks.mjp_adaptive import MJPAdaptive, SpanResidual, _lbfgs, input_spans, mjp_reduction  # noqa: E402
+from attacks.mjp_adaptive import _lbfgs  # noqa: E402
+from attacks.mjp_maths import assemble, mjp_reduction  # noqa: E402
+from attacks.spans import SpanResidual, input_spans  # noqa: E402
 from attacks.span_lm import SpanVector, identifiability, span_lm, truth_coordinates  # noqa: E402
 from fedmjp.checkpoint import load_checkpoint  # noqa: E402
 from fedmjp.factory import normalize  # noqa: E402
@@ -120,13 +122,13 @@ def basin(model: torch.nn.Module, update: dict, xin: torch.Tensor, eps_list: lis
     vec = SpanVector(residual, red, grid, C, p)
 
     def objective(vb: torch.Tensor, va: torch.Tensor) -> torch.Tensor:
-        return residual.value(MJPAdaptive._assemble(red, vb, va, grid, C, p))
+        return residual.value(assemble(red, vb, va, grid, C, p))
 
     def dist(vb: torch.Tensor, va: torch.Tensor) -> float:
-        return float((MJPAdaptive._assemble(red, vb, va, grid, C, p) - xin).pow(2).mean().sqrt())
+        return float((assemble(red, vb, va, grid, C, p) - xin).pow(2).mean().sqrt())
 
     def psnr(vb: torch.Tensor, va: torch.Tensor) -> float:
-        err = (MJPAdaptive._assemble(red, vb, va, grid, C, p) - xin) * STD[:, None, None]
+        err = (assemble(red, vb, va, grid, C, p) - xin) * STD[:, None, None]
         return float(-10 * torch.log10(err.pow(2).mean()))
 
     gen = torch.Generator().manual_seed(seed)

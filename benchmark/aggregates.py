@@ -10,7 +10,7 @@ batch of one image fail those rows with their reason.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -25,7 +25,7 @@ def tapped_partitions(cfg: Any) -> list[int]:
     return [AGGREGATE_ID] if cfg.federation.secagg else list(range(cfg.federation.clients))
 
 
-def tapped_batch(run_config: Mapping[str, Any] | RunConfig, partition: int, server_round: int, clients: int,
+def tapped_batch(run_config: RunConfig, partition: int, server_round: int, clients: int,
                  covers: Optional[Sequence[int]] = None) -> PrivateBatch:
     """The private batch behind a tapped update: the client's own (:func:`private_batch`), or for the
     aggregate the batches of the partitions it ``covers`` (default: all ``clients``) concatenated."""

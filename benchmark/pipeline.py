@@ -13,13 +13,12 @@ stored), so an interrupted run resumes where it stopped.
 """
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -260,25 +259,30 @@ def check_partitions(cfg: BenchmarkConfig, row: ModelRow) -> None:
     class fails): found here, before the output folder is written, not inside a client."""
     from clients.partition import private_batch
 
+    run_config = client_run_config(cfg, row, "clean")
     try:
-        private_batch(client_run_config(cfg, row, "clean"), 0, 1, cfg.federation.clients)
+        private_batch(run_config, 0, 1, cfg.federation.clients)
     except ValueError as err:
         raise ConfigError(f"federation.partition={cfg.federation.partition!r}: {err}") from err
 
 
 # ------------------------------------------------------------------------------------ federation
-def client_run_config(cfg: BenchmarkConfig, row: ModelRow, group: str) -> dict:
-    """The flat Flower run config (clients/runconfig.py keys) of one federation: the benchmark keys
-    that feed run-config keys (``client=`` in benchmark/config.py's schema), the row's model spec and
-    defence, then ``federation.options`` on top."""
-    from clients.runconfig import model_keys
+def client_run_config(cfg: BenchmarkConfig, row: ModelRow, group: str,
+                      extra: Mapping[str, Any] | None = None) -> RunConfig:
+    """The clients' typed run config of one federation (:class:`clients.runconfig.RunConfig`): the
+    benchmark keys that feed run-config keys (``client=`` in benchmark/config.py's schema), the row's
+    model spec and defence, then ``federation.options`` and ``extra`` (run-config keys) on top.
 
-    run_config = {**client_values(cfg), **model_keys(row.spec), "setting": GROUP_SETTING[group],
-                  "defence": json.dumps(row_defence(cfg, row.index).as_dict(), sort_keys=True)}
+    Raises:
+        ConfigError: ``federation.options`` or ``extra`` hold a bad run-config key or value.
+    """
+    from clients.runconfig import model_keys, resolve_config
+
+    values = {**client_values(cfg), **model_keys(row.spec), "setting": GROUP_SETTING[group],
+              "defence": row_defence(cfg, row.index)}
     if cfg.dry_run:
-        run_config["num-server-rounds"] = 1
-    run_config.update(cfg.federation.options)
-    return run_config
+        values["num-server-rounds"] = 1
+    return resolve_config({**values, **cfg.federation.options, **(extra or {})})
 
 
 def expected_updates(cfg: BenchmarkConfig) -> list[tuple[int, int]]:
@@ -290,9 +294,7 @@ def expected_updates(cfg: BenchmarkConfig) -> list[tuple[int, int]]:
 
 def expected_keys(cfg: BenchmarkConfig, row: ModelRow, group: str, settings: list[str]) -> set[RowKey]:
     """Row keys a complete federation of this (row, group) stores (from the private batches)."""
-    from clients.runconfig import resolve_config
-
-    resolved = resolve_config(client_run_config(cfg, row, group))
+    resolved = client_run_config(cfg, row, group)
     keys = set()
     for rnd, part in expected_updates(cfg):
         batch = tapped_batch(resolved, part, rnd, cfg.federation.clients)
@@ -394,8 +396,8 @@ def attack_metadata(cfg: BenchmarkConfig, resolved: RunConfig, model: nn.Module,
     labels, one per image.
 
     Args:
-        cfg: the benchmark config; resolved: the federation's resolved client config
-            (``clients.runconfig.resolve_config``); model: the server's model; batch: the private batch.
+        cfg: the benchmark config; resolved: the federation's typed client config
+            (:func:`client_run_config`); model: the server's model; batch: the private batch.
     """
     from attacks.base import AttackMetadata
     from fedmjp.factory import model_input_stats
@@ -409,7 +411,7 @@ def attack_metadata(cfg: BenchmarkConfig, resolved: RunConfig, model: nn.Module,
         labels=batch.labels.detach().to("cpu", torch.long).clone() if cfg.attack.labels == "known" else None,
         update_type="gradient" if fed.algorithm == "fedsgd" and not fedavg else "delta",
         lr=float(fed.lr), local_steps=resolved.local_steps if fedavg else fed.local_steps,
-        defence=resolved.defence_spec())
+        defence=resolved.defence)
 
 
 def raise_for_errors(summary: RunSummary) -> None:
@@ -446,7 +448,7 @@ def row_context(cfg: BenchmarkConfig, row: ModelRow, group: str, resolved: RunCo
     federation's run config."""
     return RowContext(model=row.name, label=row.label, trained=row.trained, arch=row.spec["arch"],
                       variant=row.spec["variant"], april=row.spec["april"], group=group, seed=cfg.seed,
-                      defence=resolved.defence_spec(),
+                      defence=resolved.defence,
                       image_index={name: i for i, name in enumerate(image_names)},
                       federation={"batch_size": cfg.federation.batch_size, "local_steps": cfg.federation.local_steps,
                                   "labels": "known" if cfg.attack.labels == "known" else "recovered"})
@@ -529,8 +531,6 @@ class GroupAttacker:
 
     def __init__(self, prepared: Prepared, run: RunFolder, row: ModelRow, group: str, settings: list[str],
                  done: set[RowKey], progress: bool, runner: Runner | None = None, batched: bool = True) -> None:
-        from clients.runconfig import resolve_config
-
         from .workers import LocalRunner, RoundDispatch
 
         self.p, self.run_folder, self.row, self.group, self.settings = prepared, run, row, group, settings
@@ -540,12 +540,11 @@ class GroupAttacker:
         self.dispatch: RoundDispatch[_Round] = RoundDispatch(
             runner if runner is not None else LocalRunner([a.attack for a in prepared.attackers]),
             self.finish_round, batched)
-        self.run_config = client_run_config(self.cfg, row, group)
-        self.resolved = resolve_config(self.run_config)
+        self.resolved = client_run_config(self.cfg, row, group)
         self.ctx = row_context(self.cfg, row, group, self.resolved, prepared.image_names)
         # The classifier-bias gradient carries the attacked model's prediction when the update is a
         # plain FedSGD gradient (no defence transforms it); see scoring.round_top1.
-        plain = self.resolved.mode == "fedsgd" and self.resolved.defence_spec().name == "none"
+        plain = self.resolved.mode == "fedsgd" and self.resolved.defence.name == "none"
         self.gradient_readout = scoring.classifier_bias_name(row.model) if plain else None
         self.forward_top1 = 0  # updates whose attacked-model top-1 needed a forward pass
         self.rounds = RoundCollector(set(expected_updates(self.cfg)))
@@ -577,10 +576,10 @@ class GroupAttacker:
             if federate is None:
                 # Ray stays up between federations of one benchmark (its start-up is paid once);
                 # run_benchmark shuts it down at the end.
-                result = run_federation(self.run_config, tap=self.tap, engine=self.cfg.federation.engine,
+                result = run_federation(self.resolved, tap=self.tap, engine=self.cfg.federation.engine,
                                         keep_ray=True)
             else:
-                result = federate(self.run_config, tap=self.tap, engine=self.cfg.federation.engine)
+                result = federate(self.resolved, tap=self.tap, engine=self.cfg.federation.engine)
             finished = True
         finally:
             self.aborted = not finished  # an error or Ctrl-C: the thread drops what is queued

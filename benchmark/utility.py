@@ -30,6 +30,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
+    from clients.runconfig import RunConfig
+
     from .config import BenchmarkConfig
 
 _logger = logging.getLogger(__name__)
@@ -47,7 +49,6 @@ def defence_utility(cfg: BenchmarkConfig, row: Any, federate: Callable[..., Any]
         {"utility_top1", "utility_top1_start", "utility_rounds", "utility_start" ("checkpoint" or
         "fresh"), "utility_num_eval", "utility_source"}.
     """
-    from clients.runconfig import resolve_config
     from fedmjp.data import DataError, load_images
     from fedmjp.evaluate import loss_and_top1
     from server.federation import run_federation
@@ -57,8 +58,7 @@ def defence_utility(cfg: BenchmarkConfig, row: Any, federate: Callable[..., Any]
     u = cfg.utility
     if u.split == "train":
         return train_split_utility(cfg, row, federate)
-    group, run_config = utility_run_config(cfg, row, str(u.source))
-    resolved = resolve_config(run_config)
+    group, resolved = utility_run_config(cfg, row, str(u.source))
     try:
         data = load_images(u.source, int(cfg.data.image_size), int(u.num_train) + int(u.num_eval),
                            int(cfg.data.num_classes))
@@ -71,11 +71,11 @@ def defence_utility(cfg: BenchmarkConfig, row: Any, federate: Callable[..., Any]
     model = copy.deepcopy(row.model if row.acc_model is None else row.acc_model).float().cpu()
     _, top1_start = loss_and_top1(model, data.images[held_out], data.labels[held_out])
     runner = federate or run_federation
-    result = runner(resolved.wire(), engine=cfg.federation.engine)
+    result = runner(resolved, engine=cfg.federation.engine)
     model.load_state_dict({k: v.float() for k, v in result.final_state.items()}, strict=True)
     _, top1 = loss_and_top1(model, data.images[held_out], data.labels[held_out])
     _logger.info("%s / %s: top-1 %.3f -> %.3f after %d FedAvg rounds", row.name,
-                 resolved.defence_spec().name, top1_start, top1, u.rounds)
+                 resolved.defence.name, top1_start, top1, u.rounds)
     return {"utility_top1": top1, "utility_top1_start": top1_start, "utility_rounds": int(u.rounds),
             "utility_start": "checkpoint" if row.trained else "fresh",
             "utility_num_eval": len(data) - held_out.start, "utility_source": str(u.source)}
@@ -85,24 +85,23 @@ def defence_utility(cfg: BenchmarkConfig, row: Any, federate: Callable[..., Any]
 _START_CACHE: dict[tuple, tuple[float, float, float]] = {}
 
 
-def utility_run_config(cfg: Any, row: Any, images: str, extra: Optional[dict] = None) -> tuple[str, dict]:
-    """(group, the clients' run config) of a utility federation: the row's run config as the attack
-    federation builds it, trained as deployed (no APRIL surgery), FedAvg with the ``utility``
-    section's rounds, local steps, batch, lr and clients on ``images``, plus ``extra`` keys."""
+def utility_run_config(cfg: Any, row: Any, images: str, extra: Optional[dict] = None) -> tuple[str, RunConfig]:
+    """(group, the clients' typed run config) of a utility federation: the row's run config as the
+    attack federation builds it, trained as deployed (no APRIL surgery), FedAvg with the ``utility``
+    section's rounds, local steps, batch, lr and clients on ``images``, plus ``extra`` run-config keys."""
     from .pipeline import client_run_config
 
     u = cfg.utility
     group = "shuffled" if set(cfg.settings) & {"b", "c"} else "clean"
-    run_config = client_run_config(cfg, row, group)
-    if row.acc_model is not None:  # ``april: surgery`` is the attacker's view: train the model as deployed
-        run_config["model-april"] = ""
-    run_config.update({
+    values: dict[str, Any] = {
         "num-server-rounds": int(u.rounds), "mode": "fedavg", "local-steps": int(u.local_steps),
         "batch-size": int(u.batch_size), "lr": float(u.lr), "images": images,
         "num-images": int(u.num_train), "num-partitions": int(u.clients), "min-nodes": int(u.clients),
         "precision": "float32", "server-eval": False, "out-dir": "", **(extra or {}),
-    })
-    return group, run_config
+    }
+    if row.acc_model is not None:  # ``april: surgery`` is the attacker's view: train the model as deployed
+        values["model-april"] = ""
+    return group, client_run_config(cfg, row, group, values)
 
 
 def top1_interval(correct: Any) -> tuple[float, float, float]:
@@ -168,7 +167,6 @@ def train_split_utility(cfg: BenchmarkConfig, row: Any, federate: Callable[..., 
     import time
 
     from clients.partition import partition_indices, private_image_set
-    from clients.runconfig import resolve_config
     from fedmjp.data import DataError, load_images
     from server.federation import run_federation
 
@@ -177,9 +175,8 @@ def train_split_utility(cfg: BenchmarkConfig, row: Any, federate: Callable[..., 
 
     u = cfg.utility
     train, val = _split_folders(str(u.source))
-    group, run_config = utility_run_config(cfg, row, str(train), {
+    group, resolved = utility_run_config(cfg, row, str(train), {
         "partitioner": u.partition, "dirichlet-alpha": float(u.dirichlet_alpha)})
-    resolved = resolve_config(run_config)
     try:
         data = load_images(str(val), int(cfg.data.image_size), int(u.num_eval), int(cfg.data.num_classes))
         n_train = len(private_image_set(resolved))
@@ -210,19 +207,19 @@ def train_split_utility(cfg: BenchmarkConfig, row: Any, federate: Callable[..., 
     runner = federate or run_federation
     began = time.perf_counter()
     if wanted and any(r < int(u.rounds) for r in wanted):
-        result = runner(resolved.wire(), engine=cfg.federation.engine, tap=tap)
+        result = runner(resolved, engine=cfg.federation.engine, tap=tap)
     else:
-        result = runner(resolved.wire(), engine=cfg.federation.engine)
+        result = runner(resolved, engine=cfg.federation.engine)
     seconds = time.perf_counter() - began
     if result.failures:
-        raise RuntimeError(f"utility federation of {row.name} / {resolved.defence_spec().name}: "
+        raise RuntimeError(f"utility federation of {row.name} / {resolved.defence.name}: "
                            f"{len(result.failures)} client failures, first: {result.failures[0]}")
     model.load_state_dict({k: v.float() for k, v in result.final_state.items()}, strict=True)
     correct = per_image_correct(model, data.images, data.labels)
     top1 = top1_interval(correct)
     if wanted:  # the curve ends at the final model, on the same images
         curve[int(u.rounds)] = float(correct[:n_curve].mean())
-    spec = resolved.defence_spec()
+    spec = resolved.defence
     eps = federation_epsilon(spec, int(u.rounds), int(u.local_steps), int(u.batch_size), min(sizes), float(u.delta))
     _logger.info("%s / %s: top-1 %.4f -> %.4f [%.4f, %.4f] after %d FedAvg rounds (%.0f s)", row.name, spec.name,
                  start[0], top1[0], top1[1], top1[2], u.rounds, seconds)

@@ -12,7 +12,7 @@ Where each defence acts (:mod:`defences.spec` has the keys):
 * mixup: on the inputs of local training (mixed images, soft targets). In settings b/c the private
   image is x~ and its partners are unshuffled images of the partition, under the same E_unk mask.
 * central_dp: nowhere on the client (the server's Flower wrapper, server/central_dp.py).
-* fedavg: the run config's mode/local-steps (set by :func:`clients.runconfig.resolve_config`).
+* fedavg: the run config's mode/local-steps (set by :class:`clients.runconfig.RunConfig` from the spec).
 Randomness is seeded by (seed, partition, round), so a defended update is reproducible.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ from defences.spec import DpSgd, Mixup
 from fedmjp.devices import resolve_device
 
 from .partition import PrivateBatch, partition_indices, private_image_set, stable_seed
-from .runconfig import RunConfig, resolve_config
+from .runconfig import RunConfig
 from .update import client_loss, gradients, local_sgd, local_update, model_logits, round_model, stochastic_forward
 
 
@@ -86,7 +86,7 @@ def _mixup_update(model: torch.nn.Module, batch: PrivateBatch, cfg: RunConfig, s
     return local_sgd(model, loss, cfg.local_steps, cfg.lr)
 
 
-def defended_local_update(cfg: Mapping[str, Any] | RunConfig, state: Mapping[str, torch.Tensor], partition_id: int,
+def defended_local_update(cfg: RunConfig, state: Mapping[str, torch.Tensor], partition_id: int,
                           server_round: int, num_partitions: Optional[int] = None,
                           device: Optional[torch.device] = None
                           ) -> tuple[dict[str, torch.Tensor], float, PrivateBatch, dict[str, float]]:
@@ -100,8 +100,7 @@ def defended_local_update(cfg: Mapping[str, Any] | RunConfig, state: Mapping[str
     """
     from defences import update_norm
 
-    cfg = resolve_config(cfg)
-    spec = cfg.defence_spec()
+    spec = cfg.defence
     device = device or resolve_device(cfg.device)
     clean, loss, batch = local_update(cfg, state, partition_id, server_round, num_partitions, device)
     if spec.name in ("none", "central_dp", "fedavg"):

@@ -12,7 +12,7 @@ import hashlib
 import json
 import warnings
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
@@ -21,7 +21,7 @@ from fedmjp.data import ImageSet, load_images
 from fedmjp.factory import create_model, spec_kwargs
 from fedmjp.jigsaw import JigsawPlan
 
-from .runconfig import RunConfig, model_spec, resolve_config
+from .runconfig import RunConfig
 
 
 @dataclass
@@ -70,13 +70,12 @@ def _image_set(source: str, size: int, num_images: int, num_classes: int) -> Ima
     return load_images(source, size, num_images or None, num_classes)
 
 
-def private_image_set(run_config: Mapping[str, Any] | RunConfig) -> ImageSet:
+def private_image_set(cfg: RunConfig) -> ImageSet:
     """The whole private image set the clients' partitions are cut from (cached per process)."""
-    cfg = resolve_config(run_config)
     return _image_set(cfg.images, cfg.image_size, cfg.num_images, cfg.num_classes)
 
 
-def public_eval_set(run_config: Mapping[str, Any] | RunConfig) -> ImageSet:
+def public_eval_set(cfg: RunConfig) -> ImageSet:
     """The server's evaluation images: the images of the source after the first ``num-images``
     (the private set), which no client owns; labels as the private set's ((sorted index) %
     num-classes).
@@ -85,7 +84,6 @@ def public_eval_set(run_config: Mapping[str, Any] | RunConfig) -> ImageSet:
         ValueError: the private set takes every image of the source (``num-images`` 0 or too
             large), so no public split is left.
     """
-    cfg = resolve_config(run_config)
     n_private = cfg.num_images
     full = load_images(cfg.images, cfg.image_size, None, cfg.num_classes)
     if n_private <= 0 or n_private >= len(full):
@@ -122,14 +120,13 @@ def _partitions(labels: tuple[int, ...], num_partitions: int, partitioner: str, 
                          "raise num-images or dirichlet-alpha, or use partitioner='iid'") from err
 
 
-def partition_indices(run_config: Mapping[str, Any] | RunConfig, partition_id: int,
+def partition_indices(cfg: RunConfig, partition_id: int,
                       num_partitions: Optional[int] = None) -> list[int]:
     """Positions in the private image set owned by ``partition_id`` (IID or Dirichlet by label).
 
     Raises:
         ValueError: bad partition id, or more partitions than images.
     """
-    cfg = resolve_config(run_config)
     n_parts = int(num_partitions or cfg.num_partitions)
     if not 0 <= partition_id < n_parts:
         raise ValueError(f"partition id {partition_id} outside [0, {n_parts})")
@@ -150,7 +147,7 @@ def _shape_model(spec_json: str) -> nn.Module:
         return create_model(spec["arch"], **spec_kwargs(spec))
 
 
-def private_batch(run_config: Mapping[str, Any] | RunConfig, partition_id: int, server_round: int,
+def private_batch(cfg: RunConfig, partition_id: int, server_round: int,
                   num_partitions: Optional[int] = None) -> PrivateBatch:
     """The batch client ``partition_id`` trains on in ``server_round`` (1-based), and its shuffle.
 
@@ -161,7 +158,6 @@ def private_batch(run_config: Mapping[str, Any] | RunConfig, partition_id: int, 
     Args:
         num_partitions: number of clients (default: the config's ``num-partitions``).
     """
-    cfg = resolve_config(run_config)
     if server_round < 1:
         raise ValueError(f"server rounds start at 1, got {server_round}")
     owned = partition_indices(cfg, partition_id, num_partitions)
@@ -181,7 +177,7 @@ def private_batch(run_config: Mapping[str, Any] | RunConfig, partition_id: int, 
     names = [data.names[i] for i in picks]
     if cfg.setting == "a":
         return PrivateBatch(images, labels, names, index, None, None, 0.0)
-    shape = _shape_model(json.dumps(model_spec(cfg), sort_keys=True))
+    shape = _shape_model(json.dumps(cfg.model_spec(), sort_keys=True))
     gamma = cfg.gamma
     plan = shape.draw_plan(B, gamma=gamma, seed=stable_seed(seed, "shuffle", partition_id, server_round),
                            per_sample=cfg.per_sample)

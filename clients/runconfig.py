@@ -2,9 +2,12 @@
 
 Run-config keys (Flower style, flat, hyphenated; types and defaults in :class:`RunConfig`, checked by
 :mod:`fedmjp.config`; ``[tool.flwr.app.config]`` in pyproject.toml holds the same, a test keeps them
-equal). Flower carries them as a flat mapping (``context.run_config``, the round's ConfigRecord);
-:func:`resolve_config` turns one into a typed :class:`RunConfig` (field ``batch_size`` is key
-``batch-size``), which the client and server code reads, and :meth:`RunConfig.wire` back:
+equal). Flower carries them as a flat mapping of scalars (``context.run_config``, the round's
+ConfigRecord); the client and server code takes the typed :class:`RunConfig` (field ``batch_size`` is
+key ``batch-size``; ``defence`` a :class:`defences.spec.DefenceSpec`, ``model_kwargs`` a dict).
+At Flower's edge (:mod:`server.federation`, :mod:`server.server_app`, :mod:`clients.client_app`)
+:func:`resolve_config` turns a flat mapping into a :class:`RunConfig` and :meth:`RunConfig.wire`
+turns it back (``defence`` and ``model-kwargs`` as JSON text):
 
 =================  ==========================================================================
 key                meaning
@@ -47,14 +50,13 @@ secagg-*           SecAgg+'s parameters: num-shares and reconstruction-threshold
 """
 from __future__ import annotations
 
-import functools
 import json
-from typing import Annotated, Any, Literal, Mapping, Union, get_args
+from typing import Annotated, Any, Literal, Mapping, get_args
 
-from pydantic import ConfigDict
+from pydantic import ConfigDict, PlainSerializer, model_validator
 
-from defences.spec import DefenceSpec, FedAvg, validate_defence
-from fedmjp.config import ByShape, ConfigError, Float, Int, Schema, defaults, keys, option, parse
+from defences.spec import DefenceSpec, FedAvg, NoDefence, validate_defence
+from fedmjp.config import ConfigError, Float, Int, Schema, defaults, keys, option, parse
 from fedmjp.settings import Setting
 
 Mode = Literal["fedsgd", "fedavg"]
@@ -67,7 +69,17 @@ PRECISIONS: tuple[str, ...] = get_args(Precision)
 #: the masked sum of K clients stays exact while K * quantization-range <= modulus.
 SECAGG_QUANTIZATION_RANGE = 2 ** 22
 SECAGG_MODULUS = 2 ** 32
-JsonOrMapping = Annotated[Union[str, dict], ByShape()]  # JSON (a TOML value cannot nest) or, in Python, a dict
+
+
+def _json_text(value: Any) -> str:
+    """A defence spec or a mapping as canonical JSON: how Flower carries it (a TOML value cannot nest)."""
+    return json.dumps(value.as_dict() if isinstance(value, DefenceSpec) else dict(value), sort_keys=True)
+
+
+#: The defence: typed in Python, canonical JSON on the wire (:meth:`RunConfig.wire`).
+Defence = Annotated[DefenceSpec, PlainSerializer(_json_text)]
+#: The model constructor's keyword arguments: a dict in Python, canonical JSON on the wire.
+ModelKwargs = Annotated[dict[str, Any], PlainSerializer(_json_text)]
 
 #: Bounds checked before any work starts (the memory and time a run needs grow with them): the side
 #: of the square images (ViT inputs: 32 and 224 here; 1024 leaves room for larger patch grids), the
@@ -110,7 +122,7 @@ class RunConfig(Schema):
     model_name: str = "ViT+MJP"
     model_arch: str = "mjp_vit_cifar_patch4_32"
     model_variant: str = "mjp"
-    model_kwargs: JsonOrMapping = "{}"
+    model_kwargs: ModelKwargs = {}
     model_checkpoint: str = ""
     model_april: str = ""
     model_seed: Int = 0
@@ -124,7 +136,7 @@ class RunConfig(Schema):
     fail_partition: Int = option(-1, round=True)
     slow_partition: Int = option(-1, round=True)
     slow_seconds: Float = option(0.0, round=True)
-    defence: JsonOrMapping = option('{"name": "none"}', round=True)
+    defence: Defence = option(NoDefence(), round=True)
     train_mode: bool = False
     drop_path: Float = option(0.0, ge=0.0, lt=1.0)  # 1 would drop every residual branch
     secagg: bool = False
@@ -133,39 +145,68 @@ class RunConfig(Schema):
     secagg_clipping_range: Float = option(8.0, gt=0.0)
     secagg_quantization_range: Int = option(SECAGG_QUANTIZATION_RANGE, ge=2, le=SECAGG_MODULUS // 2)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _decode_json(cls, data: Any) -> Any:
+        """The wire's JSON text of ``defence`` and ``model-kwargs`` as data; the defence checked
+        (:func:`defences.spec.validate_defence`: its errors name the bad name, key or value)."""
+        if not isinstance(data, Mapping):
+            return data  # pydantic names the type it wanted
+        data = dict(data)
+        if "defence" in data:
+            data["defence"] = validate_defence(_json_data("defence", data["defence"], '{"name": "local_dp"}'))
+        if isinstance(data.get("model-kwargs"), str):
+            data["model-kwargs"] = _json_data("model-kwargs", data["model-kwargs"], '{"depth": 4}')
+        return data
+
+    @model_validator(mode="after")
+    def _settle(self) -> RunConfig:
+        """The ``fedavg`` defence sets mode fedavg and its local steps; keys valid alone but not
+        together are refused (:func:`_check_combinations`)."""
+        if isinstance(self.defence, FedAvg):  # the one schema of name "fedavg" (built-ins come before plug-ins)
+            self.mode, self.local_steps = "fedavg", self.defence.steps
+        _check_combinations(self)
+        return self
+
     def wire(self) -> dict[str, Any]:
-        """The keys and values as Flower carries them (flat, hyphenated, scalars)."""
+        """The keys and values as Flower carries them (flat, hyphenated, scalars; JSON for the defence
+        and the model kwargs): what :func:`resolve_config` reads back equal."""
         return self.model_dump(by_alias=True)
 
-    def defence_spec(self) -> DefenceSpec:
-        """The typed defence spec of a resolved config (:func:`resolve_config`: canonical JSON)."""
-        return _defence_from_json(self.defence if isinstance(self.defence, str) else json.dumps(self.defence))
+    def with_values(self, values: Mapping[str, Any]) -> RunConfig:
+        """A checked copy with the run-config keys ``values`` changed; keys this config left at their
+        defaults stay unset (:attr:`model_fields_set`), so a later default still applies to them."""
+        given = self.model_dump(by_alias=True, include=self.model_fields_set)
+        return resolve_config({**given, **values})
+
+    def model_spec(self) -> dict[str, Any]:
+        """The :func:`fedmjp.factory.build_model` spec this config describes."""
+        return {"name": self.model_name, "arch": self.model_arch, "variant": self.model_variant,
+                "kwargs": dict(self.model_kwargs), "checkpoint": self.model_checkpoint or None,
+                "april": self.model_april or None, "seed": self.model_seed}
 
 
-#: Every run-config key with its default (pyproject.toml's [tool.flwr.app.config]).
-DEFAULTS: dict[str, Any] = defaults(RunConfig)
-
-#: Keys the server sends to clients each round (the rest comes from the client's run config).
-ROUND_KEYS = tuple(key for key, info in keys(RunConfig).items()
-                   if isinstance(info.json_schema_extra, dict) and info.json_schema_extra.get("round"))
-
-
-def resolve_config(run_config: Mapping[str, Any] | RunConfig) -> RunConfig:
-    """Defaults overlaid with ``run_config``, checked against :class:`RunConfig`; ``model-kwargs``
-    and ``defence`` become canonical JSON (a :class:`RunConfig` is returned as it is: resolved).
+def resolve_config(run_config: Mapping[str, Any]) -> RunConfig:
+    """The typed config of a flat run-config mapping (Flower's ``context.run_config`` and round
+    config, a TOML table, ``--run-config`` values): defaults overlaid with ``run_config``, checked
+    against :class:`RunConfig`. ``defence`` and ``model-kwargs`` may be JSON text (the wire) or, in
+    Python, a mapping (the defence also a :class:`DefenceSpec`).
 
     Raises:
         ValueError (:class:`fedmjp.config.ConfigError`): an unknown key (the valid ones listed), a
             value of the wrong type or out of range, a bad defence spec.
     """
-    if isinstance(run_config, RunConfig):
-        return run_config
-    cfg = parse(RunConfig, run_config)
-    if isinstance(cfg.model_kwargs, Mapping):
-        cfg.model_kwargs = json.dumps(dict(cfg.model_kwargs), sort_keys=True)
-    cfg.defence = _resolve_defence(cfg)
-    _check_combinations(cfg)
-    return cfg
+    return parse(RunConfig, run_config)
+
+
+def _json_data(key: str, raw: Any, example: str) -> Any:
+    """``raw`` read as JSON where it is text (empty text: None); any other value as it is."""
+    if not isinstance(raw, str):
+        return raw
+    try:
+        return json.loads(raw) if raw.strip() else None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{key} must be JSON like '{example}', got {raw!r}: {err}") from err
 
 
 def _check_combinations(cfg: RunConfig) -> None:
@@ -182,45 +223,22 @@ def _check_combinations(cfg: RunConfig) -> None:
         raise ConfigError(f"secagg-quantization-range={cfg.secagg_quantization_range} is too large for "
                           f"min-nodes={cfg.min_nodes}: the sum of the clients' quantised updates must stay "
                           f"below SecAgg+'s modulus 2**32 (quantization-range * clients <= {SECAGG_MODULUS})")
-    if cfg.defence_spec().name == "central_dp":
+    if cfg.defence.name == "central_dp":
         raise ConfigError("secagg=true does not combine with defence central_dp (its server-side wrapper "
                           "clips each reply, which SecAgg+ hides); use local_dp for noise under SecAgg+")
 
 
-def _resolve_defence(cfg: RunConfig) -> str:
-    """The checked defence spec as canonical JSON; ``fedavg`` rewrites mode and local-steps."""
-    raw = cfg.defence
-    data: object = raw  # the spec's data: the mapping, or the JSON text read
-    if isinstance(raw, str):
-        try:
-            data = json.loads(raw) if raw.strip() else None
-        except json.JSONDecodeError as err:
-            raise ValueError(f"defence must be JSON like '{{\"name\": \"local_dp\"}}', got {raw!r}: {err}") from err
-    spec = validate_defence(data)
-    if isinstance(spec, FedAvg):  # the one schema of name "fedavg" (built-ins come before plug-ins)
-        cfg.mode, cfg.local_steps = "fedavg", spec.steps
-    return json.dumps(spec.as_dict(), sort_keys=True)
-
-
-@functools.lru_cache(maxsize=64)
-def _defence_from_json(text: str) -> DefenceSpec:
-    """A canonical defence JSON as its spec (read every round by every client; the spec is immutable)."""
-    return validate_defence(json.loads(text))
-
-
-def model_spec(cfg: Mapping[str, Any] | RunConfig) -> dict[str, Any]:
-    """The :func:`fedmjp.factory.build_model` spec a run config describes."""
-    cfg = resolve_config(cfg)
-    # ignore: resolve_config makes model-kwargs JSON text, but returns a RunConfig as it is, and one
-    # built in Python may hold a dict (json.loads raises TypeError then); narrowing would change that.
-    return {"name": cfg.model_name, "arch": cfg.model_arch, "variant": cfg.model_variant,
-            "kwargs": json.loads(cfg.model_kwargs),  # type: ignore[arg-type]
-            "checkpoint": cfg.model_checkpoint or None,
-            "april": cfg.model_april or None, "seed": cfg.model_seed}
-
-
 def model_keys(spec: Mapping[str, Any]) -> dict[str, Any]:
-    """The run-config keys of a :func:`fedmjp.factory.build_model` spec (the inverse of :func:`model_spec`)."""
+    """The run-config keys of a :func:`fedmjp.factory.build_model` spec (the inverse of
+    :meth:`RunConfig.model_spec`)."""
     return {"model-name": spec["name"], "model-arch": spec["arch"], "model-variant": spec["variant"],
             "model-kwargs": dict(spec["kwargs"]), "model-checkpoint": spec["checkpoint"] or "",
             "model-april": spec["april"] or "", "model-seed": int(spec["seed"])}
+
+
+#: Every run-config key with its default (pyproject.toml's [tool.flwr.app.config]).
+DEFAULTS: dict[str, Any] = defaults(RunConfig)
+
+#: Keys the server sends to clients each round (the rest comes from the client's run config).
+ROUND_KEYS = tuple(key for key, info in keys(RunConfig).items()
+                   if isinstance(info.json_schema_extra, dict) and info.json_schema_extra.get("round"))

@@ -21,13 +21,13 @@ from fedmjp.devices import resolve_device
 from fedmjp.factory import build_model, model_input
 
 from .partition import PrivateBatch, private_batch, stable_seed
-from .runconfig import RunConfig, model_spec, resolve_config
+from .runconfig import RunConfig
 
 
-def load_global_model(cfg: Mapping[str, Any] | RunConfig, state: Optional[Mapping[str, torch.Tensor]] = None,
+def load_global_model(cfg: RunConfig, state: Optional[Mapping[str, torch.Tensor]] = None,
                       device: Optional[torch.device] = None) -> nn.Module:
     """Build the run's model (seeded fresh weights or its checkpoint) and load ``state`` into it."""
-    model = build_model(model_spec(cfg), device=device or "cpu")
+    model = build_model(cfg.model_spec(), device=device or "cpu")
     if state is not None:
         model.load_state_dict({k: v.to(device or "cpu") for k, v in state.items()}, strict=True)
     return model
@@ -190,7 +190,7 @@ def stochastic_forward(model: nn.Module, cfg: RunConfig, partition_id: int, serv
             setattr(parent, name, original)
 
 
-def local_update(cfg: Mapping[str, Any] | RunConfig, state: Mapping[str, torch.Tensor], partition_id: int,
+def local_update(cfg: RunConfig, state: Mapping[str, torch.Tensor], partition_id: int,
                  server_round: int, num_partitions: Optional[int] = None,
                  device: Optional[torch.device] = None) -> tuple[dict[str, torch.Tensor], float, PrivateBatch]:
     """A client's whole round: batch, model at ``state``, FedSGD gradients or FedAvg delta (with
@@ -199,7 +199,6 @@ def local_update(cfg: Mapping[str, Any] | RunConfig, state: Mapping[str, torch.T
     Returns:
         (update, loss, batch).
     """
-    cfg = resolve_config(cfg)
     device = device or resolve_device(cfg.device)
     batch = private_batch(cfg, partition_id, server_round, num_partitions)
     model = round_model(cfg, state, device)
@@ -214,15 +213,14 @@ def local_update(cfg: Mapping[str, Any] | RunConfig, state: Mapping[str, torch.T
 _models = threading.local()
 
 
-def round_model(cfg: Mapping[str, Any] | RunConfig, state: Mapping[str, torch.Tensor],
+def round_model(cfg: RunConfig, state: Mapping[str, torch.Tensor],
                 device: torch.device) -> nn.Module:
     """The run's model at the global ``state``, on ``device`` in the config's precision.
 
     One model object per thread and spec is reused (clients of the in-process engine run in
     threads): its weights are always overwritten by ``state``, so only the architecture carries over.
     """
-    cfg = resolve_config(cfg)
-    key = (json.dumps(model_spec(cfg), sort_keys=True), str(device), cfg.precision)
+    key = (json.dumps(cfg.model_spec(), sort_keys=True), str(device), cfg.precision)
     cache = getattr(_models, "cache", None)
     if cache is None or cache[0] != key:
         model = build_model(json.loads(key[0]), device=device).to(getattr(torch, key[2]))

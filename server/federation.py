@@ -42,7 +42,7 @@ from flwr.serverapp import Grid  # noqa: E402
 from flwr.supercore.run import Run  # noqa: E402
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
-from clients.runconfig import DEFAULTS, RunConfig, resolve_config  # noqa: E402
+from clients.runconfig import RunConfig  # noqa: E402
 from clients.client_app import make_client_app  # noqa: E402
 
 from .rounds import ServerOutcome  # noqa: E402
@@ -195,13 +195,14 @@ def simulation_backend_config(client_cpus: float = 1.0, num_cpus: Optional[int] 
     return {"client_resources": {"num_cpus": client_cpus, "num_gpus": float(client_gpus)}, "init_args": init_args}
 
 
-def run_federation(run_config: Mapping[str, Any] | RunConfig, tap: Optional[Tap] = None, engine: str = "simulation",
+def run_federation(cfg: RunConfig, tap: Optional[Tap] = None, engine: str = "simulation",
                    num_supernodes: Optional[int] = None, client_cpus: float = 1.0, num_cpus: Optional[int] = None,
                    client_gpus: Optional[float] = None, keep_ray: bool = False) -> FederationResult:
     """Run ``num-server-rounds`` federated rounds and return the outcome.
 
     Args:
-        run_config: run-config keys (see :mod:`clients.runconfig`); ``model-kwargs`` may be a dict.
+        cfg: the federation's typed run config (:class:`clients.runconfig.RunConfig`); the apps get it
+            as Flower's flat run config (:meth:`~clients.runconfig.RunConfig.wire`).
         tap: called in this process with every client update before aggregation.
         engine: ``simulation`` (Flower's ``run_simulation``, Ray backend) or ``inprocess``
             (:class:`LocalGrid`, for tests).
@@ -212,15 +213,18 @@ def run_federation(run_config: Mapping[str, Any] | RunConfig, tap: Optional[Tap]
     Returns:
         the :class:`FederationResult`; client failures are recorded in it, never raised. An
         exception raised by ``tap`` (or by the server itself) aborts the run and propagates.
+
+    Raises:
+        TypeError: ``cfg`` is not a :class:`~clients.runconfig.RunConfig` (a mapping of keys, say).
     """
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; valid: {', '.join(ENGINES)}")
+    if not isinstance(cfg, RunConfig):  # the typed config, read once from run-config keys
+        raise TypeError(f"run_federation takes a clients.runconfig.RunConfig (resolve_config(keys) reads one "
+                        f"from run-config keys), got {type(cfg).__name__}")
     keep_flower_offline()
-    given = run_config.wire() if isinstance(run_config, RunConfig) else dict(run_config)
-    n = int(num_supernodes or given.get("num-partitions", DEFAULTS["num-partitions"]))
-    given["num-partitions"] = n
-    given.setdefault("min-nodes", n)
-    cfg = resolve_config(given)
+    n = int(num_supernodes or cfg.num_partitions)
+    cfg = cfg.with_values({"num-partitions": n, **({} if "min_nodes" in cfg.model_fields_set else {"min-nodes": n})})
     outcomes: list[ServerOutcome] = []
     server_app = make_server_app(cfg.wire(), tap=tap, on_finish=outcomes.append)
     client_app = make_client_app(cfg.wire())

@@ -9,7 +9,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
@@ -17,7 +17,7 @@ from flwr.serverapp import Grid
 
 from clients.partition import public_eval_set
 from clients.records import decode_state, encode_state
-from clients.runconfig import ROUND_KEYS, RunConfig, model_spec, resolve_config
+from clients.runconfig import ROUND_KEYS, RunConfig
 from clients.update import clone_state, load_global_model
 from defences.spec import CentralDp
 from fedmjp.evaluate import loss_and_top1
@@ -92,13 +92,13 @@ def server_metadata(cfg: RunConfig, model: torch.nn.Module) -> dict[str, Any]:
     wire = cfg.wire()
     meta = {k: wire[k] for k in ("mode", "setting", "gamma", "per-sample", "batch-size", "local-steps", "lr",
                                 "dal-weight", "image-size")}
-    meta.update({"input-mean": list(mean), "input-std": list(std), "model-spec": model_spec(cfg)})
+    meta.update({"input-mean": list(mean), "input-std": list(std), "model-spec": cfg.model_spec()})
     return meta
 
 
 def _with_central_dp(strategy: Any, cfg: RunConfig) -> Any:
     """Flower's server-side DP wrapper around ``strategy`` when the defence is central_dp."""
-    spec = cfg.defence_spec()
+    spec = cfg.defence
     if not isinstance(spec, CentralDp):
         return strategy
     from .central_dp import TappedCentralDp
@@ -107,7 +107,7 @@ def _with_central_dp(strategy: Any, cfg: RunConfig) -> Any:
     return TappedCentralDp(strategy, spec.sigma, spec.clip, num_sampled, seed=cfg.seed)
 
 
-def run_rounds(grid: Grid, run_config: Mapping[str, Any], tap: Optional[Tap] = None) -> ServerOutcome:
+def run_rounds(grid: Grid, cfg: RunConfig, tap: Optional[Tap] = None) -> ServerOutcome:
     """Run ``num-server-rounds`` rounds of FedSGD or FedAvg on ``grid``; returns the outcome.
 
     With ``out-dir`` set in the config, every update is also stored there (:class:`FolderTap`) and
@@ -115,7 +115,6 @@ def run_rounds(grid: Grid, run_config: Mapping[str, Any], tap: Optional[Tap] = N
     ``secagg`` the rounds run under Flower's SecAgg+ (:mod:`server.secagg`) and the tap sees one
     aggregate per round.
     """
-    cfg = resolve_config(run_config)
     model = load_global_model(cfg)
     taps = [t for t in (tap, FolderTap(Path(cfg.out_dir) / "updates") if cfg.out_dir else None) if t]
 

@@ -16,6 +16,8 @@ from typing import Optional, Sequence
 
 from flwr.common.config import parse_config_args
 
+from clients.runconfig import resolve_config
+
 from .federation import ENGINES, run_federation
 from .rounds import ServerOutcome
 
@@ -49,7 +51,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         history, failures = outcome.history, outcome.failures
         failed = outcome.failed_rounds
     else:
-        result = run_federation(parse_config_args(args.run_config), engine=args.engine,
+        result = run_federation(resolve_config(parse_config_args(args.run_config)), engine=args.engine,
                                 num_supernodes=args.clients, client_cpus=args.client_cpus)
         history, failures, failed = result.history, result.failures, result.failed_rounds
         _logger.info("finished in %.1f s (%s engine)", result.seconds, result.engine)

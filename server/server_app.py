@@ -12,13 +12,16 @@ from typing import Any, Callable, Mapping, Optional
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
+from clients.runconfig import resolve_config
+
 from .rounds import ServerOutcome, run_rounds
 from .tap import Tap
 
 
 def make_server_app(run_config: Optional[Mapping[str, Any]] = None, tap: Optional[Tap] = None,
                     on_finish: Optional[Callable[[ServerOutcome], None]] = None) -> ServerApp:
-    """A ServerApp whose config is ``context.run_config`` overlaid with ``run_config``.
+    """A ServerApp whose config is ``context.run_config`` overlaid with ``run_config`` (flat
+    run-config keys, as Flower carries them), read into a :class:`clients.runconfig.RunConfig` once per run.
 
     Args:
         tap: called with every client update before aggregation (in the ServerApp's process).
@@ -29,7 +32,7 @@ def make_server_app(run_config: Optional[Mapping[str, Any]] = None, tap: Optiona
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
-        outcome = run_rounds(grid, {**dict(context.run_config), **overrides}, tap)
+        outcome = run_rounds(grid, resolve_config({**dict(context.run_config), **overrides}), tap)
         if on_finish is not None:
             on_finish(outcome)
 

@@ -253,7 +253,7 @@ def test_the_pipeline_builds_typed_metadata_equal_to_the_parsed_dict():
     size = cfg.data.image_size
     parsed = parse({"num_images": 2, "mean": IMAGENET_MEAN, "std": IMAGENET_STD, "image_size": (3, size, size),
                     "update_type": "delta", "lr": 0.05, "local_steps": 3, "labels": batch.labels,
-                    "defence": resolved.defence_spec()})
+                    "defence": resolved.defence})
     for key, value in vars(parsed).items():
         got = getattr(meta, key)
         assert torch.equal(got, value) and got.dtype == value.dtype if isinstance(value, torch.Tensor) else \

@@ -1,6 +1,7 @@
 """The one configuration mechanism (fedmjp/config.py) and the three schemas built on it."""
 from __future__ import annotations
 
+import json
 import tomllib
 from pathlib import Path
 from typing import Annotated, Literal, Optional, Union
@@ -151,12 +152,13 @@ def test_pyproject_run_config_is_the_run_config_schema() -> None:
     """Flower reads [tool.flwr.app.config]: the same keys and defaults as clients/runconfig.py's
     schema, each written in the TOML type the schema takes (600.0, not 600, for a float)."""
     from clients.runconfig import DEFAULTS, RunConfig, resolve_config
+    from defences.spec import NoDefence
 
     toml = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     assert list(toml) == list(DEFAULTS) and toml == DEFAULTS
     assert {k: type(v) for k, v in toml.items()} == {k: type(v) for k, v in DEFAULTS.items()}
     assert conform(RunConfig, toml) == toml
-    assert resolve_config(toml).defence == '{"name": "none"}' and resolve_config(toml).wire() == toml
+    assert resolve_config(toml).defence == NoDefence() and resolve_config(toml).wire() == toml
 
 
 def test_run_config_errors_name_the_key() -> None:
@@ -164,8 +166,10 @@ def test_run_config_errors_name_the_key() -> None:
 
     assert ROUND_KEYS[:3] == ("mode", "setting", "gamma") and "defence" in ROUND_KEYS and "seed" not in ROUND_KEYS
     resolved = resolve_config({"lr": 1, "model-kwargs": {"depth": 2}})
-    assert resolved.lr == 1.0 and isinstance(resolved.lr, float) and resolved.model_kwargs == '{"depth": 2}'
-    assert resolve_config(resolved) is resolved  # a resolved config is typed: resolving it again is a no-op
+    assert resolved.lr == 1.0 and isinstance(resolved.lr, float) and resolved.model_kwargs == {"depth": 2}
+    # typed in Python, flat scalars on Flower's wire, and read back equal from there
+    assert resolved.wire()["model-kwargs"] == '{"depth": 2}' and resolve_config(resolved.wire()) == resolved
+    assert resolve_config({"model-kwargs": '{"depth": 2}'}).model_kwargs == {"depth": 2}
     for bad, message in (({"batch_size": 2}, "unknown config key 'batch_size'; valid: batch-size, "),
                          ({"mode": "fedprox"}, "config key 'mode': unknown value 'fedprox'; valid: fedsgd, fedavg"),
                          ({"gamma": 2.0}, r"config key 'gamma' must be a number in \[0.0, 1.0\], got 2.0"),
@@ -173,6 +177,35 @@ def test_run_config_errors_name_the_key() -> None:
                          ({"num-partitions": 0}, "config key 'num-partitions' must be an integer >= 1, got 0")):
         with pytest.raises(ValueError, match=message):
             resolve_config(bad)
+
+
+def test_run_config_is_typed_in_python_and_flat_on_the_wire() -> None:
+    """The defence is a typed spec and the model kwargs a dict; Flower's flat scalars (JSON for those
+    two) read back equal; a changed copy leaves the keys its original left unset unset (a default a
+    caller fills in later, as run_federation's min-nodes, still applies)."""
+    from clients.runconfig import resolve_config
+    from defences.spec import FedAvg, LocalDp
+    from server.federation import run_federation
+
+    spec = LocalDp(sigma=0.2)
+    cfg = resolve_config({"defence": spec, "lr": 0.5})
+    assert cfg.defence is spec and cfg.model_kwargs == {}
+    wire = cfg.wire()
+    assert json.loads(wire["defence"]) == spec.as_dict() and wire["model-kwargs"] == "{}"
+    assert all(isinstance(v, (bool, int, float, str)) for v in wire.values())
+    assert resolve_config(wire) == cfg
+    fedavg = resolve_config({"defence": FedAvg(steps=3)})
+    assert (fedavg.mode, fedavg.local_steps) == ("fedavg", 3)
+    changed = cfg.with_values({"num-partitions": 5})
+    assert changed.num_partitions == 5 and changed.lr == 0.5 and changed.defence == spec
+    assert "min_nodes" not in changed.model_fields_set
+    assert "min_nodes" in cfg.with_values({"min-nodes": 5}).model_fields_set
+    with pytest.raises(ValueError, match="defence must be JSON"):
+        resolve_config({"defence": "local_dp"})
+    with pytest.raises(ValueError, match="model-kwargs must be JSON"):
+        resolve_config({"model-kwargs": "{depth: 4}"})
+    with pytest.raises(TypeError, match="takes a clients.runconfig.RunConfig .*got dict"):
+        run_federation({"num-server-rounds": 1}, engine="inprocess")  # type: ignore[arg-type]
 
 
 def test_benchmark_keys_feed_the_run_config_from_the_schema() -> None:
@@ -192,6 +225,6 @@ def test_benchmark_keys_feed_the_run_config_from_the_schema() -> None:
     assert values["num-partitions"] == values["min-nodes"] == cfg.federation.clients
     row = ModelRow(3, cfg.models[3].name, "x", C.model_spec(cfg, 3), torch.nn.Identity(), False)
     run_config = client_run_config(cfg, row, "shuffled")
-    assert run_config["num-server-rounds"] == 1 and run_config["setting"] == "c" and run_config["round-timeout"] == 30.0
-    assert (run_config["model-name"], run_config["model-variant"], run_config["model-seed"]) == ("DeiT+MJP", "mjp", 3)
-    assert resolve_config(run_config).model_kwargs == '{"depth": 4}'
+    assert run_config.num_server_rounds == 1 and run_config.setting == "c" and run_config.round_timeout == 30.0
+    assert (run_config.model_name, run_config.model_variant, run_config.model_seed) == ("DeiT+MJP", "mjp", 3)
+    assert run_config.model_kwargs == {"depth": 4} and resolve_config(run_config.wire()) == run_config

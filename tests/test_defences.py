@@ -161,12 +161,12 @@ def test_private_gradient_clips_each_example():
 def test_client_reports_cosine_and_epsilon():
     cfg = {**APRIL, "precision": "float32", "defence": {"name": "prune", "keep": 0.1}}
     state = update.load_global_model(runconfig.resolve_config(cfg)).state_dict()
-    sent, _, _, info = defended_local_update(cfg, state, 0, 1, 2, torch.device("cpu"))
+    sent, _, _, info = defended_local_update(runconfig.resolve_config(cfg), state, 0, 1, 2, torch.device("cpu"))
     n = sum(v.numel() for v in sent.values())
     assert sum(int((v != 0).sum()) for v in sent.values()) <= math.ceil(0.1 * n)
     assert 0.3 < info["defence-cos"] < 1.0
     dp_cfg = {**cfg, "defence": {"name": "dp_sgd", "clip": 0.5, "sigma": 1.0}}
-    sent, _, _, info = defended_local_update(dp_cfg, state, 0, 1, 2, torch.device("cpu"))
+    sent, _, _, info = defended_local_update(runconfig.resolve_config(dp_cfg), state, 0, 1, 2, torch.device("cpu"))
     assert info["dp-epsilon"] == pytest.approx(D.dp_sgd_epsilon(0.5, 1.0, 1, 1e-5))  # 1 of 2 owned images
     assert info["defence-cos"] < 0.5  # 1 image, sigma 1: noise dominates
 
@@ -176,10 +176,11 @@ def test_defended_update_reads_the_device_key():
     """The ClientApp passes no device: the run config's ``device`` decides, as in local_update."""
     cfg = {**APRIL, "precision": "float32", "defence": {"name": "prune", "keep": 0.5}}
     state = update.load_global_model(runconfig.resolve_config(cfg)).state_dict()
-    sent, _, _, _ = defended_local_update({**cfg, "device": "cpu"}, state, 0, 1, 2)
+    sent, _, _, _ = defended_local_update(runconfig.resolve_config({**cfg, "device": "cpu"}), state, 0, 1, 2)
     assert all(v.device.type == "cpu" for v in sent.values())
     with pytest.raises(ValueError, match="cuda"):
-        defended_local_update({**cfg, "device": "cuda"}, state, 0, 1, 2)  # 'auto' would have run on the CPU
+        # 'auto' would have run on the CPU
+        defended_local_update(runconfig.resolve_config({**cfg, "device": "cuda"}), state, 0, 1, 2)
 
 
 def test_local_dp_defeats_april_on_a_real_image():
@@ -189,9 +190,9 @@ def test_local_dp_defeats_april_on_a_real_image():
     out = {}
     for name, defence in (("clean", {"name": "none"}), ("dp", {"name": "local_dp", "clip": 1.0, "sigma": 0.1})):
         taps = []
-        run_federation({**APRIL, "defence": json.dumps(defence)}, tap=taps.append, engine="inprocess", num_supernodes=2)
-        u = taps[0]
         cfg = runconfig.resolve_config({**APRIL, "defence": json.dumps(defence)})
+        run_federation(cfg, tap=taps.append, engine="inprocess", num_supernodes=2)
+        u = taps[0]
         model = update.load_global_model(cfg).double()
         batch = partition.private_batch(cfg, u.partition_id, 1, 2)
         md = {"mean": torch.tensor(u.metadata["input-mean"]), "std": torch.tensor(u.metadata["input-std"])}
@@ -207,8 +208,8 @@ def test_central_dp_leaves_the_tapped_update_unchanged():
     runs = {}
     for name, defence in (("none", {"name": "none"}), ("central", {"name": "central_dp", "clip": 0.01, "sigma": 1.0})):
         taps = []
-        result = run_federation({**cfg, "defence": json.dumps(defence)}, tap=taps.append, engine="inprocess",
-                                num_supernodes=2)
+        result = run_federation(runconfig.resolve_config({**cfg, "defence": json.dumps(defence)}), tap=taps.append,
+                                engine="inprocess", num_supernodes=2)
         runs[name] = (sorted(taps, key=lambda u: u.partition_id), result.final_state)
     (taps_a, final_a), (taps_b, final_b) = runs["none"], runs["central"]
     assert len(taps_a) == len(taps_b) == 2
@@ -249,9 +250,9 @@ def test_benchmark_defence_key_row_override_and_errors(tmp_path):
     cfg.models[0].defence = D.validate_defence({"name": "prune", "keep": 0.2})  # a row's own replaces the top one
     cfg = C.validate(cfg)
     row = ModelRow(0, cfg.models[0].name, "x", C.model_spec(cfg, 0), None, False)
-    assert json.loads(client_run_config(cfg, row, "shuffled")["defence"]) == {"name": "prune", "keep": 0.2}
+    assert client_run_config(cfg, row, "shuffled").defence.as_dict() == {"name": "prune", "keep": 0.2}
     row1 = ModelRow(1, cfg.models[1].name, "x", C.model_spec(cfg, 1), None, False)
-    assert json.loads(client_run_config(cfg, row1, "shuffled")["defence"])["name"] == "local_dp"
+    assert client_run_config(cfg, row1, "shuffled").defence.name == "local_dp"
     for bad, pattern in (("defence={name: dpp}", "valid: none, local_dp"), ("defence.sgima=1", "valid: name, clip"),
                          ("sweep={defence.sigma: [0, -1]}", "sweep point defence.sigma=-1")):
         with pytest.raises(ConfigError, match=pattern):
@@ -331,7 +332,7 @@ def test_utility_trains_and_scores_the_model_as_deployed_not_the_attackers_surge
         return real_top1(model, *args, **kwargs)
 
     def federate(resolved, **kwargs):
-        seen["april"].append(resolved["model-april"])
+        seen["april"].append(resolved.model_april)
         return run_federation(resolved, **kwargs)
 
     monkeypatch.setattr(evaluate, "loss_and_top1", top1)
@@ -352,14 +353,14 @@ def test_central_dp_noise_is_seeded_by_run_seed_and_round():
     finals = []
     for i, seed in enumerate((0, 0, 1)):
         np.random.seed(100 + i)  # NumPy's global state (Flower's source) differs between the runs
-        result = run_federation({**cfg, "seed": seed}, engine="inprocess", num_supernodes=2)
+        result = run_federation(runconfig.resolve_config({**cfg, "seed": seed}), engine="inprocess", num_supernodes=2)
         finals.append(result.final_state)
     same, other = finals[0], finals[2]
     assert all(torch.equal(same[k], finals[1][k]) for k in same)
     assert any(not torch.equal(same[k], other[k]) for k in same)
     # 2 rounds of noise of Flower's std on top of the (clipped, tiny) mean update
-    clean = run_federation({**cfg, "defence": json.dumps({"name": "none"}), "lr": 0.0}, engine="inprocess",
-                           num_supernodes=2).final_state
+    clean = run_federation(runconfig.resolve_config({**cfg, "defence": json.dumps({"name": "none"}), "lr": 0.0}),
+                           engine="inprocess", num_supernodes=2).final_state
     std = compute_stdv(1.0, 0.01, 2)
     noise = torch.cat([(same[k] - clean[k]).flatten() for k in same if same[k].is_floating_point()])
     assert 0.9 < float(noise.std()) / (std * 2 ** 0.5) < 1.1

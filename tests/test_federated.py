@@ -34,7 +34,8 @@ def fedsgd_run(tmp_path_factory):
     """2 clients x 2 rounds, FedSGD, setting c, tapped in memory and to a folder."""
     out = tmp_path_factory.mktemp("fl")
     taps = []
-    cfg = {**TINY, "setting": "c", "gamma": 0.27, "lr": 0.05, "out-dir": str(out), "server-eval": True}
+    cfg = runconfig.resolve_config({**TINY, "setting": "c", "gamma": 0.27, "lr": 0.05, "out-dir": str(out),
+                                    "server-eval": True})
     result = run_federation(cfg, tap=taps.append, engine="inprocess", num_supernodes=2)
     return result, taps, out
 
@@ -110,7 +111,7 @@ def test_folder_tap_and_outcome_roundtrip(fedsgd_run):
 
 @pytest.mark.parametrize("setting,gamma", [("a", 0.27), ("b", 0.27), ("c", 0.27), ("c", 0.5)])
 def test_settings_shuffle_with_configured_gamma(setting, gamma):
-    cfg = {**TINY, "setting": setting, "gamma": gamma, "batch-size": 2, "per-sample": True}
+    cfg = runconfig.resolve_config({**TINY, "setting": setting, "gamma": gamma, "batch-size": 2, "per-sample": True})
     N = 64  # 32 px / patch 4
     for r in (1, 2, 3):
         batch = partition.private_batch(cfg, 1, r)
@@ -134,7 +135,7 @@ def test_settings_shuffle_with_configured_gamma(setting, gamma):
 @pytest.mark.parametrize("partitioner", ["iid", "dirichlet"])
 def test_partitions_are_disjoint_cover_and_seeded(partitioner):
     # Dirichlet by label needs several images per class: 8 images in 2 classes.
-    cfg = {**TINY, "partitioner": partitioner, "num-partitions": 3, "num-classes": 2}
+    cfg = runconfig.resolve_config({**TINY, "partitioner": partitioner, "num-partitions": 3, "num-classes": 2})
     parts = [partition.partition_indices(cfg, p) for p in range(3)]
     flat = sorted(i for p in parts for i in p)
     assert flat == list(range(8)) and all(parts)
@@ -157,8 +158,9 @@ def test_fedsgd_gradients_match_attacks_compute_update():
 
 def test_fedavg_round_adds_mean_delta():
     taps = []
-    result = run_federation({**TINY, "mode": "fedavg", "local-steps": 2, "lr": 0.05, "num-server-rounds": 1,
-                             "server-eval": False}, tap=taps.append, engine="inprocess", num_supernodes=2)
+    cfg = runconfig.resolve_config({**TINY, "mode": "fedavg", "local-steps": 2, "lr": 0.05, "num-server-rounds": 1,
+                                    "server-eval": False})
+    result = run_federation(cfg, tap=taps.append, engine="inprocess", num_supernodes=2)
     assert len(taps) == 2 and all(u.kind == "delta" for u in taps)
     for k, v in taps[0].global_state.items():
         want = v + _weighted_mean(taps, k).float() if k in taps[0].arrays else v
@@ -173,8 +175,8 @@ def test_fedavg_round_adds_mean_delta():
 
 def test_client_that_raises_does_not_stop_the_round():
     taps = []
-    result = run_federation({**TINY, "fail-partition": 1, "server-eval": False}, tap=taps.append,
-                            engine="inprocess", num_supernodes=2)
+    result = run_federation(runconfig.resolve_config({**TINY, "fail-partition": 1, "server-eval": False}),
+                            tap=taps.append, engine="inprocess", num_supernodes=2)
     assert result.ok and [h["replies"] for h in result.history] == [1, 1]
     assert len(taps) == 2 and {u.partition_id for u in taps} == {0}
     assert [f.server_round for f in result.failures] == [1, 2]
@@ -190,7 +192,7 @@ def test_slow_client_times_out_and_is_recorded():
     resolved = runconfig.resolve_config(cfg)
     # warm the data and model caches: the fast client must finish in time
     update.fedsgd_gradients(update.load_global_model(resolved), partition.private_batch(resolved, 1, 1))
-    result = run_federation(cfg, engine="inprocess", num_supernodes=2)
+    result = run_federation(resolved, engine="inprocess", num_supernodes=2)
     assert result.ok and result.history[0]["replies"] == 1
     assert [f.reason for f in result.failures] == ["no reply within the round timeout"]
 
@@ -208,7 +210,7 @@ def test_exit_status_reflects_a_round_without_updates():
 def test_flower_simulation_engine_end_to_end():
     """Flower's run_simulation (Ray): same apps; a raising client is an error reply, not a crash;
     the result equals the in-process engine's."""
-    cfg = {**TINY, "setting": "c", "fail-partition": 1, "server-eval": False}
+    cfg = runconfig.resolve_config({**TINY, "setting": "c", "fail-partition": 1, "server-eval": False})
     taps = []
     sim = run_federation(cfg, tap=taps.append, engine="simulation", num_supernodes=2, client_cpus=1, num_cpus=2)
     assert sim.engine == "simulation" and sim.ok
@@ -251,7 +253,8 @@ def test_fedsgd_with_zero_step_sends_the_same_weights_without_aggregating(monkey
     original = FedSGD._weighted_mean
     monkeypatch.setattr(FedSGD, "_weighted_mean", lambda self, u: calls.append(len(u)) or original(self, u))
     taps = []
-    result = run_federation({**TINY, "lr": 0.0}, tap=taps.append, engine="inprocess", num_supernodes=2)
+    result = run_federation(runconfig.resolve_config({**TINY, "lr": 0.0}), tap=taps.append, engine="inprocess",
+                            num_supernodes=2)
     assert result.ok and len(taps) == 4 and calls == []
     first = taps[0].global_state
     for u in taps[1:]:
@@ -259,7 +262,8 @@ def test_fedsgd_with_zero_step_sends_the_same_weights_without_aggregating(monkey
         assert all(torch.equal(u.global_state[k], first[k]) for k in first)
     assert all(torch.equal(result.final_state[k], first[k]) for k in first)
     # A non-zero step does aggregate.
-    run_federation({**TINY, "lr": 0.05, "num-server-rounds": 1}, engine="inprocess", num_supernodes=2)
+    run_federation(runconfig.resolve_config({**TINY, "lr": 0.05, "num-server-rounds": 1}), engine="inprocess",
+                   num_supernodes=2)
     assert calls == [2]
 
 

@@ -178,8 +178,9 @@ def test_a_batch_larger_than_a_client_s_images_is_refused_naming_the_share(tmp_p
 
 def test_a_client_never_repeats_an_image_within_a_batch() -> None:
     from clients.partition import private_batch
+    from clients.runconfig import resolve_config
 
-    cfg = {"num-images": 4, "num-partitions": 2, "batch-size": 3}
+    cfg = resolve_config({"num-images": 4, "num-partitions": 2, "batch-size": 3})
     with pytest.raises(ValueError, match="holds 2 image"):
         private_batch(cfg, 0, 1)
 

@@ -281,7 +281,7 @@ def test_defence_key_in_scientific_notation(tmp_path: Path, name: str, key: str,
     point = point_config(swept, grid_points(swept)[0])  # what the sweep point runs
     _same(getattr(point.defence, key), kind, value)
     run_config = resolve_config({"defence": json.dumps({"name": name, key: sci(value)})})  # a string in JSON
-    _same(getattr(run_config.defence_spec(), key), kind, value)
+    _same(getattr(run_config.defence, key), kind, value)
     for bad, shown in ((True, "True"), ("1e-4x", "'1e-4x'")):
         with pytest.raises(ValueError, match=f"defence '{name}': config key '{key}' must be .*got {shown}"):
             validate_defence({"name": name, key: bad})

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import torch
 
-from clients.runconfig import resolve_config
+from clients.runconfig import RunConfig, resolve_config
 from clients.update import fedsgd_gradients, load_global_model, local_sgd, round_model
 from clients.partition import private_batch
 
 
-def _state(cfg: dict) -> dict:
+def _state(cfg: RunConfig) -> dict:
     return {k: v.clone() for k, v in load_global_model(cfg).state_dict().items()}
 
 

@@ -26,7 +26,8 @@ def secagg_run(tmp_path_factory):
     """3 clients x 2 rounds under SecAgg+, tapped in memory and to a folder."""
     out = tmp_path_factory.mktemp("secagg")
     taps: list = []
-    result = run_federation({**CFG, "num-server-rounds": 2, "out-dir": str(out)}, tap=taps.append,
+    result = run_federation(runconfig.resolve_config({**CFG, "num-server-rounds": 2, "out-dir": str(out)}),
+                            tap=taps.append,
                             engine="inprocess", num_supernodes=CLIENTS)
     return result, taps, out
 
@@ -111,10 +112,12 @@ def test_the_aggregate_reproduces_and_a_dropout_is_recovered(secagg_run) -> None
     recovery): the aggregate covers the others."""
     result, taps, _ = secagg_run
     again: list = []
-    run_federation({**CFG, "num-server-rounds": 1}, tap=again.append, engine="inprocess", num_supernodes=CLIENTS)
+    run_federation(runconfig.resolve_config({**CFG, "num-server-rounds": 1}), tap=again.append, engine="inprocess",
+                   num_supernodes=CLIENTS)
     assert _max_diff(dict(again[0].arrays), dict(taps[0].arrays)) == 0
     dropped: list = []
-    outcome = run_federation({**CFG, "num-server-rounds": 1, "fail-partition": 1}, tap=dropped.append,
+    outcome = run_federation(runconfig.resolve_config({**CFG, "num-server-rounds": 1, "fail-partition": 1}),
+                             tap=dropped.append,
                              engine="inprocess", num_supernodes=CLIENTS)
     assert outcome.ok and len(outcome.failures) == 1 and "injected failure" in outcome.failures[0].reason
     (u,) = dropped
@@ -142,7 +145,8 @@ def test_bad_secagg_keys_are_named(keys, message) -> None:
 def test_secagg_through_flowers_simulation_engine() -> None:
     """2 clients x 1 round on Ray: the real engine serialises every SecAgg+ message."""
     taps: list = []
-    result = run_federation({**CFG, "num-server-rounds": 1}, tap=taps.append, engine="simulation",
+    result = run_federation(runconfig.resolve_config({**CFG, "num-server-rounds": 1}),
+                            tap=taps.append, engine="simulation",
                             num_supernodes=2, client_cpus=1)
     assert result.ok, result.failures
     (u,) = taps

@@ -12,7 +12,8 @@ import torch
 import attacks
 import fedmjp  # noqa: F401  (registers the mjp_* models)
 from attacks.april import _gradient_of_Z, check_conditions
-from attacks.mjp_adaptive import SpanResidual, input_spans, mjp_reduction
+from attacks.mjp_maths import mjp_reduction
+from attacks.spans import SpanResidual, input_spans
 from attacks.span_lm import SpanVector, levenberg_marquardt, span_lm, truth_coordinates
 from fedmjp.checkpoint import load_checkpoint
 from helpers import MD, STD, folder_image, normalize

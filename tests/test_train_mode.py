@@ -19,7 +19,7 @@ def state() -> dict[str, torch.Tensor]:
 
 
 def _update(state: dict, **keys) -> dict[str, torch.Tensor]:
-    grads, _, _ = update.local_update({**CFG, **keys}, state, 0, 1, 2)
+    grads, _, _ = update.local_update(runconfig.resolve_config({**CFG, **keys}), state, 0, 1, 2)
     return grads
 
 
@@ -43,15 +43,17 @@ def test_train_mode_is_seeded_by_seed_partition_and_round(state) -> None:
     keys = {"train-mode": True, "drop-path": 0.5}
     draws = [_update(state, **keys) for _ in range(2)]
     assert _same(draws[0], draws[1])
-    others = [update.local_update({**CFG, **keys, "seed": s}, state, 0, 1, 2)[0] for s in (1, 2, 3)]
+    others = [update.local_update(runconfig.resolve_config({**CFG, **keys, "seed": s}), state, 0, 1, 2)[0]
+              for s in (1, 2, 3)]
     assert any(not _same(o, draws[0]) for o in others)  # a different seed draws other masks
 
 
 def test_train_mode_reaches_defended_updates(state) -> None:
     keys = {"train-mode": True, "drop-path": 0.5, "defence": {"name": "mixup", "k": 2}}
-    sent, _, _, _ = defended_local_update({**CFG, **keys}, state, 0, 1, 2, torch.device("cpu"))
-    plain, _, _, _ = defended_local_update({**CFG, "defence": {"name": "mixup", "k": 2}}, state, 0, 1, 2,
-                                           torch.device("cpu"))
+    cpu = torch.device("cpu")
+    sent, _, _, _ = defended_local_update(runconfig.resolve_config({**CFG, **keys}), state, 0, 1, 2, cpu)
+    plain, _, _, _ = defended_local_update(runconfig.resolve_config({**CFG, "defence": {"name": "mixup", "k": 2}}),
+                                           state, 0, 1, 2, cpu)
     assert not _same(sent, plain)
 
 
