@@ -13,7 +13,7 @@ The shipped CIFAR DeiT (plain, design A, depth 4), two ImageNet-sample photograp
   the start and after ``--iterations`` L-BFGS iterations (strong Wolfe, as the attack), with the RMS
   distance moved;
 - ``span``: at the same starts, the one-sided span residual (every candidate token inside each
-  layer's known input span, ``attacks.mjp_adaptive.SpanResidual``'s quantity) and the two-sided one
+  layer's known input span, ``attacks.spans.SpanResidual``'s quantity) and the two-sided one
   (the span's basis inside the span of all candidates' tokens: sum of squared sines of the principal
   angles / r), both 0 at the client's batch; a duplicated image scores 0 on the first, not the second;
 - ``attack``: ``batch_match`` itself from its random start (``--attack-iterations``, ``--tv``), PSNR
@@ -39,7 +39,7 @@ import attacks  # noqa: E402
 import fedmjp  # noqa: E402,F401  (registers the models)
 from attacks.batch_match import gradient_distance  # noqa: E402
 from attacks.breaching_adapter import matched_names  # noqa: E402
-from attacks.mjp_adaptive import InputSpan, input_spans  # noqa: E402
+from attacks.spans import InputSpan, input_spans  # noqa: E402
 from benchmark.scoring import pair_reconstructions  # noqa: E402
 from fedmjp.checkpoint import load_checkpoint  # noqa: E402
 from fedmjp.data import open_image, preprocess  # noqa: E402

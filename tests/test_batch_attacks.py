@@ -202,7 +202,7 @@ def test_two_sided_span_agreement_keeps_the_candidates_apart() -> None:
     """bench/batch_match_basin.py's span agreement on a real B = 2 update: both sides ~0 at the
     client's batch; a pair of one image twice passes the one-sided (per-token) test but not the
     two-sided one; noise raises the two-sided term with its size."""
-    from attacks.mjp_adaptive import input_spans
+    from attacks.spans import input_spans
     basin = _bench("batch_match_basin")
     model = _deit()
     xn = _inputs(2)
