@@ -145,6 +145,9 @@ def _per_image_solutions(span: torch.Tensor, WR: torch.Tensor, c: torch.Tensor, 
     x, _ = _batched_lm(residual(1.0), x, e, _IMAGE_STEPS)
     x, cost = _batched_lm(residual(0.0), x, e, _IMAGE_POLISH)
     ok = cost.sqrt() < accept
+    # a saturated softmax (p = e_y) has delta = 0, which lies in every span: not an image of the
+    # update (an image predicted that surely leaves no trace in it); the norm equation rules it out too
+    ok &= (torch.softmax(x @ WR.T + c, 1) - e).norm(dim=1) > 1e3 * accept
     if norm is not None:
         ok &= ((RU @ x.T - Ub[:, None]).pow(2).sum(0) / D - 1).abs() < _LN_NORM_SLACK
     keep: list[int] = []
@@ -178,7 +181,8 @@ def _assemble(cand: torch.Tensor, labels: torch.Tensor, K: torch.Tensor, WR: tor
     for k in range(0, 3):
         if m < n - k or n - k < 0:
             continue
-        for subset in itertools.islice(itertools.combinations(range(m), n - k), max_sets):
+        # each deflation is a per-image solve: few of them
+        for subset in itertools.islice(itertools.combinations(range(m), n - k), max_sets if k == 0 else 8):
             idx = torch.tensor(subset, dtype=torch.long)
             A, y = cand[idx].T, labels[idx]
             if k > 0:
