@@ -76,7 +76,11 @@ def round_counts(real: torch.Tensor, n: int, floor: torch.Tensor | None = None) 
 
 
 def _bias_fallback(bias_grad: torch.Tensor, n: int) -> torch.Tensor:
-    """One image per class of the n most negative bias entries (the classic bias rule)."""
+    """One image per class of the n most negative bias entries (the classic bias rule); for n > C
+    classes, k = sum_b p_b - n dL/dc with sum_b p_b taken as n / C (uniform), rounded to n images."""
+    C = bias_grad.numel()
+    if n > C:
+        return round_counts(n / C - n * bias_grad.double(), n, floor=bias_grad < 0)
     counts = torch.zeros_like(bias_grad, dtype=torch.long)
     counts[bias_grad.argsort()[:n]] = 1
     return counts
