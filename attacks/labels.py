@@ -122,10 +122,12 @@ def _batched_lm(f: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torc
 
 def _per_image_solutions(span: torch.Tensor, WR: torch.Tensor, c: torch.Tensor, R: torch.Tensor,
                          norm: Optional[tuple[torch.Tensor, torch.Tensor]], starts: int, gen: torch.Generator,
-                         accept: float) -> tuple[torch.Tensor, torch.Tensor]:
+                         accept: float, pre: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The images' (a_b, y_b) found one by one (module docstring); ([m, n] coordinates, [m] labels),
     distinct, each solving its equations to ``accept`` (relative). ``span`` [C, k]: the images'
-    deltas lie in its column space (K itself, or what the found images leave of it)."""
+    deltas lie in its column space (K itself, or what the found images leave of it). ``pre``
+    (needs ``norm``): gamma * W^T [D, C] and orthonormal columns [D, r] spanning the gradients at
+    the LayerNorm's input (see :func:`recover_label_counts`)."""
     C, k = span.shape
     n = WR.shape[1]
     K = span
@@ -140,6 +142,12 @@ def _per_image_solutions(span: torch.Tensor, WR: torch.Tensor, c: torch.Tensor, 
             parts = [Q.T @ (torch.softmax(WR @ a + c, 0) - e)]
             if norm is not None:
                 parts += [(Ru @ a - ub)[None], w_norm * ((RU @ a - Ub).pow(2).sum() / D - 1)[None]]
+            if pre is not None:  # LayerNorm backward of gamma * W^T delta at hhat, up to 1 / sigma
+                hhat = RU @ a - Ub
+                v = pre[0] @ (torch.softmax(WR @ a + c, 0) - e)
+                g = v - v.mean() - hhat * (hhat @ v) / D
+                g = g / g.norm().clamp_min(1e-300)
+                parts.append(g - pre[1] @ (pre[1].T @ g))
             return torch.cat(parts)
         return f
 
@@ -213,7 +221,8 @@ def _assemble(cand: torch.Tensor, labels: torch.Tensor, K: torch.Tensor, WR: tor
 def recover_label_counts(bias_grad: torch.Tensor, weight_grad: torch.Tensor | None, weight: torch.Tensor | None,
                          bias: torch.Tensor | None, n: int, starts: int = 32, iterations: int = 200,
                          tol: float = 1e-6, seed: int = 0, norm_weight: Optional[torch.Tensor] = None,
-                         norm_bias: Optional[torch.Tensor] = None, image_starts: int = 8) -> LabelCounts:
+                         norm_bias: Optional[torch.Tensor] = None, image_starts: int = 8,
+                         norm_input_grad: Optional[torch.Tensor] = None) -> LabelCounts:
     """Label counts of a batch of ``n`` images from the head's update (see the module docstring).
 
     Args:
@@ -225,6 +234,10 @@ def recover_label_counts(bias_grad: torch.Tensor, weight_grad: torch.Tensor | No
         norm_weight, norm_bias: [D] the affine LayerNorm whose output is the head's input (gamma,
             beta), or None: two more equations per image (module docstring).
         image_starts: starts per class of the per-image solve.
+        norm_input_grad: [D, F] a weight gradient whose column space is that of the gradients at
+            the LayerNorm's input, sum_b g_b m_b^T (a timm ViT's last ``blocks[-1].mlp.fc2.weight``:
+            only the pooled token reaches the head, and that MLP acts token by token), or None.
+            With ``norm_weight`` it gives D - n more equations per image, at any n < C.
     Returns:
         :class:`LabelCounts`.
     """
@@ -248,9 +261,15 @@ def recover_label_counts(bias_grad: torch.Tensor, weight_grad: torch.Tensor | No
     # the update's rounding: float32 updates reproduce to ~1e-6, float64 ones to ~1e-14
     accept = 1e4 * torch.finfo(weight_grad.dtype).eps
     notes: list[str] = []
-    if C - 1 - n + (norm is not None) >= n:  # at least as many equations per image as unknowns
+    pre = None
+    if norm is not None and norm_input_grad is not None:
+        U, sv2, _ = torch.linalg.svd(norm_input_grad.detach().double().cpu(), full_matrices=False)
+        rank = int((sv2 > accept * sv2[0]).sum())  # n where only the batch's pooled tokens reach it
+        if rank < U.shape[0]:
+            pre = (norm[0][:, None] * W.T, U[:, :rank])
+    if C - 1 - n + (norm is not None) >= n or pre is not None:  # as many equations per image as unknowns
         def solve(span: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return _per_image_solutions(span, WR, c, R, norm, image_starts, gen, accept)
+            return _per_image_solutions(span, WR, c, R, norm, image_starts, gen, accept, pre)
 
         cand, labels = solve(K)
         got, res = _assemble(cand, labels, K, WR, c, db, solve, accept)
