@@ -156,7 +156,8 @@ def _per_image_solutions(span: torch.Tensor, WR: torch.Tensor, c: torch.Tensor, 
     x = torch.randn(C * starts, n, generator=gen, dtype=K.dtype) * (R.shape[0] / n) ** 0.5
     x, _ = _batched_lm(residual(1.0), x, e, _IMAGE_STEPS)
     x, cost = _batched_lm(residual(0.0), x, e, _IMAGE_POLISH)
-    ok = cost.sqrt() < accept
+    ok = cost.sqrt() < accept ** 0.5  # loose: a deflated span is only as exact as the images found; the
+    # whole update decides (_assemble)
     # a saturated softmax (p = e_y) has delta = 0, which lies in every span: not an image of the
     # update (an image predicted that surely leaves no trace in it); the norm equation rules it out too
     ok &= (torch.softmax(x @ WR.T + c, 1) - e).norm(dim=1) > 1e3 * accept
@@ -178,17 +179,51 @@ def _update_residual(A: torch.Tensor, labels: torch.Tensor, K: torch.Tensor, WR:
     return float(r.norm() / (n * K).norm().clamp_min(1e-300))
 
 
+def _polish(A: torch.Tensor, labels: torch.Tensor, K: torch.Tensor, WR: torch.Tensor, c: torch.Tensor,
+            db: torch.Tensor, steps: int = 8) -> torch.Tensor:
+    """A few Levenberg-Marquardt steps on the whole update's residual (labels fixed) from ``A``: the
+    deflated images are only as exact as the span they were solved in."""
+    n, C = A.shape[1], K.shape[0]
+    Y = torch.nn.functional.one_hot(labels, C).to(K.dtype).T
+
+    def f(x: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
+        a = x.reshape(n, n)
+        delta = torch.softmax(WR @ a + c[:, None], 0) - Y
+        return torch.cat([(n * K - delta @ a.T).flatten(), n * db - delta.sum(1)])
+
+    x, _ = _batched_lm(f, A.flatten()[None], Y[:1], steps)
+    return x[0].reshape(n, n)
+
+
 def _assemble(cand: torch.Tensor, labels: torch.Tensor, K: torch.Tensor, WR: torch.Tensor, c: torch.Tensor,
               db: torch.Tensor, solve: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]], accept: float,
               max_sets: int = 64) -> tuple[Optional[torch.Tensor], float]:
     """n of the per-image solutions that explain the whole update; (labels or None, best residual).
 
-    Where fewer than n are consistent (a second image of a class that every start of that class
-    missed, or a spurious solution in the set), up to two images are deflated: the residual
+    Where fewer than n are found (a second image of a class that every start of that class missed),
+    the found ones are deflated until n are; where no set of n is consistent (a spurious solution in
+    the set), up to two images of each of a few subsets are deflated: the residual
     n K - sum_{b in S} delta_b a_b^T of a subset S of n - k candidates has rank k, and the missing
     images solve the per-image equations in its column space (``solve``), far more overdetermined."""
     n = K.shape[1]
     best = float("inf")
+
+    def _checked(A: torch.Tensor, y: torch.Tensor) -> float:
+        res = _update_residual(A, y, K, WR, c, db)
+        if accept <= res < accept ** 0.5:  # close: polish, then judge
+            res = _update_residual(_polish(A, y, K, WR, c, db), y, K, WR, c, db)
+        return res
+
+    # greedy first: deflate all found images while fewer than n are found (several repeats of a class)
+    while 0 < cand.shape[0] < n:
+        A, y = cand.T, labels
+        delta = torch.softmax(WR @ A + c[:, None], 0) - torch.nn.functional.one_hot(y, K.shape[0]).to(K.dtype).T
+        new, new_labels = solve(torch.linalg.svd(n * K - delta @ A.T, full_matrices=False)[0][:, :n - cand.shape[0]])
+        fresh = [i for i in range(new.shape[0])
+                 if all(float((new[i] - a).norm()) > 1e-3 * float(a.norm()) for a in cand)]
+        if not fresh:
+            break
+        cand, labels = torch.cat([cand, new[fresh]]), torch.cat([labels, new_labels[fresh]])
     m = cand.shape[0]
     for k in range(0, 3):
         if m < n - k or n - k < 0:
@@ -206,12 +241,12 @@ def _assemble(cand: torch.Tensor, labels: torch.Tensor, K: torch.Tensor, WR: tor
                 for extra in itertools.islice(itertools.combinations(range(new.shape[0]), k), max_sets):
                     e = torch.tensor(extra, dtype=torch.long)
                     A2, y2 = torch.cat([A, new[e].T], 1), torch.cat([y, new_labels[e]])
-                    res = _update_residual(A2, y2, K, WR, c, db)
+                    res = _checked(A2, y2)
                     best = min(best, res)
                     if res < accept:
                         return y2, res
                 continue
-            res = _update_residual(A, y, K, WR, c, db)
+            res = _checked(A, y)
             best = min(best, res)
             if res < accept:
                 return y, res
