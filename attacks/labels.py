@@ -23,11 +23,15 @@ equations Q^T (softmax(W R a + c) - e_y) = 0 (Q: the complement of [K, 1]); wher
 is a LayerNorm output h = gamma * hhat + beta (timm ViTs: ``norm`` / ``fc_norm``), sum(hhat) = 0 adds
 one exact linear equation and ||hhat||^2 = D sigma^2 / (sigma^2 + eps) ~ D one that steers the
 solver. For n <= C / 2 (n <= (C - 1) / 2 without the LayerNorm) that is at least as many equations
-as unknowns: a Levenberg-Marquardt solve per (label, start), batched, finds the batch's n images
-one by one, and the assembled (A, labels) is accepted only where it reproduces the whole update
-(n K = Delta A^T, Delta 1 = n dL/dc) to the update's rounding. For larger n each image has a
-family of solutions and only the joint fit above is left; for n >= C the head's gradient has rank
-<= C - 1 < n, the features' span is not identifiable, and the bias rule is all there is.
+as unknowns. A weight gradient whose column space is that of the gradients g_b at the LayerNorm's
+input (``norm_input_grad``: a token-pooled ViT's last ``mlp.fc2``) adds D - n equations per image
+at any n < C: g_b is the LayerNorm backward of gamma * W^T delta_b at hhat_b, up to 1 / sigma_b.
+A Levenberg-Marquardt solve per (label, start), batched, finds the batch's images one by one,
+images that no start found come from deflation (the update less the found images), and the
+assembled (A, labels) is accepted only where it reproduces the whole head update (n K = Delta A^T,
+Delta 1 = n dL/dc) to the update's rounding. Otherwise, for larger n, each image has a family of
+solutions and only the joint fit above is left; for n >= C the head's gradient has rank <= C - 1
+< n, the features' span is not identifiable, and the bias rule is all there is.
 """
 from __future__ import annotations
 

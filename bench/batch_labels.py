@@ -3,8 +3,10 @@
     FEDMJP_DATA=... python bench/batch_labels.py --batch-sizes 2,4,8 --updates 20
 
 Random batches (classes may repeat) of the first ``--pool`` CIFAR-10 validation images, the shipped
-CIFAR checkpoints (design A), float64 updates; per B: exact counts of the fit and of the bias's
-sign rule (the B most negative entries, one image each), and the methods the recovery took."""
+CIFAR checkpoints (design A), float64 updates; per B: exact counts of the recovery (the head's
+update, its LayerNorm and the last block's fc2 gradient; ``--head-only``: without the fc2
+gradient, ``--no-norm``: the head alone) and of the bias's sign rule (the B most negative entries,
+one image each), the methods the recovery took and the wall time."""
 from __future__ import annotations
 
 import argparse
