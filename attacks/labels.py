@@ -164,7 +164,7 @@ def _per_image_solutions(span: torch.Tensor, WR: torch.Tensor, c: torch.Tensor, 
     # whole update decides (_assemble)
     # a saturated softmax (p = e_y) has delta = 0, which lies in every span: not an image of the
     # update (an image predicted that surely leaves no trace in it); the norm equation rules it out too
-    ok &= (torch.softmax(x @ WR.T + c, 1) - e).norm(dim=1) > 1e3 * accept
+    ok &= (torch.softmax(x @ WR.T + c, 1) - e).norm(dim=1) > min(1e3 * accept, 1e-6)
     if norm is not None:
         ok &= ((RU @ x.T - Ub[:, None]).pow(2).sum(0) / D - 1).abs() < _LN_NORM_SLACK
     keep: list[int] = []

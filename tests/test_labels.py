@@ -88,6 +88,19 @@ def test_counts_without_the_layernorm_at_four() -> None:
     assert got.counts.tolist() == torch.bincount(y, minlength=10).tolist()
 
 
+def test_counts_from_a_float32_update_at_four() -> None:
+    """A float32 model and update (the acceptance scales with the update's epsilon): exact at B = 4."""
+    model = _deit().float()
+    y = torch.tensor([1, 8, 1, 3])
+    xn = (bundled_images(4, 32, start=3) - MEAN.double()[:, None, None]) / STD.double()[:, None, None]
+    upd = attacks.compute_update(model, xn.float(), y)
+    gamma, beta = head_norm(model)
+    got = recover_label_counts(upd["head.bias"], upd["head.weight"], model.head.weight, model.head.bias, 4,
+                               starts=1, iterations=1, norm_weight=gamma, norm_bias=beta)
+    assert got.method == "fit", got.notes
+    assert got.counts.tolist() == torch.bincount(y, minlength=10).tolist()
+
+
 def test_batch_of_c_or_more_takes_the_bias_rule_and_says_why() -> None:
     """B >= C: the head's gradient has rank <= C - 1 < B (each delta_b sums to zero), so the features'
     span is not in it; the bias rule answers, and the result says so."""
