@@ -34,8 +34,6 @@ def _deit(name: str = "cifar_deit", variant: str = "plain") -> torch.nn.Module:
 @pytest.fixture(scope="module")
 def cifar_val(team_data) -> Path:
     """The CIFAR-10 validation folder (one sub-folder per class) of the team's archive."""
-    from PIL import Image  # noqa: F401  (crop_resize reads PIL images)
-
     return resolve_data_path(team_data.path("cifar10.tar.gz")) / "val"
 
 
