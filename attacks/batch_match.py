@@ -67,6 +67,38 @@ def head_names(model: nn.Module) -> tuple[Optional[str], Optional[str]]:
     return found.get("w"), found.get("b")
 
 
+def head_norm(model: nn.Module) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(gamma, beta) of the affine LayerNorm whose output the head reads, or (None, None).
+
+    timm ViTs: ``fc_norm`` where it is a LayerNorm (pooled heads), else ``norm`` (token pooling:
+    the final norm, then the [CLS] token). The label recovery uses its structure (zero-mean,
+    unit-variance normalised features) as two more equations per image."""
+    for name in ("fc_norm", "norm"):
+        layer = getattr(model, name, None)
+        if name == "norm" and getattr(model, "global_pool", "token") != "token":
+            return None, None  # pooled after the norm: the head reads a mean of normalised tokens
+        if isinstance(layer, nn.LayerNorm) and layer.weight is not None and layer.bias is not None:
+            return layer.weight, layer.bias
+        if layer is not None and not isinstance(layer, nn.Identity):
+            return None, None  # another norm feeds the head: its structure is not this one
+    return None, None
+
+
+def norm_input_grad_name(model: nn.Module) -> Optional[str]:
+    """The parameter whose weight gradient spans the gradients at the head's LayerNorm input, or None.
+
+    In a token-pooled timm ViT only the [CLS] token of the last block's output reaches the head,
+    and that block's MLP acts token by token: its ``fc2`` weight gradient is sum_b g_b m_b^T with
+    g_b the gradient at image b's [CLS] input of the final ``norm``, so its column space is theirs."""
+    if getattr(model, "global_pool", None) != "token" or not isinstance(getattr(model, "norm", None), nn.LayerNorm):
+        return None
+    blocks = getattr(model, "blocks", None)
+    fc2 = getattr(getattr(blocks[-1], "mlp", None), "fc2", None) if blocks is not None and len(blocks) else None
+    if not isinstance(fc2, nn.Linear):
+        return None
+    return next((name for name, p in model.named_parameters() if p is fc2.weight), None)
+
+
 def batch_labels(model: nn.Module, grads: Mapping[str, torch.Tensor], meta: AttackMetadata, seed: int = 0
                  ) -> tuple[torch.Tensor, dict]:
     """The labels an attack at batch size n uses: given, else recovered counts; (labels [n], stats).
@@ -82,7 +114,10 @@ def batch_labels(model: nn.Module, grads: Mapping[str, torch.Tensor], meta: Atta
     head = getattr(model, "get_classifier")()
     assert isinstance(head, nn.Linear)  # head_names found its bias
     weight_grad = grads[wname] if wname is not None and wname in grads else None
-    got = recover_label_counts(grads[bname], weight_grad, head.weight, head.bias, meta.num_images, seed=seed)
+    gamma, beta = head_norm(model)
+    pre = norm_input_grad_name(model)
+    got = recover_label_counts(grads[bname], weight_grad, head.weight, head.bias, meta.num_images, seed=seed,
+                               norm_weight=gamma, norm_bias=beta, norm_input_grad=grads.get(pre) if pre else None)
     return got.labels, {"labels_source": "recovered", "label_method": got.method, "label_fit": got.residual,
                         "label_notes": got.notes}
 

@@ -16,11 +16,29 @@ matrix is Y(A) = softmax(W R A + c) - n (dL/dW R) A^{-T}; A is fitted (L-BFGS, f
 starts) until every column of Y(A) is one-hot (entries >= 0 summing to 1 with squared sum 1) and
 Delta 1 = n dL/dc. The counts are then the rounded k above; where no fit is consistent, the bias's
 negative entries decide (one image per class) and the result says so.
+
+Image by image (:func:`_per_image_solutions`, tried first): every delta_b lies in the n-dimensional
+column space of K = dL/dW R, so for a guessed label y the n unknowns a_b must satisfy the C - 1 - n
+equations Q^T (softmax(W R a + c) - e_y) = 0 (Q: the complement of [K, 1]); where the head's input
+is a LayerNorm output h = gamma * hhat + beta (timm ViTs: ``norm`` / ``fc_norm``), sum(hhat) = 0 adds
+one exact linear equation and ||hhat||^2 = D sigma^2 / (sigma^2 + eps) ~ D one that steers the
+solver. For n <= C / 2 (n <= (C - 1) / 2 without the LayerNorm) that is at least as many equations
+as unknowns. A weight gradient whose column space is that of the gradients g_b at the LayerNorm's
+input (``norm_input_grad``: a token-pooled ViT's last ``mlp.fc2``) adds D - n equations per image
+at any n < C: g_b is the LayerNorm backward of gamma * W^T delta_b at hhat_b, up to 1 / sigma_b.
+A Levenberg-Marquardt solve per (label, start), batched, finds the batch's images one by one,
+images that no start found come from deflation (the update less the found images), and the
+assembled (A, labels) is accepted only where it reproduces the whole head update (n K = Delta A^T,
+Delta 1 = n dL/dc) to the update's rounding. Otherwise, for larger n, each image has a family of
+solutions and only the joint fit above is left; for n >= C the head's gradient has rank <= C - 1
+< n, the features' span is not identifiable, and the bias rule is all there is.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 import torch
 
@@ -62,15 +80,188 @@ def round_counts(real: torch.Tensor, n: int, floor: torch.Tensor | None = None) 
 
 
 def _bias_fallback(bias_grad: torch.Tensor, n: int) -> torch.Tensor:
-    """One image per class of the n most negative bias entries (the classic bias rule)."""
+    """One image per class of the n most negative bias entries (the classic bias rule); for n > C
+    classes, k = sum_b p_b - n dL/dc with sum_b p_b taken as n / C (uniform), rounded to n images."""
+    C = bias_grad.numel()
+    if n > C:
+        return round_counts(n / C - n * bias_grad.double(), n, floor=bias_grad < 0)
     counts = torch.zeros_like(bias_grad, dtype=torch.long)
     counts[bias_grad.argsort()[:n]] = 1
     return counts
 
 
+#: Levenberg-Marquardt steps of the per-image solve: with the LayerNorm norm equation, then without it.
+_IMAGE_STEPS, _IMAGE_POLISH = 40, 10
+#: A LayerNorm output has ||hhat||^2 / D = sigma^2 / (sigma^2 + eps): within this of 1 unless the
+#: token's variance sigma^2 is below 1e3 eps (measured 2e-7 below 1 on the CIFAR DeiTs).
+_LN_NORM_SLACK = 1e-3
+
+
+def _batched_lm(f: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor, e: torch.Tensor,
+                steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Levenberg-Marquardt on many small problems at once: f(x_i, e_i) -> residual; (x, squared residual).
+
+    Hand-written because scipy's least_squares solves one problem per call and the per-image solve
+    has C * starts of them (n <= 5 unknowns each); the Jacobians are torch.func's, batched by vmap."""
+    F, J = torch.vmap(f), torch.vmap(torch.func.jacfwd(f))
+    lam = torch.full((x.shape[0],), 1e-2, dtype=x.dtype)
+    r = F(x, e)
+    cost = r.pow(2).sum(1).nan_to_num(float("inf"))
+    for _ in range(steps):
+        Jx = J(x, e).nan_to_num()
+        JJ = Jx.transpose(1, 2) @ Jx
+        g = (Jx.transpose(1, 2) @ r.nan_to_num()[..., None])[..., 0]
+        damp = torch.diag_embed(JJ.diagonal(dim1=1, dim2=2).clamp_min(1e-12)) * lam[:, None, None]
+        step = torch.linalg.lstsq(JJ + damp, -g[..., None]).solution[..., 0]
+        xn = x + step
+        rn = F(xn, e)
+        cn = rn.pow(2).sum(1).nan_to_num(float("inf"))
+        good = cn < cost
+        x = torch.where(good[:, None], xn, x)
+        r = torch.where(good[:, None], rn, r)
+        cost = torch.where(good, cn, cost)
+        lam = torch.where(good, (lam / 3).clamp_min(1e-12), (lam * 4).clamp_max(1e12))
+    return x, cost
+
+
+def _per_image_solutions(span: torch.Tensor, WR: torch.Tensor, c: torch.Tensor, R: torch.Tensor,
+                         norm: Optional[tuple[torch.Tensor, torch.Tensor]], starts: int, gen: torch.Generator,
+                         accept: float, pre: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The images' (a_b, y_b) found one by one (module docstring); ([m, n] coordinates, [m] labels),
+    distinct, each solving its equations to ``accept`` (relative). ``span`` [C, k]: the images'
+    deltas lie in its column space (K itself, or what the found images leave of it). ``pre``
+    (needs ``norm``): gamma * W^T [D, C] and orthonormal columns [D, r] spanning the gradients at
+    the LayerNorm's input (see :func:`recover_label_counts`)."""
+    C, k = span.shape
+    n = WR.shape[1]
+    K = span
+    Q = torch.linalg.svd(torch.cat([span, torch.ones(C, 1, dtype=K.dtype)], 1), full_matrices=True)[0][:, k + 1:]
+    if norm is not None:
+        u = 1 / norm[0]
+        Ru, ub = R.T @ u / u.norm(), float(u @ norm[1]) / float(u.norm())
+        RU, Ub, D = u[:, None] * R, u * norm[1], R.shape[0]
+
+    def residual(w_norm: float) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        def f(a: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+            parts = [Q.T @ (torch.softmax(WR @ a + c, 0) - e)]
+            if norm is not None:
+                parts += [(Ru @ a - ub)[None], w_norm * ((RU @ a - Ub).pow(2).sum() / D - 1)[None]]
+            if pre is not None:  # LayerNorm backward of gamma * W^T delta at hhat, up to 1 / sigma
+                hhat = RU @ a - Ub
+                v = pre[0] @ (torch.softmax(WR @ a + c, 0) - e)
+                g = v - v.mean() - hhat * (hhat @ v) / D
+                g = g / g.norm().clamp_min(1e-300)
+                parts.append(g - pre[1] @ (pre[1].T @ g))
+            return torch.cat(parts)
+        return f
+
+    labels = torch.arange(C).repeat_interleave(starts)
+    e = torch.nn.functional.one_hot(labels, C).to(K.dtype)
+    x = torch.randn(C * starts, n, generator=gen, dtype=K.dtype) * (R.shape[0] / n) ** 0.5
+    x, _ = _batched_lm(residual(1.0), x, e, _IMAGE_STEPS)
+    x, cost = _batched_lm(residual(0.0), x, e, _IMAGE_POLISH)
+    ok = cost.sqrt() < accept ** 0.5  # loose: a deflated span is only as exact as the images found; the
+    # whole update decides (_assemble)
+    # a saturated softmax (p = e_y) has delta = 0, which lies in every span: not an image of the
+    # update (an image predicted that surely leaves no trace in it); the norm equation rules it out too
+    ok &= (torch.softmax(x @ WR.T + c, 1) - e).norm(dim=1) > min(1e3 * accept, 1e-6)
+    if norm is not None:
+        ok &= ((RU @ x.T - Ub[:, None]).pow(2).sum(0) / D - 1).abs() < _LN_NORM_SLACK
+    keep: list[int] = []
+    for i in torch.nonzero(ok).flatten().tolist():  # distinct solutions: one per image
+        if all(float((x[i] - x[j]).norm()) > 1e-3 * float(x[j].norm()) for j in keep):
+            keep.append(i)
+    return x[keep], labels[keep]
+
+
+def _update_residual(A: torch.Tensor, labels: torch.Tensor, K: torch.Tensor, WR: torch.Tensor, c: torch.Tensor,
+                     db: torch.Tensor) -> float:
+    """||(n K - Delta A^T, n db - Delta 1)|| / ||n K||: 0 where (A, labels) explain the whole update."""
+    n = A.shape[1]
+    delta = torch.softmax(WR @ A + c[:, None], 0) - torch.nn.functional.one_hot(labels, K.shape[0]).to(K.dtype).T
+    r = torch.cat([(n * K - delta @ A.T).flatten(), n * db - delta.sum(1)])
+    return float(r.norm() / (n * K).norm().clamp_min(1e-300))
+
+
+def _polish(A: torch.Tensor, labels: torch.Tensor, K: torch.Tensor, WR: torch.Tensor, c: torch.Tensor,
+            db: torch.Tensor, steps: int = 8) -> torch.Tensor:
+    """A few Levenberg-Marquardt steps on the whole update's residual (labels fixed) from ``A``: the
+    deflated images are only as exact as the span they were solved in."""
+    n, C = A.shape[1], K.shape[0]
+    Y = torch.nn.functional.one_hot(labels, C).to(K.dtype).T
+
+    def f(x: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
+        a = x.reshape(n, n)
+        delta = torch.softmax(WR @ a + c[:, None], 0) - Y
+        return torch.cat([(n * K - delta @ a.T).flatten(), n * db - delta.sum(1)])
+
+    x, _ = _batched_lm(f, A.flatten()[None], Y[:1], steps)
+    return x[0].reshape(n, n)
+
+
+def _assemble(cand: torch.Tensor, labels: torch.Tensor, K: torch.Tensor, WR: torch.Tensor, c: torch.Tensor,
+              db: torch.Tensor, solve: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]], accept: float,
+              max_sets: int = 64) -> tuple[Optional[torch.Tensor], float]:
+    """n of the per-image solutions that explain the whole update; (labels or None, best residual).
+
+    Where fewer than n are found (a second image of a class that every start of that class missed),
+    the found ones are deflated until n are; where no set of n is consistent (a spurious solution in
+    the set), up to two images of each of a few subsets are deflated: the residual
+    n K - sum_{b in S} delta_b a_b^T of a subset S of n - k candidates has rank k, and the missing
+    images solve the per-image equations in its column space (``solve``), far more overdetermined."""
+    n = K.shape[1]
+    best = float("inf")
+
+    def _checked(A: torch.Tensor, y: torch.Tensor) -> float:
+        res = _update_residual(A, y, K, WR, c, db)
+        if accept <= res < 1e-2:  # close (measured up to 5e-6 for a deflated image): polish, then judge
+            res = _update_residual(_polish(A, y, K, WR, c, db), y, K, WR, c, db)
+        return res
+
+    # greedy first: deflate all found images while fewer than n are found (several repeats of a class)
+    while 0 < cand.shape[0] < n:
+        A, y = cand.T, labels
+        delta = torch.softmax(WR @ A + c[:, None], 0) - torch.nn.functional.one_hot(y, K.shape[0]).to(K.dtype).T
+        new, new_labels = solve(torch.linalg.svd(n * K - delta @ A.T, full_matrices=False)[0][:, :n - cand.shape[0]])
+        fresh = [i for i in range(new.shape[0])
+                 if all(float((new[i] - a).norm()) > 1e-3 * float(a.norm()) for a in cand)]
+        if not fresh:
+            break
+        cand, labels = torch.cat([cand, new[fresh]]), torch.cat([labels, new_labels[fresh]])
+    m = cand.shape[0]
+    for k in range(0, 3):
+        if m < n - k or n - k < 0:
+            continue
+        # each deflation is a per-image solve: few of them
+        for subset in itertools.islice(itertools.combinations(range(m), n - k), max_sets if k == 0 else 8):
+            idx = torch.tensor(subset, dtype=torch.long)
+            A, y = cand[idx].T, labels[idx]
+            if k > 0:
+                delta = torch.softmax(WR @ A + c[:, None], 0) - torch.nn.functional.one_hot(y, K.shape[0]).to(K.dtype).T
+                U = torch.linalg.svd(n * K - delta @ A.T, full_matrices=False)[0][:, :k]
+                new, new_labels = solve(U)
+                if new.shape[0] < k:
+                    continue
+                for extra in itertools.islice(itertools.combinations(range(new.shape[0]), k), max_sets):
+                    e = torch.tensor(extra, dtype=torch.long)
+                    A2, y2 = torch.cat([A, new[e].T], 1), torch.cat([y, new_labels[e]])
+                    res = _checked(A2, y2)
+                    best = min(best, res)
+                    if res < accept:
+                        return y2, res
+                continue
+            res = _checked(A, y)
+            best = min(best, res)
+            if res < accept:
+                return y, res
+    return None, best
+
+
 def recover_label_counts(bias_grad: torch.Tensor, weight_grad: torch.Tensor | None, weight: torch.Tensor | None,
                          bias: torch.Tensor | None, n: int, starts: int = 32, iterations: int = 200,
-                         tol: float = 1e-6, seed: int = 0) -> LabelCounts:
+                         tol: float = 1e-6, seed: int = 0, norm_weight: Optional[torch.Tensor] = None,
+                         norm_bias: Optional[torch.Tensor] = None, image_starts: int = 8,
+                         norm_input_grad: Optional[torch.Tensor] = None) -> LabelCounts:
     """Label counts of a batch of ``n`` images from the head's update (see the module docstring).
 
     Args:
@@ -78,7 +269,14 @@ def recover_label_counts(bias_grad: torch.Tensor, weight_grad: torch.Tensor | No
         weight, bias: the head's parameters [C, D], [C] (the server's model), or None.
         n: images in the batch (the server knows its clients' batch size).
         starts: random starts of the fit; iterations: L-BFGS steps per start.
-        tol: the fit objective below which it is taken as consistent.
+        tol: the joint fit's objective below which it is taken as consistent.
+        norm_weight, norm_bias: [D] the affine LayerNorm whose output is the head's input (gamma,
+            beta), or None: two more equations per image (module docstring).
+        image_starts: starts per class of the per-image solve.
+        norm_input_grad: [D, F] a weight gradient whose column space is that of the gradients at
+            the LayerNorm's input, sum_b g_b m_b^T (a timm ViT's last ``blocks[-1].mlp.fc2.weight``:
+            only the pooled token reaches the head, and that MLP acts token by token), or None.
+            With ``norm_weight`` it gives D - n more equations per image, at any n < C.
     Returns:
         :class:`LabelCounts`.
     """
@@ -96,6 +294,29 @@ def recover_label_counts(bias_grad: torch.Tensor, weight_grad: torch.Tensor | No
     K = dW @ R  # [C, n] = (1/n) Delta A^T
     WR = W @ R  # [C, n]
     gen = torch.Generator().manual_seed(seed)
+    norm = None
+    if norm_weight is not None and norm_bias is not None:
+        norm = (norm_weight.detach().double().cpu(), norm_bias.detach().double().cpu())
+    # the update's rounding: float32 updates reproduce to ~1e-6, float64 ones to ~1e-14
+    accept = 1e4 * torch.finfo(weight_grad.dtype).eps
+    notes: list[str] = []
+    pre = None
+    if norm is not None and norm_input_grad is not None:
+        U, sv2, _ = torch.linalg.svd(norm_input_grad.detach().double().cpu(), full_matrices=False)
+        rank = int((sv2 > accept * sv2[0]).sum())  # n where only the batch's pooled tokens reach it
+        if rank < U.shape[0]:
+            pre = (norm[0][:, None] * W.T, U[:, :rank])
+    if C - 1 - n + (norm is not None) >= n or pre is not None:  # as many equations per image as unknowns
+        def solve(span: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return _per_image_solutions(span, WR, c, R, norm, image_starts, gen, accept, pre)
+
+        cand, labels = solve(K)
+        got, res = _assemble(cand, labels, K, WR, c, db, solve, accept)
+        if got is not None:
+            counts = torch.bincount(got, minlength=C)
+            return LabelCounts(_counts_to_labels(counts), counts, "fit", res)
+        notes.append(f"per-image solve: {cand.shape[0]} images of {n} found, none of their sets explains the "
+                     f"update (residual {res:.1e}); joint fit")
 
     def objective(A: torch.Tensor) -> torch.Tensor:
         Ainv_T = torch.linalg.inv(A).T
@@ -132,10 +353,10 @@ def recover_label_counts(bias_grad: torch.Tensor, weight_grad: torch.Tensor | No
     if best_A is None or not best < tol:
         counts = _bias_fallback(db, n)
         return LabelCounts(_counts_to_labels(counts), counts, "bias", best,
-                           [f"no consistent fit of the head's update (objective {best:.2e} >= {tol:g}): "
+                           notes + [f"no consistent fit of the head's update (objective {best:.2e} >= {tol:g}): "
                             "one image per most negative bias entry"])
     with torch.no_grad():
         P = torch.softmax(WR @ best_A + c[:, None], dim=0)
     real = P.sum(1) - n * db  # k = sum_b p_b - n dL/dc
     counts = round_counts(real, n, floor=db < 0)
-    return LabelCounts(_counts_to_labels(counts), counts, "fit", best)
+    return LabelCounts(_counts_to_labels(counts), counts, "fit", best, notes)

@@ -3,8 +3,10 @@
     FEDMJP_DATA=... python bench/batch_labels.py --batch-sizes 2,4,8 --updates 20
 
 Random batches (classes may repeat) of the first ``--pool`` CIFAR-10 validation images, the shipped
-CIFAR checkpoints (design A), float64 updates; per B: exact counts of the fit and of the bias's
-sign rule (the B most negative entries, one image each), and the methods the recovery took."""
+CIFAR checkpoints (design A), float64 updates; per B: exact counts of the recovery (the head's
+update, its LayerNorm and the last block's fc2 gradient; ``--head-only``: without the fc2
+gradient, ``--no-norm``: the head alone) and of the bias's sign rule (the B most negative entries,
+one image each), the methods the recovery took and the wall time."""
 from __future__ import annotations
 
 import argparse
@@ -21,6 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 import attacks  # noqa: E402
 import fedmjp  # noqa: E402,F401  (registers the models)
+from attacks.batch_match import head_norm, norm_input_grad_name  # noqa: E402
 from attacks.labels import recover_label_counts  # noqa: E402
 from fedmjp.checkpoint import load_checkpoint  # noqa: E402
 from fedmjp.data import load_images  # noqa: E402
@@ -36,6 +39,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--pool", type=int, default=200)
     p.add_argument("--starts", type=int, default=32)
     p.add_argument("--iterations", type=int, default=200)
+    p.add_argument("--image-starts", type=int, default=8, help="starts per class of the per-image solve")
+    p.add_argument("--no-norm", dest="norm", action="store_false",
+                   help="without the head's LayerNorm equations (the per-image solve then needs B <= (C - 1) / 2)")
+    p.add_argument("--head-only", dest="pre", action="store_false",
+                   help="only the head's update (not the last block's fc2 gradient at the LayerNorm's input)")
     p.add_argument("--models", default="cifar_deit:plain,cifar_deit_mjp:mjp")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -58,8 +66,12 @@ def main(argv: list[str] | None = None) -> None:
                 idx = torch.randperm(len(ims), generator=gen)[:B]
                 y = ims.labels[idx]
                 upd = attacks.compute_update(model, (ims.images[idx].double() - mean) / std, y)
+                gamma, beta = head_norm(model) if args.norm else (None, None)
+                pre = norm_input_grad_name(model) if args.norm else None
                 got = recover_label_counts(upd["head.bias"], upd["head.weight"], model.head.weight, model.head.bias,
-                                           B, starts=args.starts, iterations=args.iterations)
+                                           B, starts=args.starts, iterations=args.iterations,
+                                           image_starts=args.image_starts, norm_weight=gamma, norm_bias=beta,
+                                           norm_input_grad=upd[pre] if pre and args.pre else None)
                 true = torch.bincount(y, minlength=10)
                 exact += bool((got.counts == true).all())
                 methods[got.method] = methods.get(got.method, 0) + 1

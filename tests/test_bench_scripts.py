@@ -26,7 +26,7 @@ SMALLEST: dict[str, list[str]] = {
                           "--data-path", "{cifar}", "--images", "2", "--out", "{tmp}/rows.json"],
     "batch_match_basin": ["--data", "{imagenet}", "--noise", "0.1", "--iterations", "1", "--attack-iterations", "1"],
     "batch_labels": ["--data", "{cifar}", "--batch-sizes", "2", "--updates", "1", "--pool", "4", "--starts", "2",
-                     "--iterations", "5", "--models", "cifar_deit:plain"],
+                     "--iterations", "5", "--image-starts", "2", "--models", "cifar_deit:plain"],
     "benchmark_overhead": ["--config", str(ROOT / "configs" / "default.yaml"), "--num-images", "1",
                            "--setting", "a", "--parts", "--set", "attacks=[{name: pe_closed_form}]",
                            "--set", "models=[{name: DeiT, arch: mjp_vit_cifar_patch4_32, kwargs: {depth: 1}, "
