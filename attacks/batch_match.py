@@ -12,7 +12,7 @@ float64 with L-BFGS (strong Wolfe line search). Against ``ig_closed_start``'s si
 float32 the second-order steps keep converging where Adam stalls: on the shipped CIFAR DeiT at
 B = 2 (two ImageNet-sample photographs at 32 px, labels known) 200 L-BFGS iterations reach
 14.4 dB mean PSNR after assignment, 400 reach 14.7 dB (docs/attacks.md, "batch_match"), below the
-15.2 dB of the data set's mean colour; ``tv: 1`` reaches 17.5 dB on that pair at the same cost.
+15.2 dB of a flat image of the normalisation mean colour; ``tv: 1`` reaches 17.5 dB on that pair at the same cost.
 
 - **Labels:** given (``labels: known``) or recovered as counts from the head's update
   (:func:`attacks.labels.recover_label_counts`); the recovered multiset is in ``result.labels`` and

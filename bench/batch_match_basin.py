@@ -6,7 +6,7 @@ around the client's batch, and the span agreement of the candidates' layer input
 The shipped CIFAR DeiT (plain, design A, depth 4), two ImageNet-sample photographs (files
 ``--files`` of the sorted folder) at 32 px as one float64 update with labels ``--labels``. Per line:
 
-- ``flat``: the PSNR of the CIFAR-10 mean colour as a reconstruction of each image, what an attacker
+- ``flat``: the PSNR of the model's normalisation mean colour (default_cfg mean) as a reconstruction of each image, what an attacker
   scores without reading the update at all;
 - ``basin``: from the client's batch plus Gaussian noise of RMS sigma (model-input units), the data
   term of ``batch_match`` (``attacks.batch_match.gradient_distance``) and PSNR after assignment at

@@ -152,6 +152,9 @@ class AttackEntry(Schema):
     name: str
     options: dict = {}
     label: Optional[str] = None  # the ``attack`` column (default: name); unique
+    # the entry runs only where federation.batch_size is at least this: a batch attacker in a preset
+    # whose batch-1 rows the closed forms answer exactly (a --sweep over batch sizes gets it at B > 1)
+    min_batch_size: Int = option(1, ge=1, le=MAX_BATCH_SIZE)
 
 
 class Metrics(Schema):
@@ -401,8 +404,11 @@ def _validate_attack(entry: Attack | AttackEntry) -> None:
 def _validate_attack_list(cfg: BenchmarkConfig) -> None:
     for entry in cfg.attacks:
         _validate_attack(entry)
-    _check_unique([a.label for a in attack_entries(cfg)],
+    _check_unique([a.label or a.name for a in cfg.attacks],
                   "attack labels must be unique (give each entry of attacks a label)")
+    if not attack_entries(cfg):
+        raise ConfigError(f"no attack runs at federation.batch_size {cfg.federation.batch_size}: every entry of "
+                          "attacks has a larger min_batch_size; lower one or add an attack without it")
 
 
 class LabelledAttack(AttackEntry):
@@ -415,7 +421,8 @@ def attack_entries(cfg: BenchmarkConfig) -> list[LabelledAttack]:
     """The attackers of a run, each with its label (default: its name): the ``attacks`` list when
     it is not empty, else the single ``attack`` section."""
     entries = cfg.attacks or [AttackEntry(name=cfg.attack.name, options=cfg.attack.options)]
-    return [LabelledAttack(name=e.name, options=dict(e.options), label=e.label or e.name) for e in entries]
+    return [LabelledAttack(name=e.name, options=dict(e.options), label=e.label or e.name, min_batch_size=e.min_batch_size)
+            for e in entries if e.min_batch_size <= cfg.federation.batch_size]
 
 
 def catalog() -> dict[str, list[tuple[str, str]]]:

@@ -221,7 +221,7 @@ def test_two_sided_span_agreement_keeps_the_candidates_apart() -> None:
 @pytest.mark.slow
 def test_batch_match_tv_lifts_a_batch_of_two_above_the_mean_colour() -> None:
     """B = 2, labels known, 40 L-BFGS iterations from the same start: ``tv: 1`` ends above
-    ``tv: 0`` and above the data set's mean colour as a reconstruction (docs/attacks.md, "Batches":
+    ``tv: 0`` and above a flat image of the normalisation mean colour (docs/attacks.md, "Batches":
     without a prior the batch attack stays below that flat image)."""
     basin = _bench("batch_match_basin")
     model = _deit()
@@ -238,3 +238,19 @@ def test_batch_match_tv_lifts_a_batch_of_two_above_the_mean_colour() -> None:
     # measured: mean colour 14.47 dB, tv 0 13.26 dB, tv 1 15.28 dB
     assert got[1.0] > got[0.0] + 1.0
     assert got[1.0] > flat
+
+
+def test_presets_attack_a_batch_and_keep_batch_one_runs_unchanged() -> None:
+    """The default and CIFAR presets name a batch attacker with min_batch_size 2: absent at B = 1
+    (batch-1 tables and the golden rows unchanged), present at B > 1, so no preset's rows are all
+    failed at B > 1; an attack list that leaves nothing at the run's B is a config error."""
+    from benchmark.config import ConfigError, attack_entries, load_config, validate, with_values
+
+    for preset in ("configs/default.yaml", "configs/cifar.yaml"):
+        cfg = validate(load_config(preset))
+        assert cfg.federation.batch_size == 1 and "batch_match" not in [a.name for a in attack_entries(cfg)]
+        batched = validate(with_values(cfg, [(["federation", "batch_size"], 2)]))
+        assert "batch_match" in [a.name for a in attack_entries(batched)], preset
+    only = validate(load_config("configs/default.yaml"))
+    with pytest.raises(ConfigError, match="no attack runs at federation.batch_size 1"):
+        validate(with_values(only, [(["attacks"], [{"name": "batch_match", "min_batch_size": 2}])]))
