@@ -45,14 +45,14 @@ def _assert_one_line_error(code: int, err: str, *names: str) -> str:
 # (bad arguments, words the error line must hold: the key, or the file)
 BAD_VALUES = [
     # crashed with a traceback before
-    (["--batch_size", "0"], ["'batch_size'", ">= 1"]),
-    (["--epochs", "0"], ["'epochs'", ">= 1"]),
+    (["--batch_size", "0"], ["'batch_size'", "[1, 65536]"]),
+    (["--epochs", "0"], ["'epochs'", "[1, 100000]"]),
     (["--epochs", "-1"], ["'epochs'"]),
     (["--lr", "-1"], ["'lr'", "> 0"]),
     (["--img_size", "0"], ["'img_size'"]),
     (["--drop_path", "2"], ["drop_path", "in [0.0, 1.0)"]),
     (["--train_subset", "0"], ["'train_subset'"]),
-    (["--num_workers", "-1"], ["'num_workers'", ">= 0"]),
+    (["--num_workers", "-1"], ["'num_workers'", "[0, 256]"]),
     (["--model", "nope_model"], ["'model'", "nope_model", "mjp_vit_cifar_patch4_32"]),
     (["--opt", "nada"], ["'opt'", "adamw"]),
     (["--sched", "nada"], ["'sched'", "cosine"]),
