@@ -35,6 +35,7 @@ from .devices import resolve_device
 from .factory import model_input
 from .jigsaw import JigsawPlan, make_plan, shuffle_images
 from .models import MJPVisionTransformer
+from .trainconfig import MAX_BATCH, MAX_THREADS, MAX_WORKERS
 from .train_data import build_transform, fixed_subset, resolve_data_path
 from .trainconfig import config_from_dict
 from .trainutils import autocast, model_from_checkpoint
@@ -260,11 +261,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--gamma-sweep", type=_floats, default=None,
                    help=f"comma-separated gammas for the sweep (e.g. {','.join(map(str, DEFAULT_SWEEP))})")
     p.add_argument("--seed", type=_count(0, 2**32 - 1), default=0)
-    p.add_argument("--batch-size", type=_count(1, 65_536), default=128)
-    p.add_argument("--num-workers", type=_count(0, 256), default=2)
+    p.add_argument("--batch-size", type=_count(1, MAX_BATCH), default=128)
+    p.add_argument("--num-workers", type=_count(0, MAX_WORKERS), default=2)
     p.add_argument("--max-images", type=_count(1), default=None, help="fixed random subset of the split")
     p.add_argument("--device", default="auto")
-    p.add_argument("--threads", type=_count(1, 1024), default=None)
+    p.add_argument("--threads", type=_count(1, MAX_THREADS), default=None)
     p.add_argument("--output-dir", default=None,
                    help="default: <checkpoint dir>/eval, or runs/eval/<name> for a .safetensors weights file")
     args = p.parse_args(argv)
