@@ -56,6 +56,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from fedmjp.config import Float, Int, option
+from fedmjp.devices import resolve_device
 
 from .first_layer import check_conditions
 from .first_layer import gradient_of_Z as _gradient_of_Z, is_design_a as _is_design_a, unwrap_vit as _vit
@@ -193,6 +194,11 @@ class MJPAdaptive(Attack):
         reuse: reuse the x~ estimate of an earlier call on the same model, update, metadata and
             options (:func:`estimate_key`, :data:`ESTIMATES`; e.g. ``ig_closed_start`` starting
             from the estimate this attack made for the same update); False: always compute it.
+        device: where the priors, the span fit, its Levenberg-Marquardt stage and ``match`` run
+            (float64): ``cpu``, ``cuda``, ``cuda:N`` or ``auto``; the benchmark passes the run's
+            ``--device``. The reduction (a few SVDs of the first layer's gradients) and the jigsaw
+            stay on the CPU. Not part of the estimate's key: the devices compute the same estimate
+            up to float64 rounding.
     """
 
     name = "mjp_adaptive"
@@ -214,6 +220,7 @@ class MJPAdaptive(Attack):
         fallback_iterations: Int = 200
         seed: Int = 0
         reuse: bool = True
+        device: str = "cpu"
 
     def __init__(self, **options: Any) -> None:
         o = self._parse_options(options)
@@ -224,6 +231,7 @@ class MJPAdaptive(Attack):
         self.dal_weight, self.fallback_iterations, self.seed = o.dal_weight, o.fallback_iterations, o.seed
         self.joint_prior, self.tv_prior = o.joint_prior, o.tv_prior
         self.lm_jacobians = o.lm_jacobians
+        self.device = resolve_device(o.device)
 
     # ------------------------------------------------------------------------------- pieces
     def read_update(self, vit: nn.Module, grads: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict, dict]:
@@ -293,21 +301,21 @@ class MJPAdaptive(Attack):
         if "blocks.0.attn.qkv.weight" not in grads:
             raise AttackFailure("update lacks 'blocks.0.attn.qkv.weight'")
         G_Z = _gradient_of_Z(vit, grads, info)
-        red = mjp_reduction(vit, G_Z, grads["blocks.0.attn.qkv.weight"], S, self.rcond)
+        red = mjp_reduction(vit, G_Z, grads["blocks.0.attn.qkv.weight"], S, self.rcond).to(self.device)
         stats = dict(red.stats)
         C, p = info["channels"], info["patch_size"]
         grid = tuple(int(g) for g in vit.patch_embed.grid_size)
         nU, k = red.x_unshuffled.shape[0], red.null_basis.shape[1]
         nS = int(S.sum())
         std = meta.std.to(torch.float64)
-        b = torch.zeros(nU, k, dtype=torch.float64)
-        gen = torch.Generator().manual_seed(self.seed)
+        b = torch.zeros(nU, k, dtype=torch.float64, device=self.device)
+        gen = torch.Generator().manual_seed(self.seed)  # draws on the CPU: the same on every device
         # Break the permutation symmetry: distinct random points of the affine hull. Every draw is
         # made in pixel space or over the unshuffled patches and mapped into the null space, never
         # per coordinate of null_basis: inside the null space the singular values are rounding
         # noise, so the SVD's basis there is arbitrary (it rotates between CPUs and thread counts),
         # and a per-coordinate draw would give another image for the same seed and update.
-        a = 0.1 * torch.randn(nS, red.null_basis.shape[0], generator=gen, dtype=torch.float64) @ red.null_basis
+        a = 0.1 * torch.randn(nS, red.null_basis.shape[0], generator=gen, dtype=torch.float64).to(self.device) @ red.null_basis
         if k == 0:
             stats.setdefault("note", "no null directions: the reduction leaves nothing to refine")
         elif self.refine in ("prior", "span", "match"):
@@ -324,7 +332,7 @@ class MJPAdaptive(Attack):
             b, a, mstats = self._match(vit, grads, red, b, a, labels, grid, C, p, std)
             stats.update(mstats)
             stats["_labels"] = labels
-        return assemble(red, b, a, grid, C, p), stats
+        return assemble(red, b, a, grid, C, p).cpu(), stats
 
     def _span(self, vit: nn.Module, grads: dict, red: Reduction, b0: torch.Tensor, a0: torch.Tensor, grid,
               C: int, p: int, gen: torch.Generator):
@@ -342,7 +350,7 @@ class MJPAdaptive(Attack):
         spans = input_spans(vit, grads, T)
         if not spans:
             return b0, a0, dict(span_note="no layer gives a usable input span")
-        residual = SpanResidual(vit, spans, red.shuffled)
+        residual = SpanResidual(vit, spans, red.shuffled, self.device)
         nS = a0.shape[0]
         starts = [a0] + [self._draw_shuffled(red, b0, nS, gen) for _ in range(self.starts - 1)]
         b = b0.expand(len(starts), -1, -1).clone()
@@ -366,7 +374,7 @@ class MJPAdaptive(Attack):
             iters += n
         out: dict[str, Any] = {}
         b, a = b[0], a[0]
-        lm = self._lm_jacobians(vit, T, red, spans)
+        lm = self._lm_jacobians(vit, T, red, residual.spans)
         if isinstance(lm, str):
             out["lm_note"] = lm
         elif lm > 0:
@@ -407,13 +415,14 @@ class MJPAdaptive(Attack):
         nU = red.x_unshuffled.shape[0]
         coords = (red.x_unshuffled + b @ red.null_basis.T - red.x_bar) @ red.null_basis
         centred = coords - coords.mean(dim=0, keepdim=True)
-        z = torch.randn(nS, nU, generator=gen, dtype=torch.float64) / max(nU - 1, 1) ** 0.5
+        z = torch.randn(nS, nU, generator=gen, dtype=torch.float64).to(coords.device) / max(nU - 1, 1) ** 0.5
         return coords.mean(dim=0, keepdim=True) + z @ centred
 
     def _match(self, vit: nn.Module, grads: dict, red: Reduction, b0: torch.Tensor, a0: torch.Tensor,
                labels: torch.Tensor, grid, C: int, p: int, std: torch.Tensor):
         """Gradient matching over (b, a) with the attacker's forward at unk_mask = S (float64)."""
-        work = copy.deepcopy(vit).to("cpu", torch.float64).eval()
+        dev = self.device
+        work = copy.deepcopy(vit).to(dev, torch.float64).eval()
         for blk in work.blocks:
             if hasattr(blk.attn, "fused_attn"):
                 blk.attn.fused_attn = False
@@ -421,12 +430,12 @@ class MJPAdaptive(Attack):
                  and float(grads[n].abs().max()) > 0]
         params = {n: q.detach().requires_grad_(True) for n, q in work.named_parameters()}
         buffers = dict(work.named_buffers())
-        targets = {n: grads[n].to(torch.float64) for n in names}
+        targets = {n: grads[n].to(dev, torch.float64) for n in names}
         norms = {n: float(t.pow(2).sum()) for n, t in targets.items()}
         mask = red.shuffled[None]
-        y = labels.reshape(1)
+        y = labels.reshape(1).to(dev)
         valid = patches_to_image((~red.shuffled).double()[:, None].expand(-1, C * p * p), grid, C, p)[0] > 0
-        scale = std.repeat_interleave(p * p)
+        scale = std.to(dev).repeat_interleave(p * p)
 
         def objective(b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
             x = assemble(red, b, a, grid, C, p)
@@ -435,7 +444,7 @@ class MJPAdaptive(Attack):
             g = torch.autograd.grad(loss, [params[n] for n in names], create_graph=True)
             obj = sum((gi - targets[n]).pow(2).sum() / norms[n] for gi, n in zip(g, names)) / len(names)
             if self.prior_weight > 0:
-                xu = torch.zeros(red.shuffled.numel(), C * p * p, dtype=torch.float64)
+                xu = torch.zeros(red.shuffled.numel(), C * p * p, dtype=torch.float64, device=dev)
                 xu = xu.index_put((torch.nonzero(~red.shuffled).flatten(),),
                                   (red.x_unshuffled + b @ red.null_basis.T) * scale)
                 d = neighbour_diffs(patches_to_image(xu, grid, C, p), valid)
@@ -499,7 +508,8 @@ class MJPAdaptive(Attack):
         the DAL term removed, in the model's dtype)."""
         from .matching import AprilOptimization
 
-        attack = AprilOptimization(iterations=self.fallback_iterations, seed=self.seed, unk_mask=S)
+        attack = AprilOptimization(iterations=self.fallback_iterations, seed=self.seed, unk_mask=S,
+                                   device=str(self.device))
         # The gradients are already in gradient units with the DAL term removed: a plain FedSGD
         # update of one image, whatever the client sent (so no update type, learning rate or defence).
         plain = AttackMetadata(1, meta.image_size, meta.mean.double(), meta.std.double(), meta.labels)

@@ -11,7 +11,7 @@ batch attacks reuse it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch
@@ -45,6 +45,16 @@ class Reduction:
     null_basis: torch.Tensor
     x_bar: torch.Tensor
     stats: dict[str, Any]
+
+    @property
+    def device(self) -> torch.device:
+        return self.x_unshuffled.device
+
+    def to(self, device: torch.device) -> "Reduction":
+        """The same reduction with its tensors on ``device`` (the functions below compute where it is)."""
+        return replace(self, shuffled=self.shuffled.to(device), projector=self.projector.to(device),
+                       z_u_perp=self.z_u_perp.to(device), x_unshuffled=self.x_unshuffled.to(device),
+                       null_basis=self.null_basis.to(device), x_bar=self.x_bar.to(device))
 
 
 #: A gap ratio (largest dropped / smallest kept singular value) above this is reported as weak.
@@ -157,7 +167,7 @@ def assemble(red: Reduction, b: torch.Tensor, a: torch.Tensor, grid: tuple[int, 
     batched = b.dim() == 3
     b, a = (b, a) if batched else (b[None], a[None])
     N = red.shuffled.numel()
-    x = torch.zeros(b.shape[0], N, C * p * p, dtype=torch.float64)
+    x = torch.zeros(b.shape[0], N, C * p * p, dtype=torch.float64, device=red.device)
     x[:, ~red.shuffled] = red.x_unshuffled + b @ red.null_basis.T
     x[:, red.shuffled] = red.x_bar + a @ red.null_basis.T
     return patches_to_image(x, grid, C, p)
@@ -194,20 +204,21 @@ def smoothness_prior_solve(red: Reduction, grid: tuple[int, int], channels: int,
         return red.x_unshuffled.new_zeros(nU, k), red.x_unshuffled.new_zeros(nS, k)
     order = torch.cat([torch.nonzero(~red.shuffled).flatten(), torch.nonzero(red.shuffled).flatten()])
     n_var = N if joint else nU
-    scale = std.to(torch.float64).repeat_interleave(p * p)  # model input -> pixel units, (C, p, p) order
-    region = torch.ones(N, dtype=torch.bool) if joint else ~red.shuffled
+    dev = red.device
+    scale = std.to(dev, torch.float64).repeat_interleave(p * p)  # model input -> pixel units, (C, p, p) order
+    region = torch.ones(N, dtype=torch.bool, device=dev) if joint else ~red.shuffled
     valid = patches_to_image(region.double()[:, None].expand(N, channels * p * p), grid, channels, p)[0] > 0
-    base = torch.zeros(N, channels * p * p, dtype=torch.float64)
+    base = torch.zeros(N, channels * p * p, dtype=torch.float64, device=dev)
     base[order[:nU]] = red.x_unshuffled * scale
     base[order[nU:]] = red.x_bar * scale
     d0 = neighbour_diffs(patches_to_image(base, grid, channels, p), valid)  # [F]
     Ns = (red.null_basis * scale[:, None]).T  # [k, C p^2]
     if n_var * k * N * channels * p * p <= dense_limit:
-        cols = torch.zeros(n_var * k, N, channels * p * p, dtype=torch.float64)
+        cols = torch.zeros(n_var * k, N, channels * p * p, dtype=torch.float64, device=dev)
         for j in range(n_var):
             cols[j * k:(j + 1) * k, order[j]] = Ns
         J = neighbour_diffs(patches_to_image(cols, grid, channels, p), valid)  # [n_var k, F]
-        lhs = J @ J.T + ridge * torch.eye(n_var * k, dtype=torch.float64)
+        lhs = J @ J.T + ridge * torch.eye(n_var * k, dtype=torch.float64, device=dev)
         coef = torch.linalg.solve(lhs, -(J @ d0)).reshape(n_var, k)
     else:
         coef = _prior_cg(Ns, order[:n_var], N, d0, valid, grid, channels, p, ridge, cg_tol, cg_iterations)
@@ -253,7 +264,7 @@ def tv_prior_refine(red: Reduction, b0: torch.Tensor, grid: tuple[int, int], cha
     from the quadratic prior's solution; L-BFGS, no model evaluations. Returns b."""
     if b0.numel() == 0:
         return b0
-    scale = std.to(torch.float64).repeat_interleave(p * p)
+    scale = std.to(red.device, torch.float64).repeat_interleave(p * p)
     N = red.shuffled.numel()
     valid = patches_to_image((~red.shuffled).double()[:, None].expand(N, channels * p * p), grid, channels, p)[0] > 0
     U_idx = torch.nonzero(~red.shuffled).flatten()
@@ -264,7 +275,7 @@ def tv_prior_refine(red: Reduction, b0: torch.Tensor, grid: tuple[int, int], cha
     def closure() -> torch.Tensor:
         opt.zero_grad()
         xu = (red.x_unshuffled + b @ red.null_basis.T) * scale
-        full = torch.zeros(N, channels * p * p, dtype=torch.float64).index_put((U_idx,), xu)
+        full = torch.zeros(N, channels * p * p, dtype=torch.float64, device=red.device).index_put((U_idx,), xu)
         obj = (neighbour_diffs(patches_to_image(full, grid, channels, p), valid).pow(2) + eps).sqrt().sum()
         obj.backward()
         return obj

@@ -83,7 +83,7 @@ class SpanVector:
         xs = red.x_bar + a @ red.null_basis.T
         order = torch.cat([torch.nonzero(~red.shuffled).flatten(), torch.nonzero(red.shuffled).flatten()])
         inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel())
+        inverse[order] = torch.arange(order.numel(), device=order.device)
         patches = torch.cat([xu, xs])[inverse]
         x = patches_to_image(patches, self.grid, self.channels, self.p)[None]
         inputs = self.residual.layer_inputs(x)
@@ -102,8 +102,8 @@ class SpanVector:
         n = theta.numel()
         with torch.no_grad():
             r = self(theta)
-        J = torch.empty(r.numel(), n, dtype=torch.float64)
-        eye = torch.eye(n, dtype=torch.float64)
+        J = torch.empty(r.numel(), n, dtype=torch.float64, device=theta.device)
+        eye = torch.eye(n, dtype=torch.float64, device=theta.device)
 
         def column(t: torch.Tensor) -> torch.Tensor:
             return jvp(self, (theta,), (t,))[1]
@@ -162,7 +162,7 @@ def levenberg_marquardt(fun: Callable[[torch.Tensor], torch.Tensor],
         del J
         if mu is None:
             mu = tau * float(G.diagonal().max())
-        eye = torch.eye(G.shape[0], dtype=G.dtype)
+        eye = torch.eye(G.shape[0], dtype=G.dtype, device=G.device)
         accepted = False
         for _ in range(max_trials):
             L, info = torch.linalg.cholesky_ex(G + mu * eye)

@@ -80,12 +80,14 @@ class SpanResidual:
     the client's input, and a function of the orbit the first layer cannot resolve.
     """
 
-    def __init__(self, vit: nn.Module, spans: list[InputSpan], shuffled: torch.Tensor) -> None:
-        self.work = copy.deepcopy(vit).to("cpu", torch.float64).eval().requires_grad_(False)
+    def __init__(self, vit: nn.Module, spans: list[InputSpan], shuffled: torch.Tensor,
+                 device: torch.device | str = "cpu") -> None:
+        self.work = copy.deepcopy(vit).to(device, torch.float64).eval().requires_grad_(False)
         for blk in self.work.blocks:
             if hasattr(blk.attn, "fused_attn"):
                 blk.attn.fused_attn = False
-        self.spans, self.shuffled = spans, shuffled.cpu()
+        self.spans = [InputSpan(sp.name, sp.basis.to(device), sp.rows) for sp in spans]
+        self.shuffled = shuffled.to(device)
         self._inputs: dict[str, torch.Tensor] = {}
         modules = dict(self.work.named_modules())
         for span in spans:

@@ -335,21 +335,25 @@ def part_mjp_adaptive(ctx: Context, seconds: float) -> dict:
     cheap = dict(tv_prior=False) if ctx.quick else {}
     small = dict(refine="span", span_iterations=2 if ctx.quick else 20, starts=2, probe_iterations=1 if ctx.quick else 5,
                  reuse=False, **cheap)
-    ref = compare_attack(ctx, make_case(ctx, 32, "mjp", torch.float64), "mjp_adaptive", small, exact=False)
+    dev = str(ctx.device)
+    ref = compare_attack(ctx, make_case(ctx, 32, "mjp", torch.float64), "mjp_adaptive", {**small, "device": "cpu"},
+                         exact=False, dev_options={"device": dev})
     opts = (dict(refine="span", span_iterations=2, starts=2, probe_iterations=1, **cheap) if ctx.quick
             else dict(refine="span", span_iterations=150, starts=2, probe_iterations=10))
+    opts["device"] = dev
     # the prior's estimate alone, for the span fit's share of the time
     case = make_case(ctx, ctx.size, "mjp", torch.float64)
     attacks.mjp_adaptive.ESTIMATES.clear()  # its full cost, no reused estimate
     res, dt = run_attack(ctx, "mjp_adaptive", {**opts, "reuse": False}, case.model_dev, case.update_dev, case.meta)
-    prior, dt_prior = run_attack(ctx, "mjp_adaptive", dict(refine="prior", reuse=False, **cheap), case.model_dev,
+    prior, dt_prior = run_attack(ctx, "mjp_adaptive", dict(refine="prior", reuse=False, device=dev, **cheap),
+                                 case.model_dev,
                                  case.update_dev, case.meta)
     st = res.stats[0]
     return dict(reference_32px=ref, size=ctx.size, options=opts, s_per_image=round(dt, 3),
                 psnr_c=round(psnr(estimate(res), case.truth), 2), span_note=st.get("span_note"),
                 span_iterations_run=st.get("iterations"), s_prior_only=round(dt_prior, 3),
                 psnr_c_prior_only=round(psnr(estimate(prior), case.truth), 2),
-                computes_on=where_it_computes("mjp_adaptive", {}),
+                computes_on=where_it_computes("mjp_adaptive", opts),
                 checks={"mjp_adaptive 32 px: device = CPU": ref["agrees"],
                         "span fit ran": st.get("span_note") is None})
 
@@ -371,6 +375,10 @@ def part_ig_closed_start(ctx: Context, seconds: float) -> dict:
                                                   "converge_window": probe_steps}, case.model_dev,
                          case.update_dev, case.meta)
     per_step = max(dt - t_start, 0.0) / max(int(res.stats[0].get("iterations", probe_steps)), 1)
+    try:  # where a step's time goes (launches or arithmetic): a diagnosis, never a failed part
+        step_profile = profile_steps(ctx, case, {**base, "device": dev}, (2, 4) if ctx.quick else (5, 15))
+    except Exception as err:  # noqa: BLE001 - the profiler's own failure is recorded, the part goes on
+        step_profile = dict(error=f"{type(err).__name__}: {err}"[:300])
     left = seconds - (time.perf_counter() - t_part)
     cap = 3 if ctx.quick else int(min(2000, max(50, 0.8 * left / max(per_step, 1e-6))))
     res, dt = run_attack(ctx, "ig_closed_start", {**base, "iterations": cap, "device": dev}, case.model_dev,
@@ -380,7 +388,48 @@ def part_ig_closed_start(ctx: Context, seconds: float) -> dict:
     return dict(reference_32px=ref, size=ctx.size, s_per_step=round(per_step, 4), step_cap=cap, steps_run=steps,
                 converged=bool(trial.get("converged")), s_to_stop=round(dt, 2), s_start=round(t_start, 3),
                 projected_s_2000_steps=round(t_start + 2000 * per_step, 1), psnr=round(psnr(estimate(res), case.truth), 2),
-                computes_on=dev, checks={"ig_closed_start 32 px: device = CPU": ref["agrees"]})
+                step_profile=step_profile, computes_on=dev, checks={"ig_closed_start 32 px: device = CPU": ref["agrees"]})
+
+
+def profile_steps(ctx: Context, case: Case, options: dict, steps: tuple[int, int]) -> dict:
+    """Per step of ``ig_closed_start`` (the difference of two profiled runs of ``steps`` steps): the
+    operators dispatched, the device kernels launched and their summed device time, and the
+    operators that take the most host and device time. A step whose kernels keep the device busy
+    for a small share of its wall time is bound by launches and host work, not by arithmetic."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.cuda else [])
+    runs = {}
+    for n in steps:
+        with profile(activities=activities) as prof:
+            _, dt = run_attack(ctx, "ig_closed_start", {**options, "iterations": n, "converge_window": n},
+                               case.model_dev, case.update_dev, case.meta)
+        events = prof.events()
+        cuda_type = getattr(torch.autograd, "DeviceType", None)
+        kernels = sum(1 for e in events if cuda_type is not None and e.device_type == cuda_type.CUDA)
+        kernels = kernels or sum(len(getattr(e, "kernels", []) or []) for e in events)
+        table = prof.key_averages()
+        device_us = sum(float(getattr(e, "self_device_time_total", 0.0) or 0.0) for e in table)
+        runs[n] = dict(wall_s=dt, ops=len(events), kernels=kernels, device_s=device_us / 1e6,
+                       table=[(e.key, e.count, float(e.self_cpu_time_total), float(getattr(e, "self_device_time_total", 0.0) or 0.0))
+                              for e in table])
+    lo, hi = runs[steps[0]], runs[steps[1]]
+    span = steps[1] - steps[0]
+
+    def per_step(key: str) -> float:
+        return (hi[key] - lo[key]) / span
+
+    def top(column: int) -> list[list]:
+        rows = sorted(hi["table"], key=lambda r: -r[column])[:10]
+        return [[k, c, round(cpu / 1e3, 1), round(dev / 1e3, 1)] for k, c, cpu, dev in rows]
+
+    wall = per_step("wall_s")
+    busy = per_step("device_s")
+    return dict(steps=list(steps), s_per_step_profiled=round(wall, 4), ops_per_step=round(per_step("ops")),
+                kernels_per_step=round(per_step("kernels")), device_busy_s_per_step=round(busy, 5),
+                device_busy_share=round(busy / wall, 3) if wall > 0 and ctx.cuda else None,
+                top_by_host_ms=top(2), top_by_device_ms=top(3) if ctx.cuda else [],
+                columns="[operator, calls, self host ms, self device ms] over the longer run")
 
 
 def _random_alexnet_features(path: Path) -> Path:
@@ -658,6 +707,10 @@ def write_report(ctx: Context, record: dict) -> None:
                   "|---|---|---|---|---|---|---|---|"]
         lines += [f"| {r['attack']} | {r['update']} | {r['s_device']} | {r['s_cpu']} | {r['psnr_device']} | "
                   f"{r['psnr_cpu']} | {r['psnr_device_vs_cpu']} | {r['victim_grad_rel_diff']} |" for r in rows]
+    prof = record["parts"].get("ig_closed_start", {}).get("result", {}).get("step_profile")
+    if prof:
+        lines += ["", "ig_closed_start, one step: " + "; ".join(
+            f"{k} {v}" for k, v in prof.items() if not isinstance(v, list))]
     proj = record["parts"].get("projection", {}).get("result")
     if proj:
         lines += ["", "Paper preset projection (hours on one device): "

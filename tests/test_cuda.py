@@ -188,6 +188,26 @@ def test_april_robust_on_cuda_equals_the_cpu_result():
 
 @pytest.mark.cuda
 @cuda
+def test_mjp_adaptive_on_cuda_equals_the_cpu_result():
+    """The priors, the span fit and its Levenberg-Marquardt stage on CUDA in float64 (the reduction
+    and the random draws on the CPU): the CPU's estimate to float64 rounding."""
+    torch.manual_seed(0)
+    model = MJPVisionTransformer(variant="mjp", first_block="april", **{**TINY, "embed_dim": 96}).eval().double()
+    x = bundled_images(1, 32, start=2)
+    plan = model.draw_plan(1, gamma=0.27, seed=3)
+    update = attacks.compute_update(model, normalize(model.shuffle_images(x, plan)).double(), torch.tensor([3]),
+                                    unk_mask=plan.mask)
+    meta = dict(MD, num_images=1, image_size=(3, 32, 32), labels=torch.tensor([3]))
+    opts = dict(refine="span", span_iterations=10, starts=2, probe_iterations=3, lm_jacobians=1, reuse=False)
+    on_cpu = attacks.create_attack("mjp_adaptive", device="cpu", **opts).reconstruct(model, update, meta)
+    on_gpu = attacks.create_attack("mjp_adaptive", device="cuda", **opts).reconstruct(*_on_cuda(model, update), meta)
+    assert not on_cpu.failed and not on_gpu.failed, (on_cpu.reason, on_gpu.reason)
+    assert on_gpu.stats[0]["lm_jacobians"] == on_cpu.stats[0]["lm_jacobians"] == 1
+    assert psnr(on_gpu.images, on_cpu.images) > 60
+
+
+@pytest.mark.cuda
+@cuda
 def test_ig_closed_start_on_cuda_follows_the_cpu_run():
     """Cosine matching from the closed-form start (float32, start drawn on the CPU): a few steps on
     CUDA end where the CPU's do, to float32 rounding."""
@@ -249,6 +269,7 @@ def test_attacks_get_the_run_device_unless_their_entry_sets_one():
     assert attack_options_on(entry("ig_closed_start"), gpu1, remote=True) == dict(device="cuda")  # Ray's GPU
     assert attack_options_on(entry("invertinggradients"), torch.device("cpu")) == dict(device="cpu")
     assert attack_options_on(entry("batch_match", device="cpu"), gpu1) == dict(device="cpu")  # the entry wins
+    assert attack_options_on(entry("mjp_adaptive"), gpu1) == dict(device="cuda:1")
     assert attack_options_on(entry("pe_closed_form"), gpu1) == {}  # no device option: none passed
 
 
