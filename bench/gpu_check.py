@@ -94,6 +94,8 @@ class Context:
     out: Path
     data: Optional[Path]
     results: dict[str, Any] = field(default_factory=dict)
+    #: what a part has measured so far (kept in the report when the part then fails or runs over)
+    partial: dict[str, dict] = field(default_factory=dict)
 
     @property
     def cuda(self) -> bool:
@@ -277,7 +279,8 @@ def part_pytest_cuda(ctx: Context, seconds: float) -> dict:
                     if "mark.cuda" in p.read_text(encoding="utf-8"))
     if not target:
         raise PartSkipped("no test file carries the cuda marker")
-    cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", "-rs", *target]
+    cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", "-rfEs", "--tb=line",
+           *target]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=seconds)
     lines = [ln for ln in proc.stdout.strip().splitlines() if ln.strip()]
     summary = lines[-1] if lines else proc.stderr.strip()[-300:]
@@ -375,12 +378,17 @@ def part_ig_closed_start(ctx: Context, seconds: float) -> dict:
                                                   "converge_window": probe_steps}, case.model_dev,
                          case.update_dev, case.meta)
     per_step = max(dt - t_start, 0.0) / max(int(res.stats[0].get("iterations", probe_steps)), 1)
+    partial = ctx.partial.setdefault("ig_closed_start", {})
+    partial.update(reference_32px=ref, size=ctx.size, s_per_step=round(per_step, 4), s_start=round(t_start, 3),
+                   projected_s_2000_steps=round(t_start + 2000 * per_step, 1))
     try:  # where a step's time goes (launches or arithmetic): a diagnosis, never a failed part
         step_profile = profile_steps(ctx, case, {**base, "device": dev}, (2, 4) if ctx.quick else (5, 15))
     except Exception as err:  # noqa: BLE001 - the profiler's own failure is recorded, the part goes on
         step_profile = dict(error=f"{type(err).__name__}: {err}"[:300])
+    partial["step_profile"] = step_profile
     left = seconds - (time.perf_counter() - t_part)
-    cap = 3 if ctx.quick else int(min(2000, max(50, 0.8 * left / max(per_step, 1e-6))))
+    cap = 3 if ctx.quick else int(min(2000, max(20, 0.7 * left / max(per_step, 1e-6))))
+    partial["step_cap"] = cap
     res, dt = run_attack(ctx, "ig_closed_start", {**base, "iterations": cap, "device": dev}, case.model_dev,
                          case.update_dev, case.meta)
     trial = res.stats[0].get("trials", [{}])[0]
@@ -742,6 +750,8 @@ def run_parts(ctx: Context, only: Optional[set[str]], scale: float, command: str
         except Exception as err:  # noqa: BLE001  (one failing part must not lose the others)
             entry.update(status="error", error=f"{type(err).__name__}: {err}",
                          traceback=traceback.format_exc(limit=6)[-2000:])
+        if entry["status"] in ("timeout", "error") and ctx.partial.get(name):
+            entry["result"] = dict(ctx.partial[name], checks={})  # the figures measured before it stopped
         entry["seconds"] = round(time.perf_counter() - t0, 2)
         print(f"[gpu_check] {name:16s} {entry['status']:12s} {entry['seconds']:7.1f} s"
               + (f"  {entry.get('error', '')[:200]}" if entry.get("error") else ""), flush=True)
