@@ -111,3 +111,26 @@ def test_mypy_reads_the_schema_types(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     assert status == 1, out
     assert 'Incompatible return value type (got "int", expected "str")' in out, out
     assert '"Federation" has no attribute "round"' in out, out
+
+
+def test_no_test_module_rebinds_an_imported_name():
+    """A later ``from ... import name`` silently replaces an earlier one. Tests that skip on the CI
+    machine (the ``cuda`` ones) would only fail where they run: a GPU found one calling
+    ``helpers.normalize`` with the arguments of ``fedmjp.factory.normalize``."""
+    import ast
+
+    clashes = []
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        bound: dict[str, int] = {}
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.ImportFrom):
+                names = [a.asname or a.name for a in node.names if a.name != "*"]
+            elif isinstance(node, ast.Import):
+                names = [a.asname for a in node.names if a.asname]  # ``import a.b`` binds ``a`` again: harmless
+            else:
+                continue
+            for name in names:
+                if name in bound:
+                    clashes.append(f"{path.name}:{node.lineno}: {name} (imported at line {bound[name]})")
+                bound[name] = node.lineno
+    assert not clashes, clashes

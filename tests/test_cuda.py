@@ -14,7 +14,7 @@ import torch
 
 import attacks
 from fedmjp.devices import resolve_device
-from fedmjp.factory import normalize
+from fedmjp.factory import normalize as normalize_with
 from fedmjp.models import MJPVisionTransformer
 from helpers import MD, bundled_images, make_imagefolder, normalize, psnr, tiny_config
 
@@ -96,7 +96,7 @@ def test_batched_inverting_gradients_on_cuda_lowers_objective():
     torch.manual_seed(0)
     model = MJPVisionTransformer(variant="plain", **TINY).eval()
     images, labels = torch.rand(2, 3, 32, 32), torch.tensor([1, 7])
-    updates = [attacks.compute_update(model, normalize(images[i:i + 1], (0.5,) * 3, (0.25,) * 3), labels[i:i + 1])
+    updates = [attacks.compute_update(model, normalize_with(images[i:i + 1], (0.5,) * 3, (0.25,) * 3), labels[i:i + 1])
                for i in range(2)]
     metas = [dict(num_images=1, mean=(0.5,) * 3, std=(0.25,) * 3, labels=labels[i:i + 1], image_size=(3, 32, 32))
              for i in range(2)]
