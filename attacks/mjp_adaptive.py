@@ -199,6 +199,10 @@ class MJPAdaptive(Attack):
             ``--device``. The reduction (a few SVDs of the first layer's gradients) and the jigsaw
             stay on the CPU. Not part of the estimate's key: the devices compute the same estimate
             up to float64 rounding.
+        min_device_cost: below this many multiply-adds per forward (:func:`attacks.spans.forward_cost`)
+            the solves stay on the CPU, with a note: for the depth-2 CIFAR model at 32 px (6.1e7) one
+            H100 took 3.2-3.5 s per update where the CPU took 1.1-1.6 s; for DeiT-S at 224 px
+            (4.5e9) the H100 ran the span fit in 12.5-14.3 s (docs/speed.md). 0: always on ``device``.
     """
 
     name = "mjp_adaptive"
@@ -221,6 +225,7 @@ class MJPAdaptive(Attack):
         seed: Int = 0
         reuse: bool = True
         device: str = "cpu"
+        min_device_cost: Float = option(1e9, ge=0.0)
 
     def __init__(self, **options: Any) -> None:
         o = self._parse_options(options)
@@ -231,7 +236,7 @@ class MJPAdaptive(Attack):
         self.dal_weight, self.fallback_iterations, self.seed = o.dal_weight, o.fallback_iterations, o.seed
         self.joint_prior, self.tv_prior = o.joint_prior, o.tv_prior
         self.lm_jacobians = o.lm_jacobians
-        self.device = resolve_device(o.device)
+        self.device, self.min_device_cost = resolve_device(o.device), o.min_device_cost
 
     # ------------------------------------------------------------------------------- pieces
     def read_update(self, vit: nn.Module, grads: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict, dict]:
@@ -272,6 +277,8 @@ class MJPAdaptive(Attack):
                 x_tilde, more = self._fallback(model, grads, S, meta)
                 notes.append("block 0 is not design A: MJP-aware april_optimization with the detected mask")
             stats.update(more)
+            if "device_note" in stats:
+                notes.append(stats["device_note"])
             stats["estimate_cpu_s"] = time.process_time() - c0
             if key is not None:
                 ESTIMATES.put(key, tuple(copy.deepcopy(v) for v in (x_tilde, S, stats, notes)))
@@ -301,21 +308,24 @@ class MJPAdaptive(Attack):
         if "blocks.0.attn.qkv.weight" not in grads:
             raise AttackFailure("update lacks 'blocks.0.attn.qkv.weight'")
         G_Z = _gradient_of_Z(vit, grads, info)
-        red = mjp_reduction(vit, G_Z, grads["blocks.0.attn.qkv.weight"], S, self.rcond).to(self.device)
+        dev, device_note = self._solve_device(vit, S)
+        red = mjp_reduction(vit, G_Z, grads["blocks.0.attn.qkv.weight"], S, self.rcond).to(dev)
         stats = dict(red.stats)
+        if device_note:
+            stats["device_note"] = device_note
         C, p = info["channels"], info["patch_size"]
         grid = tuple(int(g) for g in vit.patch_embed.grid_size)
         nU, k = red.x_unshuffled.shape[0], red.null_basis.shape[1]
         nS = int(S.sum())
         std = meta.std.to(torch.float64)
-        b = torch.zeros(nU, k, dtype=torch.float64, device=self.device)
+        b = torch.zeros(nU, k, dtype=torch.float64, device=dev)
         gen = torch.Generator().manual_seed(self.seed)  # draws on the CPU: the same on every device
         # Break the permutation symmetry: distinct random points of the affine hull. Every draw is
         # made in pixel space or over the unshuffled patches and mapped into the null space, never
         # per coordinate of null_basis: inside the null space the singular values are rounding
         # noise, so the SVD's basis there is arbitrary (it rotates between CPUs and thread counts),
         # and a per-coordinate draw would give another image for the same seed and update.
-        a = 0.1 * torch.randn(nS, red.null_basis.shape[0], generator=gen, dtype=torch.float64).to(self.device) @ red.null_basis
+        a = 0.1 * torch.randn(nS, red.null_basis.shape[0], generator=gen, dtype=torch.float64).to(dev) @ red.null_basis
         if k == 0:
             stats.setdefault("note", "no null directions: the reduction leaves nothing to refine")
         elif self.refine in ("prior", "span", "match"):
@@ -334,6 +344,18 @@ class MJPAdaptive(Attack):
             stats["_labels"] = labels
         return assemble(red, b, a, grid, C, p).cpu(), stats
 
+    def _solve_device(self, vit: nn.Module, S: torch.Tensor) -> tuple[torch.device, Optional[str]]:
+        """Where this update's solves run: ``device``, except on models whose forward costs less
+        than ``min_device_cost`` multiply-adds, whose many small solves are faster on the CPU."""
+        if self.device.type == "cpu":
+            return self.device, None
+        T = S.numel() + int(getattr(vit, "num_prefix_tokens", 1))
+        cost = forward_cost(vit, T)
+        if cost < self.min_device_cost:
+            return torch.device("cpu"), (f"solved on the CPU, not {self.device}: a forward of this model costs "
+                                         f"{cost:.2g} multiply-adds < min_device_cost {self.min_device_cost:.2g}")
+        return self.device, None
+
     def _span(self, vit: nn.Module, grads: dict, red: Reduction, b0: torch.Tensor, a0: torch.Tensor, grid,
               C: int, p: int, gen: torch.Generator):
         """Fit the reduced parameters (b, a) to the deeper layers' input spans (:class:`SpanResidual`):
@@ -350,7 +372,7 @@ class MJPAdaptive(Attack):
         spans = input_spans(vit, grads, T)
         if not spans:
             return b0, a0, dict(span_note="no layer gives a usable input span")
-        residual = SpanResidual(vit, spans, red.shuffled, self.device)
+        residual = SpanResidual(vit, spans, red.shuffled, red.device)
         nS = a0.shape[0]
         starts = [a0] + [self._draw_shuffled(red, b0, nS, gen) for _ in range(self.starts - 1)]
         b = b0.expand(len(starts), -1, -1).clone()
@@ -421,7 +443,7 @@ class MJPAdaptive(Attack):
     def _match(self, vit: nn.Module, grads: dict, red: Reduction, b0: torch.Tensor, a0: torch.Tensor,
                labels: torch.Tensor, grid, C: int, p: int, std: torch.Tensor):
         """Gradient matching over (b, a) with the attacker's forward at unk_mask = S (float64)."""
-        dev = self.device
+        dev = red.device
         work = copy.deepcopy(vit).to(dev, torch.float64).eval()
         for blk in work.blocks:
             if hasattr(blk.attn, "fused_attn"):

@@ -340,7 +340,7 @@ def part_mjp_adaptive(ctx: Context, seconds: float) -> dict:
                  reuse=False, **cheap)
     dev = str(ctx.device)
     ref = compare_attack(ctx, make_case(ctx, 32, "mjp", torch.float64), "mjp_adaptive", {**small, "device": "cpu"},
-                         exact=False, dev_options={"device": dev})
+                         exact=False, dev_options={"device": dev, "min_device_cost": 0})
     opts = (dict(refine="span", span_iterations=2, starts=2, probe_iterations=1, **cheap) if ctx.quick
             else dict(refine="span", span_iterations=150, starts=2, probe_iterations=10))
     opts["device"] = dev

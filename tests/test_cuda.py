@@ -198,7 +198,8 @@ def test_mjp_adaptive_on_cuda_equals_the_cpu_result():
     update = attacks.compute_update(model, normalize(model.shuffle_images(x, plan)).double(), torch.tensor([3]),
                                     unk_mask=plan.mask)
     meta = dict(MD, num_images=1, image_size=(3, 32, 32), labels=torch.tensor([3]))
-    opts = dict(refine="span", span_iterations=10, starts=2, probe_iterations=3, lm_jacobians=1, reuse=False)
+    opts = dict(refine="span", span_iterations=10, starts=2, probe_iterations=3, lm_jacobians=1, reuse=False,
+                min_device_cost=0)  # a 32 px model: on the device all the same
     on_cpu = attacks.create_attack("mjp_adaptive", device="cpu", **opts).reconstruct(model, update, meta)
     on_gpu = attacks.create_attack("mjp_adaptive", device="cuda", **opts).reconstruct(*_on_cuda(model, update), meta)
     assert not on_cpu.failed and not on_gpu.failed, (on_cpu.reason, on_gpu.reason)
@@ -283,3 +284,20 @@ def test_prepare_builds_every_device_attack_with_the_run_device():
     assert "device" in attackers["april_robust"].options.model_fields_set  # set by the pipeline, not defaulted
     assert attackers["april_robust"].device == torch.device("cpu")
     assert not hasattr(attackers["april_analytic"].options, "device")
+
+
+def test_mjp_adaptive_keeps_small_models_on_the_cpu_with_a_note():
+    """A 32 px model's many small solves are slower on a GPU (docs/speed.md): below
+    ``min_device_cost`` they stay on the CPU and the result says so; 0 asks for the device always.
+    No CUDA needed: only the choice is checked, nothing is allocated on the device."""
+    from attacks.mjp_adaptive import MJPAdaptive
+
+    model = MJPVisionTransformer(variant="mjp", first_block="april", **{**TINY, "embed_dim": 96})
+    shuffled = torch.zeros(64, dtype=torch.bool)
+    attack = MJPAdaptive()
+    assert attack._solve_device(model, shuffled) == (torch.device("cpu"), None)
+    attack.device = torch.device("cuda", 0)  # as resolve_device("cuda") gives on a GPU machine
+    dev, note = attack._solve_device(model, shuffled)
+    assert dev == torch.device("cpu") and "min_device_cost" in note and "cuda:0" in note
+    attack.min_device_cost = 0.0
+    assert attack._solve_device(model, shuffled) == (torch.device("cuda", 0), None)
