@@ -382,7 +382,7 @@ def part_ig_closed_start(ctx: Context, seconds: float) -> dict:
     partial.update(reference_32px=ref, size=ctx.size, s_per_step=round(per_step, 4), s_start=round(t_start, 3),
                    projected_s_2000_steps=round(t_start + 2000 * per_step, 1))
     try:  # where a step's time goes (launches or arithmetic): a diagnosis, never a failed part
-        step_profile = profile_steps(ctx, case, {**base, "device": dev}, (2, 4) if ctx.quick else (5, 15))
+        step_profile = profile_steps(ctx, case, {**base, "device": dev}, (1, 2) if ctx.quick else (5, 15))
     except Exception as err:  # noqa: BLE001 - the profiler's own failure is recorded, the part goes on
         step_profile = dict(error=f"{type(err).__name__}: {err}"[:300])
     partial["step_profile"] = step_profile
