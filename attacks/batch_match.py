@@ -25,8 +25,21 @@ B = 2 (two ImageNet-sample photographs at 32 px, labels known) 200 L-BFGS iterat
   delta is matched to the received one (the FedAvg attack of Dimitrov et al., 2022, for a client
   that reuses its batch); without it, -delta / (lr E) is matched as one mean gradient, which is
   exact only at E = 1.
-- **MJP:** the summed dL/dP is zero only where every image of the batch was shuffled, so the
-  per-image masks cannot be read off a batch update; the candidates use the plain forward (noted).
+- **MJP** (``mjp_mask``, the default): a client that draws one shuffle for its whole batch (the
+  default, ``per_sample: false``, as the official code does) puts E_unk at the same positions S in
+  every image, so the rows of the batch's dL/dP at S are exactly zero and S is read off the update
+  as at B = 1 (:func:`attacks.mjp_update.read_mjp_update`, which also removes the client's DAL
+  term). The candidates then go through the client's forward, E_unk at S in every image: they
+  estimate the shuffled images x~, and the jigsaw of each is solved
+  (:func:`attacks.jigsaw_solver.unshuffle_image`) into ``result.unshuffled``, which setting (c)
+  scores. A client with one shuffle per image (``per_sample: true``) leaves zero rows only where
+  every image was shuffled (the intersection of the masks): then fewer rows than the model's
+  training gamma implies are zero; the candidates get E_unk at that intersection only (the part of
+  the client's forward the update reveals), the other shuffled positions keep their position
+  embedding, no jigsaw is solved, and the notes say so. On the shipped CIFAR DeiT+MJP (``tv: 1``,
+  40 iterations, 4 updates per B) the client's forward moved setting (c) from 12.36 to 12.44 dB at
+  B = 2 and from 13.12 to 13.13 dB at B = 4 (docs/attacks.md, "Batches"): within the spread between
+  updates, the candidates being near the flat image either way.
 """
 from __future__ import annotations
 
@@ -44,7 +57,10 @@ from fedmjp.devices import resolve_device
 
 from .base import Attack, AttackFailure, AttackMetadata, AttackOptions, AttackResult, Update, register_attack, update_to_gradients
 from .breaching_adapter import attack_copy, matched_names
+from .first_layer import unwrap_vit
+from .jigsaw_solver import unshuffle_image
 from .labels import recover_label_counts
+from .mjp_update import read_mjp_update
 
 _logger = logging.getLogger(__name__)
 
@@ -127,16 +143,24 @@ def tnorm_of(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([t.pow(2).sum() for t in tensors]).sum()
 
 
-def gradient_distance(work: nn.Module, chosen: list[torch.Tensor], target: list[torch.Tensor], y: torch.Tensor
-                      ) -> Callable[[torch.Tensor], torch.Tensor]:
+def forward_kwargs(unk_mask: Optional[torch.Tensor], n: int) -> dict[str, torch.Tensor]:
+    """The keyword arguments of an MJP model's forward that put E_unk at ``unk_mask`` ([N] bool,
+    shared by the batch) in each of the ``n`` images; {} for the plain forward (None)."""
+    return {} if unk_mask is None else {"unk_mask": unk_mask.reshape(1, -1).expand(n, -1)}
+
+
+def gradient_distance(work: nn.Module, chosen: list[torch.Tensor], target: list[torch.Tensor], y: torch.Tensor,
+                      unk_mask: Optional[torch.Tensor] = None) -> Callable[[torch.Tensor], torch.Tensor]:
     """The data term of ``batch_match`` on a gradient update: x -> ||dL/dtheta(x, y) - u||^2 / ||u||^2
     over the parameters ``chosen`` of ``work`` (their target gradients ``target``), with the mean
-    cross-entropy over the batch; differentiable in x (double backward). Module-level so that the
-    basin measurements (bench/batch_match_basin.py) run the attack's own objective."""
+    cross-entropy over the batch; differentiable in x (double backward). ``unk_mask`` ([N] bool):
+    the positions that get E_unk in every image (an MJP client's shared shuffle), None: the plain
+    forward. Module-level so that the basin measurements (bench/batch_match_basin.py) run the
+    attack's own objective."""
     tnorm = tnorm_of(target)
 
     def data_term(x: torch.Tensor) -> torch.Tensor:
-        loss = F.cross_entropy(work(x), y)
+        loss = F.cross_entropy(work(x, **forward_kwargs(unk_mask, x.shape[0])), y)
         g = torch.autograd.grad(loss, chosen, create_graph=True)
         return torch.stack([(a - b).pow(2).sum() for a, b in zip(g, target)]).sum() / tnorm
 
@@ -144,18 +168,20 @@ def gradient_distance(work: nn.Module, chosen: list[torch.Tensor], target: list[
 
 
 def simulate_delta(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int, lr: float,
-                   names: list[str]) -> list[torch.Tensor]:
+                   names: list[str], unk_mask: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
     """The weight delta (after - before) of ``names`` after ``steps`` plain SGD steps at ``lr`` on the
     batch (x, y) with the mean cross-entropy, every step on the same batch as
     ``clients.update.fedavg_update`` takes them; differentiable in x (each step's gradient is taken
     with ``create_graph``). Every trainable parameter moves, as on the client; the model's own
-    parameters are left untouched (``torch.func.functional_call``)."""
+    parameters are left untouched (``torch.func.functional_call``). ``unk_mask`` as in
+    :func:`gradient_distance` (an MJP client keeps its batch's shuffle over its local steps)."""
     from torch.func import functional_call
 
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     start = {n: params[n] for n in names}
+    kwargs = forward_kwargs(unk_mask, x.shape[0])
     for _ in range(int(steps)):
-        loss = F.cross_entropy(functional_call(model, params, (x,)), y)
+        loss = F.cross_entropy(functional_call(model, params, (x,), kwargs), y)
         grads = torch.autograd.grad(loss, list(params.values()), create_graph=True, allow_unused=True)
         params = {n: p if g is None else p - lr * g for (n, p), g in zip(params.items(), grads)}
     return [params[n] - start[n] for n in names]
@@ -176,6 +202,10 @@ class BatchMatch(Attack):
         unroll: on a FedAvg delta of E > 1 local steps, simulate the E SGD steps and match the
             delta (E double backwards per evaluation); False matches the mean-gradient
             approximation.
+        mjp_mask: on an MJP model, read the shuffled positions off the zero rows of dL/dP and put
+            E_unk there in every candidate's forward (False: the plain forward).
+        unshuffle: with a mask read from a batch-wide shuffle, solve each candidate's jigsaw and
+            return it in ``result.unshuffled`` (what setting c scores).
     """
 
     name = "batch_match"
@@ -188,21 +218,60 @@ class BatchMatch(Attack):
         seed: Int = 0
         device: str = "cpu"
         unroll: bool = True
+        mjp_mask: bool = True
+        unshuffle: bool = True
 
     def __init__(self, **options: Any) -> None:
         o = self._parse_options(options)
         self.iterations, self.restarts, self.tv = o.iterations, o.restarts, o.tv
         self.init_scale, self.seed, self.device = o.init_scale, o.seed, resolve_device(o.device)
-        self.unroll = o.unroll
+        self.unroll, self.mjp_mask, self.unshuffle = o.unroll, o.mjp_mask, o.unshuffle
+
+    def _read_mask(self, model: nn.Module, grads: Mapping[str, torch.Tensor], n: int, notes: list[str]
+                   ) -> tuple[Optional[torch.Tensor], Mapping[str, torch.Tensor], bool, dict]:
+        """(E_unk positions [N] bool or None for the plain forward, gradients with any DAL term
+        removed, whether the mask is a whole-batch shuffle whose jigsaw can be solved, stats).
+
+        The zero rows of the batch's dL/dP are the positions shuffled in every image: the whole
+        shuffle of a client that draws one for its batch, the intersection of the per-image masks
+        of one that draws one per image. Fewer zero rows than half the model's training gamma
+        implies are taken for the latter (or a client at a smaller gamma): E_unk still goes where
+        the update proves it was, but no jigsaw is solved."""
+        vit = unwrap_vit(model)
+        if not self.mjp_mask:
+            notes.append("MJP: mjp_mask off; plain forward")
+            return None, grads, False, {}
+        S, grads, stats = read_mjp_update(vit, grads)
+        found = int(S.sum())
+        expected = int(S.numel() * float(getattr(vit, "gamma", 0.0) or 0.0))
+        stats = {"shuffled_count": found, "shuffled_expected": expected, **stats}
+        if found == 0:
+            notes.append("MJP: no zero row in dL/dP (no shuffle, or per-image shuffles with no position "
+                         "shuffled in every image); plain forward")
+            return None, grads, False, stats
+        shared = n == 1 or 2 * found >= expected
+        if shared:
+            notes.append(f"MJP: shuffled positions read off the zero rows of dL/dP (|S| = {found}); "
+                         f"E_unk there in every image")
+        else:
+            notes.append(f"MJP: only {found} zero rows of dL/dP where the model's gamma implies about {expected}: "
+                         "per-image shuffles (per_sample) leave zero rows only where every image was shuffled "
+                         "(their intersection); E_unk there, the other shuffled positions are not readable "
+                         "and keep their position embedding; no jigsaw solved")
+        return S, grads, shared, stats
 
     def _reconstruct(self, model: nn.Module, update: Update, meta: AttackMetadata) -> AttackResult:
         t0 = time.perf_counter()
         n = meta.num_images
         grads, notes = update_to_gradients(update, meta)
         work = attack_copy(model, torch.float64, self.device)
+        mask, shared, mjp_stats = None, False, {}
+        if "pos_embed" in grads and getattr(unwrap_vit(work), "unk_embed", None) is not None:
+            mask, grads, shared, mjp_stats = self._read_mask(model, grads, n, notes)
         names = matched_names(work, grads, meta.image_size)
-        if "pos_embed" in grads and getattr(work, "unk_embed", None) is not None and n > 1:
-            notes.append("MJP: per-image shuffle masks are not readable from a batch update; plain forward")
+        if mask is not None and "unk_embed" in grads and "unk_embed" not in names:
+            names.insert(0, "unk_embed")  # used by the masked forward, not by the plain one
+        dev_mask = None if mask is None else mask.to(self.device)
         y, label_stats = batch_labels(model, grads, meta, self.seed)
         y = y.to(self.device)
         params = dict(work.named_parameters())
@@ -222,10 +291,10 @@ class BatchMatch(Attack):
             notes.append(f"FedAvg: {steps} local SGD steps at lr {lr:g} simulated and the delta matched")
 
             def data_term(x: torch.Tensor) -> torch.Tensor:
-                delta = simulate_delta(work, x, y, steps, lr, names)
+                delta = simulate_delta(work, x, y, steps, lr, names, dev_mask)
                 return torch.stack([(a - b).pow(2).sum() for a, b in zip(delta, target)]).sum() / tnorm
         else:
-            data_term = gradient_distance(work, chosen, target, y)
+            data_term = gradient_distance(work, chosen, target, y, dev_mask)
 
         gen = torch.Generator().manual_seed(self.seed)
         best_x, best_val, runs = None, float("inf"), []
@@ -249,8 +318,15 @@ class BatchMatch(Attack):
                 best_x, best_val = x.detach().clone(), val
         if best_x is None:
             raise AttackFailure("every restart ended with a non-finite objective")
+        images = meta.denormalize(best_x)
+        unshuffled, jigsaw = None, [{} for _ in range(n)]
+        if mask is not None and shared and self.unshuffle:
+            p = int(unwrap_vit(work).patch_embed.patch_size[0])
+            solved = [unshuffle_image(images[i:i + 1].cpu(), mask, p) for i in range(n)]
+            unshuffled = torch.cat([u for u, _ in solved]).float()
+            jigsaw = [dict(jigsaw_cost=info["cost_final"], jigsaw_swaps=info["swaps"]) for _, info in solved]
         elapsed = time.perf_counter() - t0
         stats = dict(objective=best_val, restarts=runs, time_s=elapsed / n, attack=self.name,
                      matched_parameters=len(names), notes=notes, labels_used=[int(v) for v in y.cpu()],
-                     **label_stats)
-        return AttackResult(meta.denormalize(best_x), [dict(stats) for _ in range(n)], labels=y.cpu())
+                     **label_stats, **mjp_stats)
+        return AttackResult(images, [dict(stats, **jigsaw[i]) for i in range(n)], labels=y.cpu(), unshuffled=unshuffled)
