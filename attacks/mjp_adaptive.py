@@ -63,7 +63,7 @@ from .first_layer import gradient_of_Z as _gradient_of_Z, is_design_a as _is_des
 from .base import (Attack, AttackFailure, AttackMetadata, AttackOptions, AttackResult, Update, register_attack,
                    update_to_gradients)
 from .jigsaw_solver import unshuffle_image
-from .matching import recover_labels
+from .labels import recover_labels
 from .mjp_maths import (Reduction, assemble, mjp_reduction, neighbour_diffs, patches_to_image, smoothness_prior_solve,
                         tv_prior_refine)
 from .mjp_update import read_mjp_update
