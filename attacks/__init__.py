@@ -12,7 +12,7 @@ from .updates import compute_per_sample_updates, compute_update
 from .first_layer import AprilConditionError, check_conditions
 from .april import AprilAnalytic
 from .breaching_adapter import BREACHING_ATTACKS, BreachingAttack, load_attack_config
-from .matching import AprilOptimization, GradientMatching, InvertingGradientsBatched, recover_labels
+from .matching import AprilOptimization, GradientMatching, InvertingGradientsBatched
 from .mjp_adaptive import MJPAdaptive
 from .mjp_maths import mjp_reduction
 from .mjp_update import detect_shuffled
@@ -20,7 +20,7 @@ from .jigsaw_solver import solve_jigsaw
 from .pe_closed_form import PEClosedForm, PESystem, pe_closed_form_system, pe_conditions
 from .april_robust import AprilRobust
 from .batch_match import BatchMatch
-from .labels import LabelCounts, recover_label_counts
+from .labels import LabelCounts, recover_label_counts, recover_labels
 
 __all__ = [
     "BREACHING_ATTACKS", "AprilAnalytic", "AprilConditionError", "AprilOptimization", "Attack", "AttackFailure",

@@ -32,15 +32,20 @@ assembled (A, labels) is accepted only where it reproduces the whole head update
 Delta 1 = n dL/dc) to the update's rounding. Otherwise, for larger n, each image has a family of
 solutions and only the joint fit above is left; for n >= C the head's gradient has rank <= C - 1
 < n, the features' span is not identifiable, and the bias rule is all there is.
+
+:func:`recover_labels` is the one-pass rule the gradient-matching attacks use where labels are not
+granted: the n most negative entries of the bias gradient (or of the weight gradient's row sums, iDLG).
 """
 from __future__ import annotations
 
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
+
+from .base import AttackFailure
 
 _logger = logging.getLogger(__name__)
 
@@ -360,3 +365,25 @@ def recover_label_counts(bias_grad: torch.Tensor, weight_grad: torch.Tensor | No
     real = P.sum(1) - n * db  # k = sum_b p_b - n dL/dc
     counts = round_counts(real, n, floor=db < 0)
     return LabelCounts(_counts_to_labels(counts), counts, "fit", best, notes)
+
+
+#: The rules of :func:`recover_labels` (``label_strategy`` of the gradient-matching attacks).
+LABEL_STRATEGIES = ("bias", "idlg")
+
+
+def recover_labels(grads: dict[str, torch.Tensor], head_names: Sequence[str], n: int, strategy: str) -> torch.Tensor:
+    """Labels from the classifier's gradient (cross-entropy, mean over the batch).
+
+    ``bias``: the bias gradient mean(softmax - onehot) is negative at the batch's labels: take the
+    n most negative entries. ``idlg`` (Zhao et al.): the row sums of the weight gradient, n smallest.
+    Returns [n] long (sorted).
+    """
+    weight = next((grads[h] for h in head_names if grads[h].dim() == 2), None)
+    bias = next((grads[h] for h in head_names if grads[h].dim() == 1), None)
+    if strategy == "bias" and bias is not None:
+        score = bias
+    elif strategy in ("idlg", "bias") and weight is not None:
+        score = weight.sum(dim=-1)
+    else:
+        raise AttackFailure(f"label strategy {strategy!r} needs the classifier's gradient")
+    return score.argsort()[:n].sort()[0].cpu()

@@ -16,10 +16,12 @@ whether the post-step candidate is kept). Restarts are scored by the cosine term
 
 ``april_optimization`` adds APRIL's position-embedding term: pe_weight x (1 - cos(dL/dP, target)).
 It works for any ViT (pre-norm included) that has a ``pos_embed``.
+
+The data terms (cosine, or the likelihood of a defence the attacker knows) and the TV prior live in
+:mod:`attacks.match_terms`; label recovery from the head's gradient in :mod:`attacks.labels`.
 """
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import time
@@ -32,7 +34,6 @@ from pydantic import Field
 from torch.func import functional_call, grad, vmap
 from tqdm.auto import tqdm
 
-from defences.spec import NoDefence
 from fedmjp.config import Float, Int, option
 from fedmjp.devices import resolve_device
 
@@ -40,213 +41,11 @@ from .base import (Attack, AttackFailure, AttackOptions, AttackMetadata, AttackR
                    _expand_metadatas, register_attack, update_to_gradients)
 from .breaching_adapter import attack_copy, matched_names
 from .first_layer import unwrap_vit
+from .labels import LABEL_STRATEGIES, recover_labels
+from .match_terms import MatchTerms, defence_match, total_variation, tv_kernel
 from .mjp_update import read_mjp_update
 
 _logger = logging.getLogger(__name__)
-
-LABEL_STRATEGIES = ("bias", "idlg")
-
-
-def recover_labels(grads: dict[str, torch.Tensor], head_names: Sequence[str], n: int, strategy: str) -> torch.Tensor:
-    """Labels from the classifier's gradient (cross-entropy, mean over the batch).
-
-    ``bias``: the bias gradient mean(softmax - onehot) is negative at the batch's labels: take the
-    n most negative entries. ``idlg`` (Zhao et al.): the row sums of the weight gradient, n smallest.
-    Returns [n] long (sorted).
-    """
-    weight = next((grads[h] for h in head_names if grads[h].dim() == 2), None)
-    bias = next((grads[h] for h in head_names if grads[h].dim() == 1), None)
-    if strategy == "bias" and bias is not None:
-        score = bias
-    elif strategy in ("idlg", "bias") and weight is not None:
-        score = weight.sum(dim=-1)
-    else:
-        raise AttackFailure(f"label strategy {strategy!r} needs the classifier's gradient")
-    return score.argsort()[:n].sort()[0].cpu()
-
-
-def total_variation(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """breaching's anisotropic TV (inner/outer exponent 1) per group: x [K, n, C, H, W] -> [K]."""
-    K, n, C, H, W = x.shape
-    diffs = F.conv2d(x.reshape(K * n, C, H, W), weight, padding=1, groups=C)
-    tv = (diffs.abs() + 1e-8).reshape(K, n, C, 2, H, W).sum(dim=3)
-    return tv.flatten(1).mean(dim=1)
-
-
-def _tv_kernel(channels: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Forward differences along W and H (zero padding), as breaching's TotalVariation: [2C, 1, 3, 3]."""
-    k = torch.tensor([[0, 0, 0], [0, -1, 1], [0, 0, 0]], dtype=dtype, device=device)[None, None]
-    return torch.cat([k.transpose(2, 3), k] * channels, dim=0)
-
-
-class _Match:
-    """What the candidates' gradients are matched to: the updates [K, ...] by parameter name and,
-    where the attacker knows the clients' defence (``AttackMetadata.defence``), its likelihood.
-
-    ``data(g)`` [K] is the data term of the objective (restarts and starts are scored by it):
-
-    - ``cosine``: 1 - cos(g, u), the whole update (Inverting Gradients);
-    - ``support`` (top-k pruning): 1 - cos(g * m, u) with m the kept (nonzero) entries of u: the
-      pruned update equals the client's gradient there and says nothing else about it;
-    - ``bins`` (deterministic or stochastic quantisation): every entry of the client's gradient lies
-      in the bin [lo, hi] of its level (half a level step either side, a whole step for stochastic
-      rounding, |g| <= the tensor's largest level; 1 bit: the sign's half-line), a uniform
-      likelihood; 1 - cos(g, P(g)) with P the projection onto those bins is zero exactly on the
-      gradients the quantiser maps to the update and grows with the distance outside them (it is
-      the cosine term where the bins shrink to points);
-    - ``gaussian`` / ``laplace`` (local DP, DP-SGD): u = clip_C(g) + noise of scale s (C the clip,
-      s = sigma C, divided by the batch size for DP-SGD): 1 - cos(g, u) plus the noise's negative
-      log-likelihood per entry, ||u - clip_C(g)||^2 / (s^2 n) - 1 (Laplace: |u - clip_C(g)|_1 /
-      (s n) - 1), zero in expectation at the client's gradient; its weight against the cosine term,
-      1 / (s^2 n), is large where the noise is small and vanishes where the noise swamps the update.
-
-    ``cosine(g)`` is always the plain cosine term: 1 - cos < ``exact_cos`` means the start's gradient
-    equals the update (nothing to refine), which a defended update never shows.
-    """
-
-    def __init__(self, targets: dict[str, torch.Tensor], kind: str = "cosine",
-                 bounds: Optional[tuple[dict, dict]] = None, support: Optional[dict] = None,
-                 noise: Optional[torch.Tensor] = None, clip: Optional[torch.Tensor] = None) -> None:
-        self.targets, self.kind = targets, kind
-        self.noise, self.clip = noise, clip
-        # The terms are computed on buckets of parameters laid end to end ([K, P_i] each), not per
-        # parameter tensor: a DeiT-S has ~150, and on a GPU a batch-1 step costs kernel launches,
-        # not arithmetic, so there one bucket holds them all. On the CPU a bucket stays near the
-        # cache's size: a pass over one 88 MB vector per term streams from memory and was 2.7x
-        # slower per step than cache-sized pieces (DeiT-S at 32 px, 2 cores).
-        first = next(iter(targets.values()))
-        limit = None if first.device.type == "cuda" else MATCH_BUCKET_CPU
-        self.buckets: list[list[str]] = [[]]
-        size = 0
-        for nm, t in targets.items():
-            if self.buckets[-1] and limit is not None and size + t[0].numel() > limit:
-                self.buckets.append([])
-                size = 0
-            self.buckets[-1].append(nm)
-            size += t[0].numel()
-        self.flat = self.flatten(targets)
-        self.lo = self.hi = self.keep = None
-        if bounds is not None:
-            self.lo, self.hi = self.flatten(bounds[0]), self.flatten(bounds[1])
-        if support is not None:
-            self.keep = self.flatten(support)
-        self.tn = _sumsq(self.flat).sqrt()
-        self.count = sum(t.shape[1] for t in self.flat)
-        self._selected: dict[tuple, "_Match"] = {}
-
-    def flatten(self, g: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        """Per bucket, [K, P_i]: the tensors of ``g`` named like the targets, flattened per group."""
-        return [torch.cat([g[nm].flatten(1) for nm in names], dim=1) if len(names) > 1 else g[names[0]].flatten(1)
-                for names in self.buckets]
-
-    def select(self, idx: Optional[Sequence[int]]) -> "_Match":
-        """The same for the groups ``idx`` only (kept: the active set changes rarely)."""
-        if idx is None:
-            return self
-        key = tuple(int(i) for i in idx)
-        if key == tuple(range(self.tn.shape[0])):
-            return self
-        got = self._selected.get(key)
-        if got is None:
-            ix = torch.tensor(key, dtype=torch.long, device=self.tn.device)
-            got = copy.copy(self)
-            got.targets = {nm: v[ix] for nm, v in self.targets.items()}
-            for attr in ("flat", "lo", "hi", "keep"):
-                v = getattr(self, attr)
-                setattr(got, attr, None if v is None else [t[ix] for t in v])
-            for attr in ("noise", "clip", "tn"):
-                v = getattr(self, attr)
-                setattr(got, attr, None if v is None else v[ix])
-            got._selected = {}
-            self._selected = {key: got}
-        return got
-
-    def cosine(self, g: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self._cosine(self.flatten(g))
-
-    def _cosine(self, gf: list[torch.Tensor]) -> torch.Tensor:
-        dot = sum((gi * ti).sum(1) for gi, ti in zip(gf, self.flat))
-        return 1 - dot / (_sumsq(gf).sqrt() * self.tn)
-
-    def data(self, g: dict[str, torch.Tensor]) -> torch.Tensor:
-        gf = self.flatten(g)
-        if self.kind == "support":
-            return self._cosine([gi * mi for gi, mi in zip(gf, self.keep)])
-        if self.kind == "bins":
-            proj = [torch.max(torch.min(gi, hi), lo) for gi, lo, hi in zip(gf, self.lo, self.hi)]
-            dot = sum((gi * pi).sum(1) for gi, pi in zip(gf, proj))
-            return 1 - dot / (_sumsq(gf).sqrt() * _sumsq(proj).sqrt()).clamp_min(1e-30)
-        cos = self._cosine(gf)
-        if self.kind in ("gaussian", "laplace"):
-            gn = _sumsq(gf).sqrt()
-            factor = torch.clamp(self.clip / gn.clamp_min(1e-30), max=1.0)[:, None]  # clip_C(g) = factor g
-            res = [ti - factor * gi for gi, ti in zip(gf, self.flat)]
-            if self.kind == "gaussian":
-                return cos + _sumsq(res) / (self.noise.pow(2) * self.count) - 1
-            return cos + sum(r.abs().sum(1) for r in res) / (self.noise * self.count) - 1
-        return cos
-
-
-#: Elements per bucket of :class:`_Match` on the CPU (1 MiB of float32); one bucket on a GPU.
-MATCH_BUCKET_CPU = 1 << 18
-
-
-def _sumsq(parts: list[torch.Tensor]) -> torch.Tensor:
-    """[K]: the squared norm of each group's row over all buckets."""
-    return sum(t.pow(2).sum(1) for t in parts)
-
-
-def defence_match(targets: dict[str, torch.Tensor], raw: Sequence[Any], metas: Sequence[AttackMetadata],
-                  names: Sequence[str]) -> tuple[_Match, list[str]]:
-    """The :class:`_Match` of K groups' targets under their clients' defence (``metas[k].defence``;
-    one kind for all: the groups of one call share a protocol, else the plain cosine) and a note.
-
-    ``raw[k]``: group k's update in gradient units as sent (before any known term is removed), for
-    the pruned support and the quantiser's levels."""
-    specs = [m.defence or NoDefence() for m in metas]
-    name, obs = specs[0].name, specs[0].observation()
-    if any(sp != specs[0] for sp in specs) or obs is None or not obs.perturbs:
-        return _Match(targets), ([] if name == "none" or any(sp != specs[0] for sp in specs) else
-                                 [f"defence {name!r}: not modelled, plain cosine matching"])
-    meta = metas[0]
-    dev = next(iter(targets.values())).device
-    if obs.prune_keep is not None:
-        support = {nm: torch.stack([r[nm] != 0 for r in raw]).to(dev, torch.float32) for nm in names}
-        return _Match(targets, "support", support=support), [
-            f"defence prune (keep {obs.prune_keep}): matched on the kept entries only"]
-    if obs.quant_bits is not None:
-        bits, stochastic = obs.quant_bits, obs.quant_stochastic
-        lo, hi = {}, {}
-        for nm in names:
-            q = torch.stack([r[nm].detach().to("cpu", torch.float64) for r in raw])  # [K, ...] as sent
-            # where a known term was removed from the target (MJP's DAL term), the bins move with it
-            shift = targets[nm].detach().to("cpu", torch.float64) - q
-            flat = q.flatten(1).abs()
-            if bits == 1:  # sign(g) * mean|g|: g lies on the sign's half-line (zeros stay zero)
-                inf = torch.full_like(q, float("inf"))
-                lo[nm] = torch.where(q > 0, torch.zeros_like(q), torch.where(q < 0, -inf, torch.zeros_like(q)))
-                hi[nm] = torch.where(q < 0, torch.zeros_like(q), torch.where(q > 0, inf, torch.zeros_like(q)))
-            else:
-                m = flat.amax(1).reshape(-1, *([1] * (q.dim() - 1)))  # the largest level: max |g|
-                half = (2 * m / (2 ** bits - 1)) * (1.0 if stochastic else 0.5)
-                lo[nm], hi[nm] = torch.maximum(q - half, -m), torch.minimum(q + half, m)
-            lo[nm], hi[nm] = lo[nm] + shift, hi[nm] + shift
-        what = f"{bits} bit{'s' if bits > 1 else ''}{', stochastic' if stochastic else ''}"
-        return _Match(targets, "bins", bounds=({k: v.to(dev, torch.float32) for k, v in lo.items()},
-                                               {k: v.to(dev, torch.float32) for k, v in hi.items()})), [
-            f"defence quantize ({what}): matched through the quantiser's bins"]
-    if obs.noise is None:
-        return _Match(targets), [f"defence {name!r}: not modelled, plain cosine matching"]
-    if obs.per_example and (meta.update_type != "gradient" or meta.num_images != 1):
-        return _Match(targets), ["defence dp_sgd on a FedAvg delta or a batch (per-example clipping): plain cosine"]
-    scale, clip = meta.defence_noise(obs)  # in gradient units (a FedAvg delta was divided by -lr * steps)
-    if scale <= 0:
-        return _Match(targets), [f"defence {name} without noise: plain cosine matching"]
-    K = len(raw)
-    # the clip bounds the whole update (local DP) or the one example's gradient (DP-SGD, batch 1)
-    note = (f"defence {name} (clip {obs.clip:g}, sigma {obs.sigma:g}): {obs.noise} likelihood of scale {scale:.3g}")
-    return _Match(targets, obs.noise, noise=torch.full((K,), scale, device=dev),
-                  clip=torch.full((K,), clip, device=dev)), [note + " beside the cosine term"]
 
 
 class GradientMatching(Attack):
@@ -375,7 +174,7 @@ class GradientMatching(Attack):
             for note in notes:
                 note.extend(more)
         else:
-            match = _Match(targets)
+            match = MatchTerms(targets)
         lo, hi = metas[0].box(torch.float32, self.device)
         per_group = self._per_group_gradients(work, names, masks)
 
@@ -432,7 +231,7 @@ class GradientMatching(Attack):
         May replace ``converted[k]``'s gradients (e.g. with a known extra loss term removed)."""
         return None, None, [[] for _ in updates]
 
-    def _run_trial_converging(self, per_group, match: "_Match", y: torch.Tensor, shape: tuple, lo: torch.Tensor,
+    def _run_trial_converging(self, per_group, match: MatchTerms, y: torch.Tensor, shape: tuple, lo: torch.Tensor,
                               hi: torch.Tensor, trial: int, starts: Optional[list],
                               solved: Optional[torch.Tensor] = None, incumbent: Optional[torch.Tensor] = None
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[dict]]:
@@ -570,7 +369,7 @@ class GradientMatching(Attack):
                              objective_curve=curves[k], solved=bool(skip[k])))
         return best, trace, failed, info
 
-    def _pick_starts(self, per_group, match: "_Match", y: torch.Tensor, draw: torch.Tensor, lo: torch.Tensor,
+    def _pick_starts(self, per_group, match: MatchTerms, y: torch.Tensor, draw: torch.Tensor, lo: torch.Tensor,
                      hi: torch.Tensor, starts: list) -> list:
         """Per update, the candidate start (name, x) whose gradient matches the update best (the
         cosine term, what the attacker can evaluate), or None where it has none. ``starts[k]``: a
@@ -620,11 +419,11 @@ class GradientMatching(Attack):
         grad_fn = vmap(grad(loss), in_dims=(None, 0, 0))
         return lambda x, y, sel=None: grad_fn(params, x, y)
 
-    def _objective(self, per_group, match: "_Match", y: torch.Tensor, x: torch.Tensor, lo: torch.Tensor,
+    def _objective(self, per_group, match: MatchTerms, y: torch.Tensor, x: torch.Tensor, lo: torch.Tensor,
                    with_prior: bool = True, sel: Optional[Sequence[int]] = None,
                    plain: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(objective [k], data term [k]) for candidates x [k, n, C, H, W] of the groups ``sel``
-        (all when None); ``plain``: the data term is the plain cosine term (:meth:`_Match.cosine`)."""
+        (all when None); ``plain``: the data term is the plain cosine term (:meth:`MatchTerms.cosine`)."""
         match = match.select(sel)
         g = per_group(x, y if sel is None else y[list(sel)], sel)
         data = match.cosine(g) if plain else match.data(g)
@@ -633,10 +432,10 @@ class GradientMatching(Attack):
             gp, tp = g["pos_embed"].flatten(1), match.targets["pos_embed"].flatten(1)
             obj = obj + self.pe_weight * (1 - F.cosine_similarity(gp, tp, dim=1, eps=1e-30))
         if with_prior and self.tv > 0:
-            obj = obj + self.tv * total_variation(x, _tv_kernel(x.shape[2], x.dtype, x.device))
+            obj = obj + self.tv * total_variation(x, tv_kernel(x.shape[2], x.dtype, x.device))
         return obj, data
 
-    def _run_trial(self, per_group, match: "_Match", y: torch.Tensor, shape: tuple, lo: torch.Tensor,
+    def _run_trial(self, per_group, match: MatchTerms, y: torch.Tensor, shape: tuple, lo: torch.Tensor,
                    hi: torch.Tensor, trial: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One restart: (best candidate [K, n, C, H, W], objective trace [iterations, K], failed [K])."""
         K = shape[0]

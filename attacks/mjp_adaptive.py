@@ -63,7 +63,7 @@ from .first_layer import gradient_of_Z as _gradient_of_Z, is_design_a as _is_des
 from .base import (Attack, AttackFailure, AttackMetadata, AttackOptions, AttackResult, Update, register_attack,
                    update_to_gradients)
 from .jigsaw_solver import unshuffle_image
-from .matching import recover_labels
+from .labels import recover_labels
 from .mjp_maths import (Reduction, assemble, mjp_reduction, neighbour_diffs, patches_to_image, smoothness_prior_solve,
                         tv_prior_refine)
 from .mjp_update import read_mjp_update
@@ -135,7 +135,8 @@ def estimate_key(model: nn.Module, update: Update, meta: AttackMetadata, options
 
 
 class _EstimateCache:
-    """A small LRU map from :func:`estimate_key` to (x~ [1, C, H, W] model input, S [N], stats, notes):
+    """A small LRU map from :func:`estimate_key` to (x~ [1, C, H, W] model input, S [N], stats, notes,
+    labels [1] or None):
     cachetools' LRU behind a lock (attack threads share it)."""
 
     def __init__(self, size: int) -> None:
@@ -263,8 +264,9 @@ class MJPAdaptive(Attack):
             return self._not_mjp(model, update, meta)
         key = estimate_key(model, update, meta, self._estimate_options()) if self.reuse else None
         cached = ESTIMATES.get(key) if key is not None else None
+        labels: Optional[torch.Tensor] = None  # the labels matched against (refine="match" on design A)
         if cached is not None:
-            x_tilde, S, stats, notes = (copy.deepcopy(v) for v in cached)
+            x_tilde, S, stats, notes, labels = (copy.deepcopy(v) for v in cached)
             notes.append("x~ estimate reused: computed before for the same model, update and options")
         else:
             grads, notes = update_to_gradients(update, meta)
@@ -272,7 +274,7 @@ class MJPAdaptive(Attack):
             if not bool(S.any()):
                 notes.append("no shuffled position detected: plain closed form / matching")
             if _is_design_a(vit.blocks[0]):
-                x_tilde, more = self._design_a(vit, grads, S, meta)
+                x_tilde, more, labels = self._design_a(vit, grads, S, meta)
             else:
                 x_tilde, more = self._fallback(model, grads, S, meta)
                 notes.append("block 0 is not design A: MJP-aware april_optimization with the detected mask")
@@ -281,7 +283,7 @@ class MJPAdaptive(Attack):
                 notes.append(stats["device_note"])
             stats["estimate_cpu_s"] = time.process_time() - c0
             if key is not None:
-                ESTIMATES.put(key, tuple(copy.deepcopy(v) for v in (x_tilde, S, stats, notes)))
+                ESTIMATES.put(key, tuple(copy.deepcopy(v) for v in (x_tilde, S, stats, notes, labels)))
         design_a = _is_design_a(vit.blocks[0])
         p = int(vit.patch_embed.patch_size[0])
         images = meta.denormalize(x_tilde)
@@ -293,7 +295,7 @@ class MJPAdaptive(Attack):
                      design_a=design_a)
         stats.setdefault("objective", float("nan"))
         stats.setdefault("iterations", 0)
-        return AttackResult(images, [stats], labels=stats.pop("_labels", None), unshuffled=unshuffled)
+        return AttackResult(images, [stats], labels=labels, unshuffled=unshuffled)
 
     def _labels(self, vit: nn.Module, grads: dict, meta: AttackMetadata) -> torch.Tensor:
         if meta.labels is not None:
@@ -303,11 +305,15 @@ class MJPAdaptive(Attack):
         names = [n for n, q in vit.named_parameters() if id(q) in ids and n in grads]
         return recover_labels(grads, names, 1, "bias")
 
-    def _design_a(self, vit: nn.Module, grads: dict, S: torch.Tensor, meta: AttackMetadata):
+    def _design_a(self, vit: nn.Module, grads: dict, S: torch.Tensor, meta: AttackMetadata
+                  ) -> tuple[torch.Tensor, dict, Optional[torch.Tensor]]:
+        """(x~ [1, C, H, W] model input, stats, labels): the labels matched against (granted or
+        recovered from the head's gradient) where ``refine="match"`` ran, else None."""
         info = check_conditions(vit)
         if "blocks.0.attn.qkv.weight" not in grads:
             raise AttackFailure("update lacks 'blocks.0.attn.qkv.weight'")
         G_Z = _gradient_of_Z(vit, grads, info)
+        labels: Optional[torch.Tensor] = None
         dev, device_note = self._solve_device(vit, S)
         red = mjp_reduction(vit, G_Z, grads["blocks.0.attn.qkv.weight"], S, self.rcond).to(dev)
         stats = dict(red.stats)
@@ -341,8 +347,7 @@ class MJPAdaptive(Attack):
             labels = self._labels(vit, grads, meta)
             b, a, mstats = self._match(vit, grads, red, b, a, labels, grid, C, p, std)
             stats.update(mstats)
-            stats["_labels"] = labels
-        return assemble(red, b, a, grid, C, p).cpu(), stats
+        return assemble(red, b, a, grid, C, p).cpu(), stats, labels
 
     def _solve_device(self, vit: nn.Module, S: torch.Tensor) -> tuple[torch.device, Optional[str]]:
         """Where this update's solves run: ``device``, except on models whose forward costs less

@@ -109,7 +109,7 @@ def test_defence_terms_vanish_at_the_clients_gradient() -> None:
     pruned support and the quantiser's bins exactly, the noise's likelihood in expectation) and
     positive at another image's gradient."""
     from attacks.base import AttackMetadata
-    from attacks.matching import defence_match
+    from attacks.match_terms import defence_match
     from defences.transforms import local_dp, prune_update, quantize_update
 
     model = model_of("plain")
