@@ -127,10 +127,13 @@ def test_batch_plot_draws_the_strongest_row_against_b(tmp_path: Path) -> None:
     for i, B in enumerate([1, 2, 4]):
         for attack, psnr in (("batch_match", 20.0 - B), ("strongest", 21.0 - B)):
             rows.append({"sweep_index": i, "model": "DeiT", "defence": "none", "setting": "c", "attack": attack,
-                         "sweep.federation.batch_size": B, "psnr": psnr, "lpips": 0.1 * B})
+                         "sweep.federation.batch_size": B, "psnr": psnr, "lpips": 0.1 * B,
+                         "flat_psnr": 12.0 + 0.1 * B})
     frame = pd.DataFrame(rows)
     path = batch_plot(frame, tmp_path / "batch_size.png")
     assert path is not None and path.stat().st_size > 0
+    without = batch_plot(frame.drop(columns=["flat_psnr"]), tmp_path / "no_floor.png")  # runs stored before the column
+    assert without is not None and without.read_bytes() != path.read_bytes()  # the floor is drawn
     assert batch_plot(frame.drop(columns=["sweep.federation.batch_size"]), tmp_path / "none.png") is None
 
 
