@@ -185,8 +185,9 @@ def aggregate(rows: Sequence[dict], model_order: Sequence[str] | None = None) ->
     left out, PSNR capped at ``metrics.PSNR_CAP_DB``), ``acc_mean``/``acc_count``: top-1 of the model
     as trained over every attacked image (an attack failure does not change what the model
     predicted), ``flat_psnr_mean`` (the rows' :func:`benchmark.scoring.flat_psnr` floor, over the
-    rows the PSNR mean is over; NaN for runs stored without it), and :func:`shape_stats`. With several attackers the derived ``strongest`` rows
-    (:func:`strongest_rows`) are aggregated like any attacker's, after them, with their ``winners``.
+    rows the PSNR mean is over; NaN for runs stored without it), and :func:`shape_stats`. With
+    several attackers the derived ``strongest`` rows (:func:`strongest_rows`) are aggregated like
+    any attacker's, after them, with their ``winners``.
     Ordered as the config's model rows, attackers in order of appearance, then settings a, b, c.
     """
     df = rows_frame(rows)

@@ -4,8 +4,8 @@ re-running this on a folder reproduces them.
 Tables follow the paper's Table 5: one row per model and setting, columns Acc., MSE, FFT2D, PSNR,
 SSIM, LPIPS, with an arrow for the direction that means *more private* (higher MSE/FFT2D/LPIPS,
 lower PSNR/SSIM), and beside PSNR the floor of no information (``PSNR flat``: a flat image of the
-model's normalisation mean colour scored against the same images); with several attackers, one row per model, attacker and setting (an ``Attack``
-column appears). ``table_full.csv`` adds standard deviations, counts and failures, and for the shape
+model's normalisation mean colour scored against the same images); with several attackers, one
+row per model, attacker and setting (an ``Attack`` column appears). ``table_full.csv`` adds standard deviations, counts and failures, and for the shape
 of each row's distribution: the median, a seeded 95% bootstrap interval of the mean, and the share
 of images recovered recognisably (SSIM >= 0.5; LPIPS <= 0.3), plus the per-region means of MJP rows
 (:mod:`benchmark.aggregate`).
