@@ -7,7 +7,7 @@ The shipped CIFAR DeiT (plain, design A, depth 4), two ImageNet-sample photograp
 ``--files`` of the sorted folder) at 32 px as one float64 update with labels ``--labels``. Per line:
 
 - ``flat``: the PSNR of the model's normalisation mean colour (default_cfg mean) as a reconstruction of each image, what an attacker
-  scores without reading the update at all;
+  scores without reading the update at all (``benchmark.scoring.flat_psnr``, the benchmark rows' ``flat_psnr``);
 - ``basin``: from the client's batch plus Gaussian noise of RMS sigma (model-input units), the data
   term of ``batch_match`` (``attacks.batch_match.gradient_distance``) and PSNR after assignment at
   the start and after ``--iterations`` L-BFGS iterations (strong Wolfe, as the attack), with the RMS
@@ -40,7 +40,7 @@ import fedmjp  # noqa: E402,F401  (registers the models)
 from attacks.batch_match import gradient_distance  # noqa: E402
 from attacks.breaching_adapter import matched_names  # noqa: E402
 from attacks.spans import InputSpan, input_spans  # noqa: E402
-from benchmark.scoring import pair_reconstructions  # noqa: E402
+from benchmark.scoring import flat_psnr, pair_reconstructions  # noqa: E402
 from fedmjp.checkpoint import load_checkpoint  # noqa: E402
 from fedmjp.data import open_image, preprocess  # noqa: E402
 
@@ -159,7 +159,8 @@ def main(argv: list[str] | None = None) -> None:
     xn = (x - mean) / std
     update = attacks.compute_update(model, xn, labels)
     B, tokens = len(files), model.patch_embed.num_patches + 1
-    _logger.info("flat: mean colour PSNR %s dB", [round(v, 2) for v in paired_psnr(mean.expand_as(x), x)])
+    flat = flat_psnr(x, mean.flatten().tolist())  # the benchmark rows' flat_psnr column
+    _logger.info("flat: mean colour PSNR %s dB", [round(v, 2) for v in flat.tolist()])
 
     params = dict(model.named_parameters())
     names = matched_names(model, update, tuple(x.shape[1:]))

@@ -21,7 +21,7 @@ from metrics.regions import REGION_COLUMNS
 
 from .config import SETTINGS
 from .rows import ROW_KEY
-from .scoring import ROW_METRICS
+from .scoring import FLAT_COLUMN, ROW_METRICS
 
 #: A reconstruction counts as recognisable at SSIM >= this, or (separately) at LPIPS <= that.
 RECOGNISABLE_SSIM = 0.5
@@ -49,10 +49,10 @@ def rows_frame(rows: Sequence[dict]) -> pd.DataFrame:
     """results.jsonl rows -> DataFrame with every metric column present and numeric (missing -> NaN)."""
     df = pd.DataFrame(list(rows))
     for col in ("model", "label", "setting", "trained", "failed", "correct", "attack", *ROW_METRICS,
-                *REGION_COLUMNS):
+                FLAT_COLUMN, *REGION_COLUMNS):
         if col not in df.columns:
             df[col] = np.nan
-    for col in ("correct", *ROW_METRICS, *REGION_COLUMNS):
+    for col in ("correct", *ROW_METRICS, FLAT_COLUMN, *REGION_COLUMNS):
         df[col] = pd.to_numeric(df[col], errors="coerce").astype(float)
     df["failed"] = df["failed"].fillna(False).astype(bool)
     df["attack"] = df["attack"].fillna("").astype(str)
@@ -184,8 +184,10 @@ def aggregate(rows: Sequence[dict], model_order: Sequence[str] | None = None) ->
     unexpected attack error), mean/std/count of each metric (:func:`metrics.aggregate`: failed rows
     left out, PSNR capped at ``metrics.PSNR_CAP_DB``), ``acc_mean``/``acc_count``: top-1 of the model
     as trained over every attacked image (an attack failure does not change what the model
-    predicted), and :func:`shape_stats`. With several attackers the derived ``strongest`` rows
-    (:func:`strongest_rows`) are aggregated like any attacker's, after them, with their ``winners``.
+    predicted), ``flat_psnr_mean`` (the rows' :func:`benchmark.scoring.flat_psnr` floor, over the
+    rows the PSNR mean is over; NaN for runs stored without it), and :func:`shape_stats`. With
+    several attackers the derived ``strongest`` rows (:func:`strongest_rows`) are aggregated like
+    any attacker's, after them, with their ``winners``.
     Ordered as the config's model rows, attackers in order of appearance, then settings a, b, c.
     """
     df = rows_frame(rows)
@@ -193,7 +195,8 @@ def aggregate(rows: Sequence[dict], model_order: Sequence[str] | None = None) ->
         return pd.DataFrame()
     df = with_strongest(df)
     by = ["model", "attack", "setting"]
-    full = metrics.aggregate(df, by=by, metrics=list(ROW_METRICS))
+    # flat_psnr averaged over the same (non-failed) rows as psnr: the floor of exactly those images
+    full = metrics.aggregate(df, by=by, metrics=[*ROW_METRICS, FLAT_COLUMN])
     acc = df.groupby(by)["correct"].agg(acc_mean="mean", acc_count="count").reset_index()
     errors = (df["error"].fillna(False).astype(bool) if "error" in df.columns
               else pd.Series(False, index=df.index))

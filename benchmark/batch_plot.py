@@ -16,7 +16,8 @@ BATCH_KEY = "federation.batch_size"
 
 
 def batch_plot(frame: pd.DataFrame, path: Path) -> Path | None:
-    """Plot PSNR (left) and LPIPS (right) of the strongest row against B; None where the sweep
+    """Plot PSNR (left, with the images' flat-image floor dashed where the rows carry ``flat_psnr``)
+    and LPIPS (right) of the strongest row against B; None where the sweep
     does not vary ``federation.batch_size`` or no row was scored.
 
     Args:
@@ -44,7 +45,11 @@ def batch_plot(frame: pd.DataFrame, path: Path) -> Path | None:
     for ax, metric in zip(axes[0], metrics):
         for (model, defence, setting), g in best.groupby(["model", "defence", "setting"]):
             g = g.sort_values(col)
-            ax.plot(pd.to_numeric(g[col]), g[metric], marker="o", label=f"{model}, {defence} ({setting})")
+            line, = ax.plot(pd.to_numeric(g[col]), g[metric], marker="o", label=f"{model}, {defence} ({setting})")
+            if metric == "psnr" and "flat_psnr" in g and g["flat_psnr"].notna().any():
+                # the floor of no information on the same images (benchmark.scoring.flat_psnr), dashed
+                ax.plot(pd.to_numeric(g[col]), g["flat_psnr"], linestyle="--", color=line.get_color(),
+                        label=f"{model}, {defence} ({setting}): flat image")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch size B per client update")
         ax.set_ylabel(f"{metric} of the strongest attacker")

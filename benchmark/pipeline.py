@@ -445,13 +445,17 @@ def quiet_flower(verbose: bool = False) -> None:
 def row_context(cfg: BenchmarkConfig, row: ModelRow, group: str, resolved: RunConfig,
                 image_names: list[str]) -> RowContext:
     """What every result row of one federation (model row, setting group) shares; ``resolved``: the
-    federation's run config."""
+    federation's run config. The flat image of the ``flat_psnr`` column has the colour the model
+    normalises its input with (:func:`fedmjp.factory.model_input_stats`), as the attacks are told."""
+    from fedmjp.factory import model_input_stats
+
     return RowContext(model=row.name, label=row.label, trained=row.trained, arch=row.spec["arch"],
                       variant=row.spec["variant"], april=row.spec["april"], group=group, seed=cfg.seed,
                       defence=resolved.defence,
                       image_index={name: i for i, name in enumerate(image_names)},
                       federation={"batch_size": cfg.federation.batch_size, "local_steps": cfg.federation.local_steps,
-                                  "labels": "known" if cfg.attack.labels == "known" else "recovered"})
+                                  "labels": "known" if cfg.attack.labels == "known" else "recovered"},
+                      flat_colour=tuple(float(v) for v in model_input_stats(row.model)[0]))
 
 
 def round_keys(model: str, attackers: list[Attacker], settings: list[str], rnd: int, part: int,

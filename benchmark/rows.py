@@ -10,7 +10,9 @@ A column is either a field of the dataclass or one of two open groups:
 * ``scores``: the scorer's columns, written between ``scored_estimate`` and ``failed``: the metrics
   the run computes (:data:`benchmark.scoring.ROW_METRICS` less LPIPS when it is off), ``clamped``,
   ``lpips_note`` and, for updates with shuffled patches, the per-region scores
-  (:data:`metrics.regions.REGION_COLUMNS`). Which of them a row holds depends on the config.
+  (:data:`metrics.regions.REGION_COLUMNS`), and ``flat_psnr``
+  (:func:`benchmark.scoring.flat_psnr`: the floor of no information, per image). Which of them a row
+  holds depends on the config.
 * ``extra``: columns after the schema's, in the order given (a sweep's ``sweep``, ``sweep_index``,
   ``sweep.<key>`` and utility columns).
 
@@ -248,6 +250,8 @@ class RowContext:
         defence: the clients' defence spec (typed, as the run config sends it; ``label`` for tables).
         image_index: image id -> position in the attack set (the batch's own index where missing).
         federation: the batch size, local steps and label threat model of the rows (``extra`` columns).
+        flat_colour: the model's input normalisation mean (one value per channel, in [0, 1]): the
+            colour of the flat image every row's ``flat_psnr`` scores; None: no such column.
     """
 
     model: str
@@ -263,6 +267,7 @@ class RowContext:
     #: columns every row of the federation carries after ``failed``: ``batch_size``, ``local_steps``
     #: and ``labels`` (the threat model: ``known`` or ``recovered``)
     federation: Mapping[str, Any] = field(default_factory=dict)
+    flat_colour: tuple[float, ...] | None = None
 
     def defence_columns(self, metrics: Mapping[str, Any]) -> dict[str, Any]:
         """The defence fields of a row: the defence's name and label, and what the client reported

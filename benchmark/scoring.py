@@ -25,6 +25,27 @@ _logger = logging.getLogger(__name__)
 
 #: Per-image metrics stored in results.jsonl: the paper's five plus the Hermitian FFT variant.
 ROW_METRICS = tuple(metrics.PAPER_METRICS) + ("fft2d_hermitian",)
+#: The column of every scored row that holds :func:`flat_psnr` of its image.
+FLAT_COLUMN = "flat_psnr"
+
+
+def flat_psnr(reference: torch.Tensor, colour: Sequence[float]) -> torch.Tensor:
+    """[B] PSNR (dB) of a flat image of ``colour`` against each reference image [B, C, H, W] in [0, 1].
+
+    With ``colour`` the model's normalisation mean (the zero of its input) this is what a
+    reconstruction scores without reading the update at all: the floor each row's PSNR is read
+    against (an attack at or below it recovered nothing measurable). Scored by the same PSNR as the
+    rows (:func:`metrics.score_all`), in float64.
+
+    Raises:
+        ValueError: ``colour`` does not have one value in [0, 1] per channel of ``reference``.
+    """
+    ref = reference.detach().to("cpu", torch.float64)
+    values = torch.as_tensor(tuple(colour), dtype=torch.float64)
+    if values.shape != (ref.shape[1],) or not bool(((values >= 0) & (values <= 1)).all()):
+        raise ValueError(f"flat colour {tuple(colour)}: need {ref.shape[1]} values in [0, 1], one per channel")
+    flat = values.view(1, -1, 1, 1).expand_as(ref).contiguous()
+    return metrics.score_all(flat, ref, ["psnr"])["psnr"]
 
 
 class Scorer:
@@ -286,7 +307,9 @@ def score_round(ctx: RowContext, attacker: tuple[str, str], setting: str, update
     Each update's reconstructions are paired with its true images (:func:`pair_reconstructions`),
     all of them are scored in one :meth:`Scorer.score` call, and the updates with shuffled patches
     get the per-region scores (settings b and c; :func:`metrics.regions.region_scores`). Setting (c)
-    is scored on an MJP-aware attack's estimate of x (``unshuffled``) where it has one.
+    is scored on an MJP-aware attack's estimate of x (``unshuffled``) where it has one. Where
+    ``ctx.flat_colour`` is set, every row also gets ``flat_psnr``: :func:`flat_psnr` of that colour
+    against the same reference image as the row's own scores (x~ in b, x in a and c).
 
     Args:
         ctx: what the federation's rows share.
@@ -315,6 +338,7 @@ def score_round(ctx: RowContext, attacker: tuple[str, str], setting: str, update
         estimates.append(estimate)
         orders.append(order)
     t_score = time.perf_counter()
+    flat = None if ctx.flat_colour is None else flat_psnr(torch.cat(refs), ctx.flat_colour)
     x = torch.cat([b.images for b in batches])
     xs = None if batches[0].shuffled is None else torch.cat([b.shuffled for b in batches])
     scores = scorer.score(setting, torch.cat(recons), x, xs)
@@ -347,6 +371,8 @@ def score_round(ctx: RowContext, attacker: tuple[str, str], setting: str, update
             row_scores = {k: v for k, v in metric_row.items() if k not in ("failed", "failure")}
             if j in regions:
                 row_scores.update({k: float(v[b]) for k, v in regions[j].items()})
+            if flat is not None:  # the image's own floor: no reconstruction enters it, so failed rows have it too
+                row_scores[FLAT_COLUMN] = float(flat[start + b])
             row = ResultRow(
                 model=ctx.model, label=ctx.label, trained=ctx.trained, arch=ctx.arch, variant=ctx.variant,
                 april=ctx.april, setting=setting, group=ctx.group, round=rnd, partition_id=part,

@@ -10,7 +10,9 @@ run folder itself holds:
 * ``results.jsonl``: every point's rows with ``sweep`` (``"defence.sigma=0.01"``), ``sweep_index``
   and one ``sweep.<key>`` column per swept key (rebuilt from the points' stores at the end);
 * ``sweep.csv``: means per (grid point, model, setting, attack): PSNR, SSIM, MSE, LPIPS, FFT2D,
-  top-1 (``correct``), ``defence_cos`` (cosine of the sent update to the clean one), ``dp_epsilon``;
+  top-1 (``correct``), ``defence_cos`` (cosine of the sent update to the clean one), ``dp_epsilon``,
+  ``flat_psnr`` (a flat image of the model's normalisation mean colour scored against the same images:
+  the floor of no information, :func:`benchmark.scoring.flat_psnr`);
   with several attackers also a ``strongest`` row per (grid point, model, setting), the per-image
   best reconstruction over the attackers picked by PSNR against the ground truth
   (:data:`benchmark.aggregate.STRONGEST_NOTE`), with ``winners`` saying which attacker won how often;
@@ -166,6 +168,7 @@ def sweep_table(rows: list[dict]) -> pd.DataFrame:
     import metrics as M
 
     from .aggregate import STRONGEST, rows_frame, winners, with_strongest
+    from .scoring import FLAT_COLUMN
 
     df = rows_frame(rows)  # metric columns numeric ("inf" strings of the store -> inf)
     if df.empty:
@@ -181,7 +184,8 @@ def sweep_table(rows: list[dict]) -> pd.DataFrame:
     keys = ["sweep_index", "sweep", "model", "label", "defence", "setting", "attack"]
     keys = [k for k in keys if k in df] + sorted(c for c in df if c.startswith("sweep."))
     ok = df[~df["failed"].astype(bool)] if "failed" in df else df
-    metrics = [m for m in (*SWEEP_METRICS, *UTILITY_COLUMNS) if m in df]
+    # flat_psnr: the images' floor of no information beside the PSNR (benchmark.scoring.flat_psnr)
+    metrics = [m for m in (*SWEEP_METRICS, FLAT_COLUMN, *UTILITY_COLUMNS) if m in df]
     table = ok.groupby(keys, dropna=False)[metrics].mean(numeric_only=True).reset_index()
     counts = df.groupby(keys, dropna=False).agg(n=("failed", "size"), failed=("failed", "sum")).reset_index()
     out = counts.merge(table, on=keys, how="left")

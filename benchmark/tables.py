@@ -3,8 +3,9 @@ re-running this on a folder reproduces them.
 
 Tables follow the paper's Table 5: one row per model and setting, columns Acc., MSE, FFT2D, PSNR,
 SSIM, LPIPS, with an arrow for the direction that means *more private* (higher MSE/FFT2D/LPIPS,
-lower PSNR/SSIM); with several attackers, one row per model, attacker and setting (an ``Attack``
-column appears). ``table_full.csv`` adds standard deviations, counts and failures, and for the shape
+lower PSNR/SSIM), and beside PSNR the floor of no information (``PSNR flat``: a flat image of the
+model's normalisation mean colour scored against the same images); with several attackers, one
+row per model, attacker and setting (an ``Attack`` column appears). ``table_full.csv`` adds standard deviations, counts and failures, and for the shape
 of each row's distribution: the median, a seeded 95% bootstrap interval of the mean, and the share
 of images recovered recognisably (SSIM >= 0.5; LPIPS <= 0.3), plus the per-region means of MJP rows
 (:mod:`benchmark.aggregate`).
@@ -28,6 +29,11 @@ from .store import RunFolder
 METRIC_COLUMNS = tuple((m, metrics.PAPER_COLUMN_LABELS[m], d)
                        for m, d in zip(metrics.PAPER_METRICS, (4, 4, 2, 4, 4)))
 ACC_HEADER = "Acc. (%) ↑"
+#: Header of the flat-image floor beside the PSNR column (no arrow: not a privacy score of the row).
+FLAT_HEADER = "PSNR flat"
+FLAT_NOTE = ("PSNR flat: the PSNR of a flat image of the model's normalisation mean colour against the same "
+             "images as the row's PSNR (column `flat_psnr` of results.jsonl), what an attacker scores without "
+             "reading the update; a PSNR at or below it recovered nothing measurable.")
 ACC_NOTE = ("Acc.: top-1 of the model as trained (block 0 unmodified) on the setting's input (x for a, "
             "x~ for b/c). Rows with `april: surgery` were attacked on a copy whose block 0 had its norm1 and "
             "attention residual removed (APRIL design A); column `correct_attacked_model` of results.jsonl "
@@ -53,6 +59,8 @@ def paper_table(full: pd.DataFrame) -> pd.DataFrame:
     """The paper's Table 5 layout from :func:`aggregate`'s output (strings)."""
     records = []
     several = full["attack"].nunique() > 1 if "attack" in full.columns else False
+    # the floor of no information, where the rows carry it (runs stored before the column have none)
+    flat = "flat_psnr_mean" in full.columns and bool(full["flat_psnr_mean"].notna().any())
     for _, r in full.iterrows():
         rec = {"Model": f"{r['label']}{'' if r['trained'] else UNTRAINED}"}
         if several:
@@ -60,6 +68,8 @@ def paper_table(full: pd.DataFrame) -> pd.DataFrame:
         rec.update({"Setting": f"({r['setting']})", ACC_HEADER: _fmt(100.0 * r["acc_mean"], 1)})
         for col, header, dec in METRIC_COLUMNS:
             rec[header] = _fmt(r[f"{col}_mean"], dec)
+            if col == "psnr" and flat:
+                rec[FLAT_HEADER] = _fmt(r["flat_psnr_mean"], dec)
         errors = int(r.get("n_error", 0) or 0)
         rec["n"] = f"{int(r['n'])}" + (f" ({int(r['n_failed'])} failed{f', {errors} on errors' if errors else ''})"
                                        if r["n_failed"] else "")
@@ -120,6 +130,8 @@ def write_tables(run: RunFolder) -> Tables:
     rows = run.rows()
     if any(r.get("april") == "surgery" for r in rows):
         md += "\n\n" + ACC_NOTE
+    if FLAT_HEADER in tables.table.columns:
+        md += "\n\n" + FLAT_NOTE
     if "winners" in tables.full.columns:
         md += "\n\n" + STRONGEST_NOTE
     lpips_notes = sorted({str(r["lpips_note"]) for r in rows if r.get("lpips_note")})

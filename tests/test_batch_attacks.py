@@ -127,10 +127,13 @@ def test_batch_plot_draws_the_strongest_row_against_b(tmp_path: Path) -> None:
     for i, B in enumerate([1, 2, 4]):
         for attack, psnr in (("batch_match", 20.0 - B), ("strongest", 21.0 - B)):
             rows.append({"sweep_index": i, "model": "DeiT", "defence": "none", "setting": "c", "attack": attack,
-                         "sweep.federation.batch_size": B, "psnr": psnr, "lpips": 0.1 * B})
+                         "sweep.federation.batch_size": B, "psnr": psnr, "lpips": 0.1 * B,
+                         "flat_psnr": 12.0 + 0.1 * B})
     frame = pd.DataFrame(rows)
     path = batch_plot(frame, tmp_path / "batch_size.png")
     assert path is not None and path.stat().st_size > 0
+    without = batch_plot(frame.drop(columns=["flat_psnr"]), tmp_path / "no_floor.png")  # runs stored before the column
+    assert without is not None and without.read_bytes() != path.read_bytes()  # the floor is drawn
     assert batch_plot(frame.drop(columns=["sweep.federation.batch_size"]), tmp_path / "none.png") is None
 
 
@@ -188,6 +191,48 @@ def test_unrolled_fedavg_matching_beats_the_mean_gradient_reading() -> None:
         assert not res.failed, res.reason
         got[unroll] = psnr(res.images.float(), x.float())
     assert got[True] > got[False] + 3.0, got
+
+
+def test_true_tokens_are_roots_of_the_per_token_mlp_problem() -> None:
+    """DAGER's per-token check on a real B = 2 update (docs/attacks.md, "Batches", the structure
+    attack): with the spans :func:`attacks.spans.input_spans` reads off the update, every one of the
+    B*T = 130 true tokens has its fc1 input (block 0's norm2 output) in S_fc1 and its fc2 input
+    GELU(W1 h + b1) in S_fc2 at the float64 noise floor, while tokens the batch did not hold (the
+    same images shifted by one pixel, random LayerNorm outputs) are decades off."""
+    from attacks.spans import input_spans
+
+    model = _deit()
+    mlp = model.blocks[0].mlp
+    seen: dict[str, torch.Tensor] = {}
+    hooks = [layer.register_forward_hook(lambda m, a, o, k=k: seen.__setitem__(k, a[0].detach().flatten(0, -2)))
+             for k, layer in (("fc1", mlp.fc1), ("fc2", mlp.fc2))]
+    xn = _inputs(2)
+    update = attacks.compute_update(model, xn, torch.tensor([3, 5]))
+    true = dict(seen)
+    spans = {s.name: s.basis for s in input_spans(model, update, 2 * 65)}
+
+    def residual(layer: str, tokens: torch.Tensor) -> torch.Tensor:
+        """Per token: ||a - V V^T a|| / ||a|| against the layer's span."""
+        V = spans[f"blocks.0.mlp.{layer}"]
+        return (tokens - tokens @ V @ V.T).norm(dim=1) / tokens.norm(dim=1)
+
+    assert true["fc1"].shape[0] == 130 and spans["blocks.0.mlp.fc1"].shape[1] == 130
+    # measured max 2.5e-12 (fc1) and 5.1e-10 (fc2: the small tokens' relative rounding)
+    assert float(residual("fc1", true["fc1"]).max()) < 1e-10
+    assert float(residual("fc2", true["fc2"]).max()) < 1e-8
+    with torch.no_grad():
+        model(torch.roll(xn, 1, dims=-1))
+    # measured min 2.5e-4 (fc1: S_fc1 holds 130 of 192 dimensions, and real tokens crowd into it)
+    # and 7.0e-3 (fc2: 130 of 768)
+    assert float(residual("fc1", seen["fc1"]).min()) > 1e-5
+    assert float(residual("fc2", seen["fc2"]).min()) > 1e-3
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        h = model.blocks[0].norm2(torch.randn(130, 192, generator=gen, dtype=torch.float64))
+        a = mlp.act(mlp.fc1(h))
+    assert float(residual("fc1", h).min()) > 0.1 and float(residual("fc2", a).min()) > 0.1  # measured 0.42, 0.64
+    for hook in hooks:
+        hook.remove()
 
 
 def _bench(name: str):

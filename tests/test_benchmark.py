@@ -91,6 +91,9 @@ def test_tables_are_means_of_results(full_run: Path) -> None:
     rows = pd.DataFrame(read_jsonl(full_run / "results.jsonl"))
     assert len(rows) == 2 * 3 * 4  # models x settings x attacked images
     assert rows["image_id"].nunique() == 4 and not rows["failed"].any()
+    # the flat-image floor depends on the image alone: x~ in (b) permutes the pixels of x
+    spread = rows.groupby("image_id")["flat_psnr"].agg(lambda v: float(v.max() - v.min()))
+    assert float(spread.max()) < 1e-9 and rows["flat_psnr"].between(5, 40).all()
     full = pd.read_csv(full_run / "table_full.csv")
     table = pd.read_csv(full_run / "table.csv", dtype=str)
     assert len(full) == len(table) == 6
@@ -104,6 +107,8 @@ def test_tables_are_means_of_results(full_run: Path) -> None:
         assert r["psnr_mean"] == pytest.approx(np.minimum(g["psnr"].astype(float), 100.0).mean(), rel=1e-9)
         assert r["acc_mean"] == pytest.approx(g["correct"].mean())
         assert table.loc[i, "MSE ↑"] == f"{g['mse'].astype(float).mean():.4f}"
+        assert r["flat_psnr_mean"] == pytest.approx(g["flat_psnr"].astype(float).mean(), rel=1e-12)
+        assert table.loc[i, "PSNR flat"] == f"{g['flat_psnr'].astype(float).mean():.2f}"
         assert table.loc[i, "Model"].endswith("(untrained)")
     # the unprotected model leaks completely in (a) and (b); MJP takes the leak away in (b)
     plain_a = full[(full["model"] == "DeiT") & (full["setting"] == "a")].iloc[0]

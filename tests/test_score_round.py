@@ -224,6 +224,43 @@ def test_score_round_settings_b_and_c_use_their_reference_and_the_region_scores(
     assert "mse_unshuffled" not in a_row.scores  # setting a has no shuffled positions
 
 
+def test_every_row_carries_the_flat_image_floor_of_its_own_image(scorer: scoring.Scorer) -> None:
+    """``flat_psnr``: a flat image of the context's colour scored against the row's reference (x~ in
+    b, x in c) as numpy computes it; failed attack rows carry it too (no reconstruction enters it),
+    the aggregate averages it over the rows the PSNR mean is over, the paper table shows it beside
+    PSNR, and a context without a colour writes no such column."""
+    from benchmark.aggregate import aggregate
+    from benchmark.tables import FLAT_HEADER, paper_table
+
+    colour = (0.485, 0.456, 0.406)
+    x = _images(2, seed=3)
+    xs = torch.roll(x, 1, dims=-1)  # a stand-in for x~: another reference than x
+    batch = PrivateBatch(images=x, labels=torch.tensor([3, 4]), image_ids=["img0", "img1"],
+                         indices=torch.tensor([20, 21]), plan=None, shuffled=xs, gamma=0.0)
+    ctx = _context(flat_colour=colour)
+    flat = np.broadcast_to(np.array(colour)[:, None, None], (3, SIZE, SIZE))
+    ok = AttackResult(images=xs + OFFSET, stats=[{}, {}])
+    bad = AttackResult(images=torch.zeros_like(x), stats=[{}, {}], failed=True, reason="rank condition not met")
+    rows = []
+    for setting, reference in (("b", xs), ("c", x)):
+        for label, result in (("ok", ok), ("bad", bad)):
+            got = scoring.score_round(ctx, (label, label), setting, [_update()], [batch], [result], _top1(2), scorer,
+                                      PATCH, 0.0)
+            for b, item in enumerate(got):
+                want = _psnr(float(np.mean((flat - reference[b].double().numpy()) ** 2)))
+                assert item.row.scores[scoring.FLAT_COLUMN] == pytest.approx(want, abs=1e-9), (setting, label, b)
+                rows.append(json.loads(item.row.to_json()))
+    full = aggregate(rows)
+    ok_b = full[(full["attack"] == "ok") & (full["setting"] == "b")].iloc[0]
+    assert ok_b["flat_psnr_mean"] == pytest.approx(np.mean([r["flat_psnr"] for r in rows[:2]]), rel=1e-12)
+    assert full[full["attack"] == "bad"]["flat_psnr_mean"].isna().all()  # no PSNR mean there: no floor either
+    assert FLAT_HEADER in paper_table(full).columns
+    plain = scoring.score_round(_context(), ("ok", "ok"), "c", [_update()], [batch], [ok], _top1(2), scorer, PATCH, 0.0)
+    assert scoring.FLAT_COLUMN not in plain[0].row.scores
+    with pytest.raises(ValueError, match=r"flat colour \(0.5, 0.5\)"):
+        scoring.flat_psnr(x, (0.5, 0.5))
+
+
 # ------------------------------------------------------------------------------------ failures
 def test_client_failure_rows() -> None:
     batch = _batch(_images(2))
