@@ -10,6 +10,7 @@ where the attacker knows it (pruned support, quantiser bins, local-DP / DP-SGD n
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any, Optional, Sequence
 
 import torch
@@ -36,8 +37,11 @@ def total_variation(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return tv.flatten(1).mean(dim=1)
 
 
+@functools.lru_cache(maxsize=16)
 def tv_kernel(channels: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Forward differences along W and H (zero padding), as breaching's TotalVariation: [2C, 1, 3, 3]."""
+    """Forward differences along W and H (zero padding), as breaching's TotalVariation: [2C, 1, 3, 3].
+    Made once per (channels, dtype, device): a step replayed from a CUDA graph cannot copy a new
+    kernel from the host, and the callers never write to it."""
     k = torch.tensor([[0, 0, 0], [0, -1, 1], [0, 0, 0]], dtype=dtype, device=device)[None, None]
     return torch.cat([k.transpose(2, 3), k] * channels, dim=0)
 

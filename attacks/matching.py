@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Annotated, Any, Literal, Optional, Sequence, Union
+from typing import Annotated, Any, Callable, Literal, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -75,6 +75,11 @@ class GradientMatching(Attack):
         defence_model: where ``AttackMetadata.defence`` names a defence the attacker can model
             (pruning, quantisation, local DP, DP-SGD), match through it (:func:`defence_match`:
             the kept entries, the quantiser's bins, the noise's likelihood); False: plain cosine.
+        cuda_graph: converging runs on a CUDA device record each step's objective and gradient once
+            as a CUDA graph and replay it (:class:`_GraphedStep`; a batch-1 step at 224 px is ~3,500
+            kernel launches for ~26 ms of GPU work on an H100). Off by default until
+            ``bench/gpu_check.py`` has compared it with the eager steps on a GPU; ignored on the CPU;
+            where recording fails the steps run eagerly and ``steps_run_as`` says why.
     """
 
     class Options(AttackOptions):
@@ -95,6 +100,7 @@ class GradientMatching(Attack):
         converge_tol: Float = option(1e-4, ge=0.0)
         curve_every: Int = option(50, ge=1)
         defence_model: bool = False
+        cuda_graph: bool = False
 
     def __init__(self, **options: Any) -> None:
         o = self._parse_options(options)
@@ -110,6 +116,9 @@ class GradientMatching(Attack):
         self.pe_weight = 0.0  # the position-embedding term: AprilOptimization's option
         self.label_strategy, self.seed, self.progress = o.label_strategy, o.seed, o.progress
         self.device = resolve_device(o.device)
+        # converging runs on CUDA: each step's objective and gradient recorded once as a CUDA graph
+        # and replayed (_GraphedStep); ignored on the CPU
+        self.cuda_graph = o.cuda_graph and self.device.type == "cuda"
         # An MJP-aware attacker's forward: E_unk at these positions ([N] or [1, N] bool), as detected
         # from the update (attacks.mjp_adaptive); None for the plain forward.
         self.unk_mask = None if o.unk_mask is None else torch.as_tensor(o.unk_mask, dtype=torch.bool).reshape(1, -1)
@@ -260,6 +269,7 @@ class GradientMatching(Attack):
             x0 = torch.max(torch.min(x0.to(self.device), hi), lo)
             leaves.append(x0.clone().requires_grad_(True))
         opts = [torch.optim.Adam([leaf], lr=self.lr) for leaf in leaves]
+        stepper = _GraphedStep(self, per_group, match, y) if self.cuda_graph else None
         its, window, patience = self.iterations, self.converge_window, max(1, self.converge_window // 2)
         best = torch.stack([leaf.detach() for leaf in leaves]).clone()
         best_val = torch.full((K,), float("inf"), device=self.device)
@@ -295,11 +305,22 @@ class GradientMatching(Attack):
                 break
             for k in active:
                 opts[k].zero_grad(set_to_none=False)
-            x = torch.stack([leaves[k] for k in active])
-            obj, data = self._objective(per_group, match, y, x, lo, sel=active)
-            val, dval = obj.detach(), data.detach().cpu()
+            if stepper is not None:
+                x = torch.stack([leaves[k].detach() for k in active])
+                val, data, gx = stepper(active, x)
+                for j, k in enumerate(active):
+                    if leaves[k].grad is None:
+                        leaves[k].grad = gx[j].clone()
+                    else:
+                        leaves[k].grad.copy_(gx[j])
+            else:
+                x = torch.stack([leaves[k] for k in active])
+                obj, data = self._objective(per_group, match, y, x, lo, sel=active)
+                val = obj.detach()
+                torch.where(torch.isfinite(val), obj, torch.zeros_like(obj)).sum().backward(
+                    inputs=[leaves[k] for k in active])
+            dval = data.detach().cpu()
             finite = torch.isfinite(val)
-            torch.where(finite, obj, torch.zeros_like(obj)).sum().backward(inputs=[leaves[k] for k in active])
             history[it + 1] = history[it]
             data_hist[it + 1] = data_hist[it]
             with torch.no_grad():
@@ -367,6 +388,8 @@ class GradientMatching(Attack):
                 kinds[k] += f" (given up after {ran[k]} steps: it could not reach the best earlier restart)"
             info.append(dict(start=kinds[k], iterations_run=ran[k], converged=converged[k], abandoned=abandoned[k],
                              objective_curve=curves[k], solved=bool(skip[k])))
+            if stepper is not None:
+                info[-1]["steps_run_as"] = stepper.status()
         return best, trace, failed, info
 
     def _pick_starts(self, per_group, match: MatchTerms, y: torch.Tensor, draw: torch.Tensor, lo: torch.Tensor,
@@ -405,9 +428,16 @@ class GradientMatching(Attack):
 
             masked_fn = vmap(grad(masked_loss), in_dims=(None, 0, 0, 0))
 
+            picked: dict[tuple, torch.Tensor] = {}  # the running groups' masks, picked once per set
+
             def masked(x: torch.Tensor, y: torch.Tensor, sel: Optional[Sequence[int]] = None) -> dict:
-                m = group_masks if sel is None else group_masks[list(sel)]
-                return masked_fn(params, x, y, m)
+                if sel is None:
+                    return masked_fn(params, x, y, group_masks)
+                key = tuple(int(i) for i in sel)
+                if key not in picked:
+                    picked.clear()
+                    picked[key] = group_masks[list(key)]
+                return masked_fn(params, x, y, picked[key])
 
             return masked
         mask = None if self.unk_mask is None else self.unk_mask.to(self.device)
@@ -425,7 +455,14 @@ class GradientMatching(Attack):
         """(objective [k], data term [k]) for candidates x [k, n, C, H, W] of the groups ``sel``
         (all when None); ``plain``: the data term is the plain cosine term (:meth:`MatchTerms.cosine`)."""
         match = match.select(sel)
-        g = per_group(x, y if sel is None else y[list(sel)], sel)
+        return self._terms(lambda xs, ys: per_group(xs, ys, sel), match, y if sel is None else y[list(sel)], x,
+                           with_prior, plain)
+
+    def _terms(self, grads_of: Callable[[torch.Tensor, torch.Tensor], dict], match: MatchTerms, y: torch.Tensor,
+               x: torch.Tensor, with_prior: bool = True, plain: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_objective` on groups already selected: ``grads_of(x, y)`` their model gradients,
+        ``match`` and ``y`` theirs (no indexing here, so a CUDA graph can record it)."""
+        g = grads_of(x, y)
         data = match.cosine(g) if plain else match.data(g)
         obj = data
         if with_prior and self.pe_weight > 0:
@@ -477,6 +514,74 @@ class GradientMatching(Attack):
                 _logger.warning("%s: every objective is non-finite at iteration %d; stopping", self.name, it)
                 break
         return best, trace, failed
+
+
+class _GraphedStep:
+    """One converging step's objective, data term and gradient in the candidates, recorded as a CUDA
+    graph per set of running updates and replayed.
+
+    Written by hand: ``torch.cuda.make_graphed_callables`` records a module's forward and backward
+    but not a double backward taken inside the forward, which the gradient-matching objective is. On
+    an H100 one 224 px step of ``ig_closed_start`` launches ~3,500 kernels that keep the GPU busy
+    ~26 ms of a 175 ms step (docs/speed.md): replaying them as one graph removes the launches, not
+    the arithmetic. Where recording fails (an operation a graph cannot hold), the steps run eagerly
+    and :meth:`status` says why. Returned tensors are copies: the next replay overwrites the graph's.
+    """
+
+    def __init__(self, attack: "GradientMatching", per_group, match: MatchTerms, y: torch.Tensor) -> None:
+        self.attack, self.per_group, self.match, self.y = attack, per_group, match, y
+        self.graphs: dict[tuple, tuple] = {}
+        self.recorded, self.replays, self.failure = 0, 0, None
+
+    def status(self) -> str:
+        if self.failure is not None:
+            return f"eager steps: recording a CUDA graph failed ({self.failure})"
+        return f"CUDA graph: {self.recorded} recorded, {self.replays} replays"
+
+    def _run(self, key: tuple, x: torch.Tensor, match: MatchTerms, y: torch.Tensor):
+        obj, data = self.attack._terms(lambda xs, ys: self.per_group(xs, ys, list(key)), match, y, x)
+        (gx,) = torch.autograd.grad(torch.where(torch.isfinite(obj.detach()), obj, torch.zeros_like(obj)).sum(), x)
+        return obj.detach(), data.detach(), gx
+
+    def _eager(self, key: tuple, x: torch.Tensor):
+        x = x.detach().clone().requires_grad_(True)
+        return self._run(key, x, self.match.select(list(key)), self.y[list(key)])
+
+    def __call__(self, active: Sequence[int], x: torch.Tensor):
+        key = tuple(int(k) for k in active)
+        if self.failure is not None:
+            return self._eager(key, x)
+        entry = self.graphs.get(key)
+        if entry is None:
+            try:
+                entry = self._record(key, x)
+            except Exception as err:  # noqa: BLE001 - any failure to record: eager steps, with the reason
+                self.failure = f"{type(err).__name__}: {err}"[:200]
+                self.graphs.clear()
+                return self._eager(key, x)
+            self.graphs = {key: entry}  # the running set changes rarely; one graph is kept
+        static_x, graph, out = entry
+        static_x.detach().copy_(x)
+        graph.replay()
+        self.replays += 1
+        return tuple(t.clone() for t in out)
+
+    def _record(self, key: tuple, x: torch.Tensor):
+        # selections made before recording: indexing with host lists copies to the device, which a
+        # graph cannot hold (the per-group masks of an MJP-aware forward are picked and kept too)
+        match, y = self.match.select(list(key)), self.y[list(key)]
+        static_x = x.detach().clone().requires_grad_(True)
+        side = torch.cuda.Stream(device=x.device)
+        side.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(side):
+            for _ in range(3):  # warm-up: lazy initialisations and cached selections outside the graph
+                self._run(key, static_x, match, y)
+        torch.cuda.current_stream(x.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = self._run(key, static_x, match, y)
+        self.recorded += 1
+        return static_x, graph, out
 
 
 @register_attack("invertinggradients_batched")

@@ -386,17 +386,47 @@ def part_ig_closed_start(ctx: Context, seconds: float) -> dict:
     except Exception as err:  # noqa: BLE001 - the profiler's own failure is recorded, the part goes on
         step_profile = dict(error=f"{type(err).__name__}: {err}"[:300])
     partial["step_profile"] = step_profile
+    graph = graph_steps(ctx, case, {**base, "device": dev}, res, (1, 2) if ctx.quick else (10, 40))
+    partial["cuda_graph"] = graph
+    step = min(per_step, graph.get("s_per_step") or per_step)  # the faster way to step, where it matched
+    use_graph = step < per_step
     left = seconds - (time.perf_counter() - t_part)
-    cap = 3 if ctx.quick else int(min(2000, max(20, 0.7 * left / max(per_step, 1e-6))))
+    cap = 3 if ctx.quick else int(min(2000, max(20, 0.7 * left / max(step, 1e-6))))
     partial["step_cap"] = cap
-    res, dt = run_attack(ctx, "ig_closed_start", {**base, "iterations": cap, "device": dev}, case.model_dev,
-                         case.update_dev, case.meta)
+    res, dt = run_attack(ctx, "ig_closed_start", {**base, "iterations": cap, "device": dev, "cuda_graph": use_graph},
+                         case.model_dev, case.update_dev, case.meta)
     trial = res.stats[0].get("trials", [{}])[0]
     steps = int(trial.get("iterations_run", res.stats[0].get("iterations", cap)))
     return dict(reference_32px=ref, size=ctx.size, s_per_step=round(per_step, 4), step_cap=cap, steps_run=steps,
                 converged=bool(trial.get("converged")), s_to_stop=round(dt, 2), s_start=round(t_start, 3),
-                projected_s_2000_steps=round(t_start + 2000 * per_step, 1), psnr=round(psnr(estimate(res), case.truth), 2),
-                step_profile=step_profile, computes_on=dev, checks={"ig_closed_start 32 px: device = CPU": ref["agrees"]})
+                converging_run_cuda_graph=use_graph,
+                projected_s_2000_steps=round(t_start + 2000 * step, 1), psnr=round(psnr(estimate(res), case.truth), 2),
+                step_profile=step_profile, cuda_graph=graph, computes_on=dev,
+                checks={"ig_closed_start 32 px: device = CPU": ref["agrees"],
+                        "cuda_graph steps = eager steps": graph.get("agrees", True)})
+
+
+def graph_steps(ctx: Context, case: Case, options: dict, eager: Any, steps: tuple[int, int]) -> dict:
+    """``cuda_graph``: seconds per step from two runs of ``steps`` steps (the recording cancels
+    out), and its reconstruction after the eager probe's step count against the eager one's (the
+    same steps to float32 rounding: >= 40 dB apart). On the CPU the option is ignored: not measured."""
+    if not ctx.cuda:
+        return dict(status="not measured: CUDA graphs need a CUDA device")
+    times, last = [], None
+    for n in steps:
+        last, dt = run_attack(ctx, "ig_closed_start", {**options, "iterations": n, "converge_window": n,
+                                                      "cuda_graph": True}, case.model_dev, case.update_dev, case.meta)
+        times.append(dt)
+    status = str(last.stats[0].get("steps_run_as"))
+    if not status.startswith("CUDA graph"):
+        return dict(status=status, agrees=False)
+    per = max(times[1] - times[0], 0.0) / (steps[1] - steps[0])
+    n_eager = int(eager.stats[0].get("iterations", 0))
+    same, _ = run_attack(ctx, "ig_closed_start", {**options, "iterations": n_eager, "converge_window": n_eager,
+                                                  "cuda_graph": True}, case.model_dev, case.update_dev, case.meta)
+    apart = psnr(estimate(same), estimate(eager))
+    return dict(status=status, s_per_step=round(per, 4), steps_compared=n_eager,
+                graph_vs_eager_db=round(apart, 2), agrees=apart >= 40)
 
 
 def profile_steps(ctx: Context, case: Case, options: dict, steps: tuple[int, int]) -> dict:

@@ -222,6 +222,22 @@ def test_ig_closed_start_on_cuda_follows_the_cpu_run():
 
 @pytest.mark.cuda
 @cuda
+def test_ig_closed_start_cuda_graph_replays_the_eager_steps():
+    """Each converging step recorded once as a CUDA graph and replayed: the eager run's steps and
+    image to float32 rounding, and the result says the graph ran."""
+    model, x, update, meta = _case(defence=dict(name="quantize", bits=8))
+    opts = dict(iterations=8, converge_window=8, restarts=1, start_attacks=["pe_closed_form"], device="cuda")
+    gpu_model, gpu_update = _on_cuda(model, update)
+    eager = attacks.create_attack("ig_closed_start", **opts).reconstruct(gpu_model, gpu_update, meta)
+    graphed = attacks.create_attack("ig_closed_start", cuda_graph=True, **opts).reconstruct(gpu_model, gpu_update, meta)
+    assert not eager.failed and not graphed.failed, (eager.reason, graphed.reason)
+    assert graphed.stats[0]["steps_run_as"].startswith("CUDA graph: 1 recorded"), graphed.stats[0]["steps_run_as"]
+    assert graphed.stats[0]["iterations"] == eager.stats[0]["iterations"]
+    assert psnr(graphed.images, eager.images) > 40
+
+
+@pytest.mark.cuda
+@cuda
 def test_batch_match_on_cuda_follows_the_cpu_run():
     """batch_match (float64, start drawn on the CPU) at B = 2: the CUDA run ends where the CPU's does."""
     torch.manual_seed(0)

@@ -154,3 +154,25 @@ def test_modelled_defence_does_at_least_as_well_as_ignoring_it(spec) -> None:
         got[modelled] = psnr(res.images, x)
         assert any(f"defence {spec['name']}" in n for n in res.stats[0]["notes"]) == modelled
     assert got[True] >= got[False] - 0.3, got
+
+
+def test_a_graph_that_cannot_be_recorded_falls_back_to_the_same_eager_steps() -> None:
+    """``cuda_graph`` records each step as a CUDA graph (tests/test_cuda.py checks it on a GPU). Where
+    recording fails (here: no CUDA device) the steps run eagerly through the same objective: the
+    same iterations and the same image to the last bit, and the result says why."""
+    from defences.transforms import quantize_update
+
+    model = model_of("plain")
+    _, update = plain_update(model, 0)
+    update = quantize_update(update, 8)
+    opts = dict(iterations=12, lr=0.01, converge_window=12, restarts=1, start_attacks=["pe_closed_form"])
+    eager = attacks.create_attack("ig_closed_start", **opts).reconstruct(model, update, meta(0))
+    forced = attacks.create_attack("ig_closed_start", **opts)
+    forced.cuda_graph = True  # what the option sets on a CUDA device
+    fallback = forced.reconstruct(model, update, meta(0))
+    assert not eager.failed and not fallback.failed, (eager.reason, fallback.reason)
+    assert "recording a CUDA graph failed" in fallback.stats[0]["steps_run_as"]
+    assert "steps_run_as" not in eager.stats[0]
+    assert fallback.stats[0]["iterations"] == eager.stats[0]["iterations"]
+    assert torch.equal(fallback.images, eager.images)
+    assert not attacks.create_attack("ig_closed_start", cuda_graph=True).cuda_graph  # ignored on the CPU
