@@ -578,7 +578,8 @@ class _GraphedStep:
                 self._run(key, static_x, match, y)
         torch.cuda.current_stream(x.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local: attackers of other groups may run on the same device in other threads
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             out = self._run(key, static_x, match, y)
         self.recorded += 1
         return static_x, graph, out
