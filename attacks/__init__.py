@@ -13,6 +13,7 @@ from .first_layer import AprilConditionError, check_conditions
 from .april import AprilAnalytic
 from .breaching_adapter import BREACHING_ATTACKS, BreachingAttack, load_attack_config
 from .matching import AprilOptimization, GradientMatching, InvertingGradientsBatched
+from .ig_closed_start import InvertingGradientsClosedStart
 from .mjp_adaptive import MJPAdaptive
 from .mjp_maths import mjp_reduction
 from .mjp_update import detect_shuffled
@@ -24,7 +25,7 @@ from .labels import LabelCounts, recover_label_counts, recover_labels
 
 __all__ = [
     "BREACHING_ATTACKS", "AprilAnalytic", "AprilConditionError", "AprilOptimization", "Attack", "AttackFailure",
-    "AttackMetadata", "AttackOptions", "AttackResult", "BatchMatch", "BreachingAttack", "LabelCounts", "GradientMatching", "InvertingGradientsBatched", "MJPAdaptive",
+    "AttackMetadata", "AttackOptions", "AttackResult", "BatchMatch", "BreachingAttack", "LabelCounts", "GradientMatching", "InvertingGradientsBatched", "InvertingGradientsClosedStart", "MJPAdaptive",
     "attack_names", "check_conditions", "compute_per_sample_updates", "compute_update", "create_attack", "detect_shuffled",
     "load_attack_config", "mjp_reduction", "recover_label_counts", "recover_labels", "register_attack", "solve_jigsaw", "update_to_gradients",
 ]

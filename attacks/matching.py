@@ -18,19 +18,20 @@ whether the post-step candidate is kept). Restarts are scored by the cosine term
 It works for any ViT (pre-norm included) that has a ``pos_embed``.
 
 The data terms (cosine, or the likelihood of a defence the attacker knows) and the TV prior live in
-:mod:`attacks.match_terms`; label recovery from the head's gradient in :mod:`attacks.labels`.
+:mod:`attacks.match_terms`; label recovery from the head's gradient in :mod:`attacks.labels`; the
+converging runs' CUDA-graph step in :mod:`attacks.graph_step`; ``ig_closed_start`` (converging, from a
+closed-form start) in :mod:`attacks.ig_closed_start`.
 """
 from __future__ import annotations
 
 import logging
 import math
 import time
-from typing import Annotated, Any, Callable, Literal, Optional, Sequence, Union
+from typing import Any, Callable, Literal, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from pydantic import Field
 from torch.func import functional_call, grad, vmap
 from tqdm.auto import tqdm
 
@@ -40,10 +41,9 @@ from fedmjp.devices import resolve_device
 from .base import (Attack, AttackFailure, AttackOptions, AttackMetadata, AttackResult, Metadata, Update, _check_finite,
                    _expand_metadatas, register_attack, update_to_gradients)
 from .breaching_adapter import attack_copy, matched_names
-from .first_layer import unwrap_vit
 from .labels import LABEL_STRATEGIES, recover_labels
 from .match_terms import MatchTerms, defence_match, total_variation, tv_kernel
-from .mjp_update import read_mjp_update
+from .graph_step import GraphedStep
 
 _logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class GradientMatching(Attack):
             (pruning, quantisation, local DP, DP-SGD), match through it (:func:`defence_match`:
             the kept entries, the quantiser's bins, the noise's likelihood); False: plain cosine.
         cuda_graph: converging runs on a CUDA device record each step's objective and gradient once
-            as a CUDA graph and replay it (:class:`_GraphedStep`; a batch-1 step at 224 px is ~3,500
+            as a CUDA graph and replay it (:class:`attacks.graph_step.GraphedStep`; a batch-1 step at 224 px is ~3,500
             kernel launches for ~26 ms of GPU work on an H100). Off by default until
             ``bench/gpu_check.py`` has compared it with the eager steps on a GPU; ignored on the CPU;
             where recording fails the steps run eagerly and ``steps_run_as`` says why.
@@ -269,7 +269,7 @@ class GradientMatching(Attack):
             x0 = torch.max(torch.min(x0.to(self.device), hi), lo)
             leaves.append(x0.clone().requires_grad_(True))
         opts = [torch.optim.Adam([leaf], lr=self.lr) for leaf in leaves]
-        stepper = _GraphedStep(self, per_group, match, y) if self.cuda_graph else None
+        stepper = GraphedStep(self, per_group, match, y) if self.cuda_graph else None
         its, window, patience = self.iterations, self.converge_window, max(1, self.converge_window // 2)
         best = torch.stack([leaf.detach() for leaf in leaves]).clone()
         best_val = torch.full((K,), float("inf"), device=self.device)
@@ -516,75 +516,6 @@ class GradientMatching(Attack):
         return best, trace, failed
 
 
-class _GraphedStep:
-    """One converging step's objective, data term and gradient in the candidates, recorded as a CUDA
-    graph per set of running updates and replayed.
-
-    Written by hand: ``torch.cuda.make_graphed_callables`` records a module's forward and backward
-    but not a double backward taken inside the forward, which the gradient-matching objective is. On
-    an H100 one 224 px step of ``ig_closed_start`` launches ~3,500 kernels that keep the GPU busy
-    ~26 ms of a 175 ms step (docs/speed.md): replaying them as one graph removes the launches, not
-    the arithmetic. Where recording fails (an operation a graph cannot hold), the steps run eagerly
-    and :meth:`status` says why. Returned tensors are copies: the next replay overwrites the graph's.
-    """
-
-    def __init__(self, attack: "GradientMatching", per_group, match: MatchTerms, y: torch.Tensor) -> None:
-        self.attack, self.per_group, self.match, self.y = attack, per_group, match, y
-        self.graphs: dict[tuple, tuple] = {}
-        self.recorded, self.replays, self.failure = 0, 0, None
-
-    def status(self) -> str:
-        if self.failure is not None:
-            return f"eager steps: recording a CUDA graph failed ({self.failure})"
-        return f"CUDA graph: {self.recorded} recorded, {self.replays} replays"
-
-    def _run(self, key: tuple, x: torch.Tensor, match: MatchTerms, y: torch.Tensor):
-        obj, data = self.attack._terms(lambda xs, ys: self.per_group(xs, ys, list(key)), match, y, x)
-        (gx,) = torch.autograd.grad(torch.where(torch.isfinite(obj.detach()), obj, torch.zeros_like(obj)).sum(), x)
-        return obj.detach(), data.detach(), gx
-
-    def _eager(self, key: tuple, x: torch.Tensor):
-        x = x.detach().clone().requires_grad_(True)
-        return self._run(key, x, self.match.select(list(key)), self.y[list(key)])
-
-    def __call__(self, active: Sequence[int], x: torch.Tensor):
-        key = tuple(int(k) for k in active)
-        if self.failure is not None:
-            return self._eager(key, x)
-        entry = self.graphs.get(key)
-        if entry is None:
-            try:
-                entry = self._record(key, x)
-            except Exception as err:  # noqa: BLE001 - any failure to record: eager steps, with the reason
-                self.failure = f"{type(err).__name__}: {err}"[:200]
-                self.graphs.clear()
-                return self._eager(key, x)
-            self.graphs = {key: entry}  # the running set changes rarely; one graph is kept
-        static_x, graph, out = entry
-        static_x.detach().copy_(x)
-        graph.replay()
-        self.replays += 1
-        return tuple(t.clone() for t in out)
-
-    def _record(self, key: tuple, x: torch.Tensor):
-        # selections made before recording: indexing with host lists copies to the device, which a
-        # graph cannot hold (the per-group masks of an MJP-aware forward are picked and kept too)
-        match, y = self.match.select(list(key)), self.y[list(key)]
-        static_x = x.detach().clone().requires_grad_(True)
-        side = torch.cuda.Stream(device=x.device)
-        side.wait_stream(torch.cuda.current_stream(x.device))
-        with torch.cuda.stream(side):
-            for _ in range(3):  # warm-up: lazy initialisations and cached selections outside the graph
-                self._run(key, static_x, match, y)
-        torch.cuda.current_stream(x.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: attackers of other groups may run on the same device in other threads
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            out = self._run(key, static_x, match, y)
-        self.recorded += 1
-        return static_x, graph, out
-
-
 @register_attack("invertinggradients_batched")
 class InvertingGradientsBatched(GradientMatching):
     """Inverting Gradients (Geiping et al.) with breaching's settings, batched over updates."""
@@ -609,119 +540,3 @@ class AprilOptimization(GradientMatching):
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
         self.pe_weight = self.options.pe_weight
-
-
-@register_attack("ig_closed_start")
-class InvertingGradientsClosedStart(GradientMatching):
-    """Inverting Gradients run to convergence from a closed-form start, MJP-aware.
-
-    The cosine gradient-matching objective over every parameter the forward uses plus a total
-    variation prior (:class:`GradientMatching`), with:
-
-    - the first restart started from a closed-form estimate of the same update where one applies:
-      on an MJP model with shuffled positions ``mjp_adaptive`` (the client's x~, its shuffled patches
-      in the attack's own order), ``april_robust`` and ``pe_closed_form``, otherwise ``april_robust``
-      (the regularised least squares, the best start under a perturbing defence: 12.6 / 18.9 dB
-      after 8-bit quantisation where the exact closed forms give 6-7 dB), ``pe_closed_form`` and
-      ``april_analytic``; of those that succeed, the one whose gradient matches the update best
-      (cosine term: the attacker's own criterion, no ground truth); where none does (not
-      registered, a failed condition) the restart starts from the seeded random draw like the
-      others. ``start_attacks`` names other candidates (an empty list: random starts only);
-    - further restarts from seeded random draws; the restart with the best cosine term is returned;
-    - on MJP models (``mjp_mask``), each update's shuffled positions read off the zero rows of
-      dL/dP (:func:`attacks.mjp_update.read_mjp_update`,
-      which also removes the client's DAL term from the gradients) and E_unk put there in the
-      attacker's forward;
-    - up to ``iterations`` Adam steps per restart, each update stopping once its best objective
-      improved by less than ``converge_tol`` (relative) over ``converge_window`` steps, the step
-      size halved on a plateau; the stats keep the loss curve (``objective_curve``) and whether
-      it converged, per restart in ``trials``;
-    - a start whose gradient already matches the update (1 - cos < ``exact_cos``: an exact closed
-      form on a clean update) takes no steps and no random restarts: there is nothing to improve.
-
-    Why the defaults: an unsigned Adam at lr 0.03 (normalised units) refines a start instead of
-    moving every pixel by the signed step breaching's IG takes from noise (lr 0.1); a light TV
-    (0.01) because the closed form's start needs no smoothing where it is exact. Measured on two
-    bundled photographs, 32 px design-A ViT (depth 4, fresh weights, float64 clients) after 8-bit
-    quantisation of the update: from pe_closed_form's 7.1 / 6.5 dB (APRIL 6.0 / 5.9) to 12.0 / 18.5 dB
-    in 1500 steps, the objective's relative change per 50 steps down from 9 % to 1.5 % on the first
-    image; hence up to 2000 steps and a stop at < 0.1 % per 50 steps. Cost: ~60 ms of one CPU core
-    per image and step at that size (``time_s`` in the stats).
-
-    ``defence_model=True`` matches through the clients' known defence (``meta.defence``: the kept
-    entries of a pruned update, the quantiser's bins, the DP noise likelihood). Off by default: on
-    one photograph (depth-2 fresh ViT, 400-step cap, one restart) it moved PSNR by -0.13 to +0.15 dB
-    (8-bit 12.36 -> 12.51, 4-bit 10.10 -> 10.03, prune 0.1 11.59 -> 11.65, local DP 1e-4 11.66 ->
-    11.53) for 1.0-3.8x the CPU time, since runs went on to the step cap.
-    """
-
-    name = "ig_closed_start"
-
-    class Options(GradientMatching.Options):
-        iterations: Int = option(2000, ge=1)
-        lr: Float = 0.03
-        tv: Float = 0.01
-        signed: Optional[Literal["hard"]] = None
-        scheduler: Optional[Literal["step-lr"]] = None
-        restarts: Int = option(2, ge=1)
-        converge_window: Int = option(50, ge=1)  # it runs to convergence
-        converge_tol: Float = option(1e-3, ge=0.0)
-        # None: the closed forms of the class docstring; [] random starts only. Any sequence of names.
-        start_attacks: Annotated[Optional[list[str]], Field(strict=False)] = None
-        mjp_mask: bool = True
-        exact_cos: Float = option(1e-6, ge=0.0, lt=1.0)
-
-    def __init__(self, **options: Any) -> None:
-        super().__init__(**options)
-        o = self.options
-        self.start_attacks = None if o.start_attacks is None else tuple(o.start_attacks)
-        self.mjp_mask, self.exact_cos = o.mjp_mask, o.exact_cos
-
-    def _prepare_groups(self, model: nn.Module, updates: Sequence[Update], metas: Sequence[AttackMetadata],
-                        converted: list) -> tuple[Optional[torch.Tensor], Optional[list], list[list[str]]]:
-        vit = unwrap_vit(model)
-        mjp = self.mjp_mask and getattr(vit, "unk_embed", None) is not None and hasattr(vit, "pos_embed")
-        masks, starts, notes = [], [], []
-        for k, (update, meta) in enumerate(zip(updates, metas)):
-            note: list[str] = []
-            shuffled = False
-            if mjp:
-                S, cleaned, _ = read_mjp_update(vit, converted[k][0])
-                converted[k] = (cleaned, converted[k][1])
-                masks.append(S)
-                shuffled = bool(S.any())
-                note.append(f"MJP-aware forward: E_unk at the {int(S.sum())} positions whose dL/dP rows are zero")
-            order = self.start_attacks
-            if order is None:
-                order = (("mjp_adaptive", "april_robust", "pe_closed_form") if shuffled
-                         else ("april_robust", "pe_closed_form", "april_analytic"))
-            starts.append(self._closed_form_start(model, update, meta, order, note, self.device))
-            notes.append(note)
-        return (torch.stack(masks) if mjp else None), starts, notes
-
-    @staticmethod
-    def _closed_form_start(model: nn.Module, update: Update, meta: AttackMetadata, order: Sequence[str],
-                           note: list[str], device: torch.device) -> list[tuple[str, torch.Tensor]]:
-        """(name, normalised [n, C, H, W]) of every attack in ``order`` that succeeds; the first
-        restart starts from the one whose gradient matches the update best (:meth:`_pick_starts`).
-        A start attack with a ``device`` option runs on this attack's device."""
-        from .base import attack_class, attack_names, create_attack, option_schema
-
-        known = set(attack_names())
-        out = []
-        for name in order:
-            if name not in known:
-                note.append(f"start: {name} is not a registered attack")
-                continue
-            options: dict[str, Any] = {"unshuffle": False} if name == "mjp_adaptive" else {}
-            if "device" in option_schema(attack_class(name)).model_fields:
-                options["device"] = str(device)
-            attack = create_attack(name, **options)
-            result = attack.reconstruct(model, update, meta)
-            if result.failed or any(result.failed_images) or result.images.shape[0] != meta.num_images:
-                note.append(f"start: {name} failed ({result.reason})")
-                continue
-            out.append((name, meta.normalize(result.images.double()).float()))
-        if not out:
-            note.append("first restart started from a random draw (no closed form succeeded)")
-        return out

@@ -1,4 +1,4 @@
-"""``ig_closed_start`` (attacks/matching.py): cosine gradient matching from a closed-form start, run
+"""``ig_closed_start`` (attacks/ig_closed_start.py): cosine gradient matching from a closed-form start, run
 to convergence, with MJP's detected mask in the forward. Real images (scikit-image's bundled
 photographs), 32 px design-A ViTs of depth 2, fresh weights, float64 clients."""
 from __future__ import annotations
