@@ -117,7 +117,7 @@ class GradientMatching(Attack):
         self.label_strategy, self.seed, self.progress = o.label_strategy, o.seed, o.progress
         self.device = resolve_device(o.device)
         # converging runs on CUDA: each step's objective and gradient recorded once as a CUDA graph
-        # and replayed (_GraphedStep); ignored on the CPU
+        # and replayed (attacks.graph_step.GraphedStep); ignored on the CPU
         self.cuda_graph = o.cuda_graph and self.device.type == "cuda"
         # An MJP-aware attacker's forward: E_unk at these positions ([N] or [1, N] bool), as detected
         # from the update (attacks.mjp_adaptive); None for the plain forward.
