@@ -186,6 +186,13 @@ class Utility(Schema):
     local_steps: Int = option(2, ge=1, le=MAX_LOCAL_STEPS)
     batch_size: Int = option(8, ge=1, le=MAX_BATCH_SIZE)
     lr: Float = option(0.05, ge=0.0)
+    # the server's step on the mean client delta (clients/runconfig.py's server-* keys): fedavg with
+    # server_lr 1 is plain FedAvg; fedadam is FedOpt's Adam (betas server_momentum, 0.99; eps 1e-3)
+    server_opt: Literal["fedavg", "fedavgm", "fedadam"] = "fedavg"
+    server_lr: Float = option(1.0, gt=0.0, le=1e6)
+    server_momentum: Float = option(0.9, ge=0.0, lt=1.0)
+    server_tau: Float = option(1e-3, gt=0.0, le=1.0)  # fedadam's eps
+    server_schedule: Literal["constant", "cosine"] = "constant"  # server_lr constant or cosine-annealed to 0
     # holdout: the clients train on the source's first num_train images, top-1 on the next num_eval;
     # train: the clients train on the archive's train/ split (num_train 0: all of it), top-1 on the
     # first num_eval images of its val/ split, with a bootstrap interval

@@ -97,7 +97,9 @@ def utility_run_config(cfg: Any, row: Any, images: str, extra: Optional[dict] = 
         "num-server-rounds": int(u.rounds), "mode": "fedavg", "local-steps": int(u.local_steps),
         "batch-size": int(u.batch_size), "lr": float(u.lr), "images": images,
         "num-images": int(u.num_train), "num-partitions": int(u.clients), "min-nodes": int(u.clients),
-        "precision": "float32", "server-eval": False, "out-dir": "", **(extra or {}),
+        "precision": "float32", "server-eval": False, "out-dir": "", "server-opt": u.server_opt,
+        "server-lr": float(u.server_lr), "server-momentum": float(u.server_momentum),
+        "server-tau": float(u.server_tau), "server-schedule": u.server_schedule, **(extra or {}),
     }
     if row.acc_model is not None:  # ``april: surgery`` is the attacker's view: train the model as deployed
         values["model-april"] = ""
@@ -161,6 +163,7 @@ def train_split_utility(cfg: BenchmarkConfig, row: Any, federate: Callable[..., 
         the keys of :func:`defence_utility` plus ``utility_top1_low/high``,
         ``utility_top1_start_low/high``, ``utility_split``, ``utility_partition``, ``utility_clients``,
         ``utility_batch_size``, ``utility_local_steps``, ``utility_lr``, ``utility_train_images``,
+        ``utility_server_opt``, ``utility_server_lr``, ``utility_server_tau``, ``utility_server_schedule``,
         ``utility_curve`` ([[round, top-1 on the first curve_eval images], ...]), ``utility_seconds``
         and, for a DP defence, ``utility_dp_epsilon``, ``utility_dp_delta``, ``utility_dp_accounting``.
     """
@@ -230,6 +233,8 @@ def train_split_utility(cfg: BenchmarkConfig, row: Any, federate: Callable[..., 
             "utility_partition": u.partition if u.partition == "iid" else f"dirichlet({u.dirichlet_alpha:g})",
             "utility_clients": int(u.clients), "utility_batch_size": int(u.batch_size),
             "utility_local_steps": int(u.local_steps), "utility_lr": float(u.lr), "utility_train_images": n_train,
+            "utility_server_opt": u.server_opt, "utility_server_lr": float(u.server_lr),
+            "utility_server_tau": float(u.server_tau), "utility_server_schedule": u.server_schedule,
             "utility_curve": [[r, curve[r]] for r in sorted(curve)], "utility_seconds": round(seconds, 1),
             **{f"utility_{k}": v for k, v in eps.items()}}
 

@@ -18,6 +18,12 @@ gamma              shuffle ratio of settings b and c
 per-sample         one shuffle per image (true) or one per batch (false, official code)
 batch-size         images per client update (the paper attacks batch size 1)
 local-steps, lr    FedAvg local SGD steps and learning rate; lr is also FedSGD's server step
+server-opt, ...    FedAvg's server step on the round's mean client delta (FedOpt, Reddi et al.
+                   2021): ``fedavg`` (w + server-lr * delta; 1.0 is plain FedAvg), ``fedavgm``
+                   (server momentum ``server-momentum``), ``fedadam`` (Adam with beta1
+                   ``server-momentum``, beta2 ``server-beta2``, eps ``server-tau``), at
+                   ``server-lr``, constant or cosine-annealed to 0 over the rounds
+                   (``server-schedule``); see :class:`server.strategy.ServerOptimizer`
 dal-weight         weight of the DAL loss in the client loss (0: cross-entropy only, as the
                    privacy study's gradients are classification gradients)
 images, ...        private image set (``embedded`` or a folder), image-size, num-images (0: all),
@@ -60,11 +66,14 @@ from fedmjp.config import ConfigError, Float, Int, Schema, defaults, keys, optio
 from fedmjp.settings import Setting
 
 Mode = Literal["fedsgd", "fedavg"]
+ServerOpt = Literal["fedavg", "fedavgm", "fedadam"]
+ServerSchedule = Literal["constant", "cosine"]
 Partitioner = Literal["iid", "dirichlet"]
 Precision = Literal["float32", "float64"]
 MODES: tuple[str, ...] = get_args(Mode)
 PARTITIONERS: tuple[str, ...] = get_args(Partitioner)
 PRECISIONS: tuple[str, ...] = get_args(Precision)
+SERVER_OPTS: tuple[str, ...] = get_args(ServerOpt)
 #: Flower's SecAgg+ default quantisation levels (2**22) and its modulus (2**32, also its maximum):
 #: the masked sum of K clients stays exact while K * quantization-range <= modulus.
 SECAGG_QUANTIZATION_RANGE = 2 ** 22
@@ -110,6 +119,12 @@ class RunConfig(Schema):
     batch_size: Int = option(1, ge=1, le=MAX_BATCH_SIZE, round=True)
     local_steps: Int = option(1, ge=1, le=MAX_LOCAL_STEPS, round=True)
     lr: Float = option(0.1, round=True)
+    server_opt: ServerOpt = "fedavg"
+    server_lr: Float = option(1.0, gt=0.0, le=1e6)
+    server_momentum: Float = option(0.9, ge=0.0, lt=1.0)
+    server_beta2: Float = option(0.99, ge=0.0, lt=1.0)
+    server_tau: Float = option(1e-3, gt=0.0, le=1.0)
+    server_schedule: ServerSchedule = "constant"
     dal_weight: Float = option(0.0, round=True)
     seed: Int = 0
     images: str = "embedded"
@@ -214,8 +229,18 @@ def _check_combinations(cfg: RunConfig) -> None:
     if cfg.drop_path > 0 and not cfg.train_mode:
         raise ConfigError(f"drop-path={cfg.drop_path} needs train-mode=true (drop-path acts only in the "
                           "client's train-mode forward); set train-mode=true or drop-path=0.0")
+    plain_step = cfg.server_opt == "fedavg" and cfg.server_lr == 1.0 and cfg.server_schedule == "constant"
+    if not plain_step and cfg.mode != "fedavg":
+        raise ConfigError(f"server-opt={cfg.server_opt} server-lr={cfg.server_lr:g} server-schedule="
+                          f"{cfg.server_schedule} needs mode=fedavg (the server optimiser steps on the clients' mean "
+                          "weight delta; FedSGD's server step is lr); set mode=fedavg, or server-opt=fedavg with "
+                          "server-lr=1.0 and server-schedule=constant")
     if not cfg.secagg:
         return
+    if not plain_step:
+        raise ConfigError(f"secagg=true runs plain FedAvg on the aggregate; server-opt={cfg.server_opt} "
+                          f"server-lr={cfg.server_lr:g} server-schedule={cfg.server_schedule} is not supported with "
+                          "it: set server-opt=fedavg, server-lr=1.0, server-schedule=constant")
     if cfg.min_nodes < 2:
         raise ConfigError(f"secagg=true needs min-nodes >= 2 (SecAgg+ masks each update with its "
                           f"neighbours'), got min-nodes={cfg.min_nodes}")

@@ -23,7 +23,7 @@ from defences.spec import CentralDp
 from fedmjp.evaluate import loss_and_top1
 from fedmjp.factory import model_input_stats
 
-from .strategy import FedSGD, TappedFedAvg
+from .strategy import FedSGD, ServerOptimizer, TappedFedAvg
 from .tap import Failure, FolderTap, Tap
 
 _logger = logging.getLogger(__name__)
@@ -132,7 +132,8 @@ def run_rounds(grid: Grid, cfg: RunConfig, tap: Optional[Tap] = None) -> ServerO
         fraction_train=cfg.fraction_train, fraction_evaluate=0.0,
         min_train_nodes=1, min_available_nodes=cfg.min_nodes,
     )
-    tapped = FedSGD(lr=cfg.lr, **common) if cfg.mode == "fedsgd" else TappedFedAvg(**common)
+    tapped = (FedSGD(lr=cfg.lr, **common) if cfg.mode == "fedsgd"
+              else TappedFedAvg(server_opt=ServerOptimizer.from_config(cfg), **common))
     strategy = _with_central_dp(tapped, cfg)
     train_config = ConfigRecord({k: v for k, v in cfg.wire().items() if k in ROUND_KEYS})
 

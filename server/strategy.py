@@ -3,7 +3,8 @@
 Both subclass Flower's message-based :class:`flwr.serverapp.strategy.FedAvg` and keep its node
 sampling and message construction (``configure_train``); they replace ``aggregate_train``:
 
-* :class:`TappedFedAvg`: clients reply weight deltas; w <- w + sum_i n_i delta_i / sum_i n_i.
+* :class:`TappedFedAvg`: clients reply weight deltas; w <- w + sum_i n_i delta_i / sum_i n_i, or a
+  server optimiser's step on that mean delta (:class:`ServerOptimizer`: FedAvgM, FedAdam).
 * :class:`FedSGD`: clients reply one batch's gradients; w <- w - lr * sum_i n_i g_i / sum_i n_i.
 
 A reply that carries an error, a malformed reply, or a sampled node that did not answer within the
@@ -31,20 +32,100 @@ from .tap import Failure, Tap, TappedUpdate
 _logger = logging.getLogger(__name__)
 
 
+class ServerOptimizer:
+    """The server's step on the round's example-weighted mean client delta (FedOpt: Reddi et al.,
+    "Adaptive Federated Optimization", ICLR 2021; Flower ships the same as the FedAvgM and FedAdam
+    strategies, which average full weights, where the clients here reply deltas).
+
+    The mean delta is the pseudo-gradient ``-delta`` of ``torch.optim``'s SGD (``fedavg``: no
+    momentum, ``w + lr * delta``; ``fedavgm``: heavy-ball momentum, Hsu et al. 2019) or Adam
+    (``fedadam``: betas (momentum, beta2), eps tau; torch's bias correction, where Flower's FedAdam
+    corrects the step size and adds tau before it, the same step up to tau's placement). The
+    optimiser's state (momentum, second moments) lives on the server across rounds, in float64; the
+    parameters are set to the weights sent each round before the step, so whatever changed them
+    after the last step (central DP's noise) is what the step starts from.
+
+    With ``schedule="cosine"`` the server learning rate follows ``torch.optim.lr_scheduler``'s
+    CosineAnnealingLR from ``lr`` at the first round to 0 after ``rounds`` rounds (the last round's
+    step is the smallest; a federation's final weights are then an annealed model, not one draw of
+    a noisy trajectory).
+
+    Args:
+        name: ``fedavg``, ``fedavgm`` or ``fedadam`` (run-config key ``server-opt``).
+        lr: the server learning rate (``server-lr``); momentum, beta2, tau: as named above.
+        schedule: ``constant`` or ``cosine`` (``server-schedule``); rounds: the rounds it anneals over.
+    """
+
+    def __init__(self, name: str, lr: float = 1.0, momentum: float = 0.9, beta2: float = 0.99,
+                 tau: float = 1e-3, schedule: str = "constant", rounds: int = 1) -> None:
+        if name not in ("fedavg", "fedavgm", "fedadam"):
+            raise ValueError(f"server-opt must be fedavg, fedavgm or fedadam, got {name!r}")
+        if schedule not in ("constant", "cosine"):
+            raise ValueError(f"server-schedule must be constant or cosine, got {schedule!r}")
+        self.name, self.lr, self.momentum, self.beta2, self.tau = name, float(lr), float(momentum), float(beta2), float(tau)
+        self.schedule, self.rounds = schedule, max(1, int(rounds))
+        self._sched: Optional[torch.optim.lr_scheduler.LRScheduler] = None
+        self._params: dict[str, torch.Tensor] = {}
+        self._opt: Optional[torch.optim.Optimizer] = None
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "ServerOptimizer":
+        """The optimiser of a :class:`clients.runconfig.RunConfig` (``server-*`` keys)."""
+        return cls(cfg.server_opt, cfg.server_lr, cfg.server_momentum, cfg.server_beta2, cfg.server_tau,
+                   cfg.server_schedule, cfg.num_server_rounds)
+
+    @property
+    def plain(self) -> bool:
+        """True for FedAvg's own step, w + mean delta (no state, exact in the weights' dtype)."""
+        return self.name == "fedavg" and self.lr == 1.0 and self.schedule == "constant"
+
+    def step(self, global_state: dict[str, torch.Tensor], mean_delta: dict[str, torch.Tensor]
+             ) -> dict[str, torch.Tensor]:
+        """New global state: one optimiser step from ``global_state`` along ``mean_delta``."""
+        if self._opt is None:
+            self._params = {name: global_state[name].detach().to(torch.float64, copy=True)
+                            for name in sorted(mean_delta)}
+            params = list(self._params.values())
+            if self.name == "fedadam":
+                self._opt = torch.optim.Adam(params, lr=self.lr, betas=(self.momentum, self.beta2), eps=self.tau)
+            else:
+                self._opt = torch.optim.SGD(params, lr=self.lr, momentum=self.momentum if self.name == "fedavgm" else 0.0)
+            if self.schedule == "cosine":
+                # round r (from 0) steps at lr * (1 + cos(pi * r / rounds)) / 2: lr first, the smallest
+                # step last, and 0 one round after the last
+                self._sched = torch.optim.lr_scheduler.CosineAnnealingLR(self._opt, T_max=self.rounds)
+        if set(mean_delta) != set(self._params):
+            raise ValueError(f"the clients' updates name {len(mean_delta)} parameters, the server optimiser "
+                             f"holds {len(self._params)}: every round must update the same parameters")
+        for name, param in self._params.items():
+            param.copy_(global_state[name])
+            param.grad = mean_delta[name].to(torch.float64).neg()
+        self._opt.step()
+        if self._sched is not None:
+            self._sched.step()
+        new = dict(global_state)
+        for name, param in self._params.items():
+            param.grad = None
+            new[name] = param.to(global_state[name].dtype, copy=True)
+        return new
+
+
 class TappedFedAvg(FedAvg):
     """FedAvg over client weight deltas, with a tap on every reply.
 
     Args:
         tap: called with each usable reply, before aggregation (None: no tap).
         metadata: what the server knows, copied into every :class:`TappedUpdate`.
+        server_opt: the server's step on the mean delta (None: FedAvg's, w + mean delta).
         **kwargs: :class:`flwr.serverapp.strategy.FedAvg` arguments.
     """
 
     update_kind = "delta"
 
     def __init__(self, *, tap: Optional[Tap] = None, metadata: Optional[dict[str, Any]] = None,
-                 **kwargs: Any) -> None:
+                 server_opt: Optional[ServerOptimizer] = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self.server_opt = None if server_opt is None or server_opt.plain else server_opt
         self.tap = tap
         self.metadata = dict(metadata or {})
         self.failures: list[Failure] = []
@@ -75,7 +156,10 @@ class TappedFedAvg(FedAvg):
     # ------------------------------------------------------------------------- aggregation
     def apply(self, global_state: dict[str, torch.Tensor], mean_update: dict[str, torch.Tensor]
               ) -> dict[str, torch.Tensor]:
-        """New global state from the weighted mean of the updates (FedAvg: add the mean delta)."""
+        """New global state from the weighted mean of the updates (FedAvg: add the mean delta; with a
+        server optimiser, its step)."""
+        if self.server_opt is not None:
+            return self.server_opt.step(global_state, mean_update)
         new = dict(global_state)
         for name, delta in mean_update.items():
             new[name] = (global_state[name].double() + delta.double()).to(global_state[name].dtype)
