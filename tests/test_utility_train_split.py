@@ -134,3 +134,31 @@ def test_a_real_sweep_writes_the_frontier_of_its_own_rows(tmp_path, dataset, one
     again = pd.read_csv(csv)
     assert n == 2 and list(again["sweep_index"].unique()) == [0, 1]
     assert sorted(again["psnr"].fillna(-1).round(6)) == sorted(table["psnr"].fillna(-1).round(6))
+
+
+def test_the_server_optimiser_of_the_utility_section_reaches_the_federation(tmp_path, dataset, one_torch_thread):
+    from benchmark.pipeline import build_rows
+    from benchmark.utility import defence_utility, utility_run_config
+
+    cfg = _cfg(tmp_path, dataset, rounds=1, curve=[], server_opt="fedadam", server_lr=0.01, server_tau=1e-6,
+               server_schedule="cosine")
+    row = build_rows(cfg, torch.device("cpu"))[0]
+    _, resolved = utility_run_config(cfg, row, str(dataset / "train"))
+    assert (resolved.mode, resolved.server_opt, resolved.server_lr, resolved.server_tau, resolved.server_schedule) \
+        == ("fedavg", "fedadam", 0.01, 1e-6, "cosine")
+    from server.federation import run_federation
+
+    runs = []
+
+    def federate(*args, **kwargs):
+        runs.append(run_federation(*args, **kwargs))
+        return runs[-1]
+
+    start = {k: v.clone() for k, v in row.model.state_dict().items()}
+    out = defence_utility(cfg, row, federate)
+    assert (out["utility_server_opt"], out["utility_server_lr"], out["utility_server_schedule"]) == ("fedadam", 0.01, "cosine")
+    # Adam's first step moves a weight by server_lr * |d| / (|d| + tau), about server_lr for all
+    # but the smallest deltas, where plain FedAvg would move it by the delta itself (lr 0.05 * gradient)
+    moved = torch.cat([(runs[0].final_state[k].float() - start[k].float()).abs().flatten()
+                       for k in start if start[k].is_floating_point() and k in runs[0].final_state])
+    assert 0.009 < float(moved.median()) <= 0.01 + 1e-6
