@@ -101,7 +101,7 @@ def _train_value(kind: type, default: Any) -> int | float:
 TRAIN_KEYS = [(k, kind, _train_value(kind, getattr(TrainConfig(), k))) for k, kind, _ in _schema_cases(TrainConfig)]
 RUN_KEYS = _schema_cases(RunConfig)
 #: keys a run-config key needs beside it to be valid at all (drop-path acts only in train mode)
-RUN_COMPANIONS: dict[str, dict[str, Any]] = {"drop-path": {"train-mode": True}}
+RUN_COMPANIONS: dict[str, dict[str, Any]] = {"drop-path": {"train-mode": True}, "server-lr": {"mode": "fedavg"}}
 #: (defence, key, type, value): every number key of every built-in defence
 DEFENCE_KEYS = [(name, key, NUMBER_KEYS[key], (default + 1) if NUMBER_KEYS[key] is int else default / 2)
                 for name, keys in DEFENCES.items() for key, default in keys.items()
