@@ -16,7 +16,8 @@ interval, after FedAvg with the defence on). One frontier point per (grid point,
   interval (the privacy the curve gives over the accuracies the target is compatible with); where an
   end falls outside the curve, that end of the interval is NaN.
 * **Table.** :func:`matched_table`: each defence's privacy at MJP's top-1 (MJP's accuracy cost), and
-  MJP's privacy (interpolated along the MJP curve) at each defence point's top-1.
+  MJP's privacy (interpolated along the MJP curve) at each defence point's top-1, with the two
+  measured points the value lies between (:func:`between`).
 
 Plot: :func:`frontier_plot` (x = top-1 with its interval, y = PSNR, then LPIPS; one line per curve,
 in strength order; MJP and no defence as marked points; every point labelled with its parameter and,
@@ -112,22 +113,43 @@ def curves(points: pd.DataFrame) -> dict[tuple[str, str, str], pd.DataFrame]:
     return out
 
 
-def interpolate(curve: pd.DataFrame, top1: float, metric: str) -> float:
-    """``metric`` at ``top1`` along ``curve`` (rows in strength order): the first segment from the weak
-    end whose top-1 range holds ``top1``, linear in top-1; NaN when none does (or top1 is NaN)."""
+def _segment(curve: pd.DataFrame, top1: float) -> Optional[int]:
+    """Index i of the first segment (rows i, i + 1) from the weak end whose top-1 range holds ``top1``
+    (a one-point curve: 0 when its top-1 is ``top1``); None when none does."""
     if top1 is None or math.isnan(top1):
-        return math.nan
-    xs, ys = curve["top1"].to_numpy(float), curve[metric].to_numpy(float)
+        return None
+    xs = curve["top1"].to_numpy(float)
     if len(xs) == 1:
-        return float(ys[0]) if xs[0] == top1 else math.nan
+        return 0 if xs[0] == top1 else None
     for i in range(len(xs) - 1):
         lo, hi = sorted((xs[i], xs[i + 1]))
         if lo <= top1 <= hi:
-            if xs[i + 1] == xs[i]:
-                return float(ys[i])
-            t = (top1 - xs[i]) / (xs[i + 1] - xs[i])
-            return float(ys[i] + t * (ys[i + 1] - ys[i]))
-    return math.nan
+            return i
+    return None
+
+
+def interpolate(curve: pd.DataFrame, top1: float, metric: str) -> float:
+    """``metric`` at ``top1`` along ``curve`` (rows in strength order): the first segment from the weak
+    end whose top-1 range holds ``top1``, linear in top-1; NaN when none does (or top1 is NaN)."""
+    i = _segment(curve, top1)
+    if i is None:
+        return math.nan
+    xs, ys = curve["top1"].to_numpy(float), curve[metric].to_numpy(float)
+    if len(xs) == 1 or xs[i + 1] == xs[i]:
+        return float(ys[i])
+    t = (top1 - xs[i]) / (xs[i + 1] - xs[i])
+    return float(ys[i] + t * (ys[i + 1] - ys[i]))
+
+
+def between(curve: pd.DataFrame, top1: float) -> str:
+    """The two measured points (``point_label``) whose segment :func:`interpolate` uses at ``top1``,
+    as "a .. b" ("" when none): a matched value between ``none`` and a defence's weakest point is a
+    line through the undefended point's privacy, not a measurement of the defence."""
+    i = _segment(curve, top1)
+    if i is None:
+        return ""
+    labels = list(curve["point_label"]) if "point_label" in curve else [str(j) for j in range(len(curve))]
+    return labels[i] if len(labels) == 1 else f"{labels[i]} .. {labels[i + 1]}"
 
 
 def privacy_at(curve: pd.DataFrame, top1: float, low: float, high: float) -> dict[str, float]:
@@ -158,6 +180,7 @@ def matched_table(points: pd.DataFrame) -> pd.DataFrame:
                 got = privacy_at(dcurve, m["top1"], m["top1_low"], m["top1_high"])
                 rows.append({"at": "defence @ MJP", "defence": curve, "defence_setting": f"{model} ({setting})",
                              "matched_point": f"MJP {m['point_label']} ({mjp_model}, {mjp_setting})",
+                             "between": between(dcurve, m["top1"]),
                              "top1": m["top1"], "top1_low": m["top1_low"], "top1_high": m["top1_high"],
                              "own_psnr": m["psnr"], "own_lpips": m["lpips"], **got})
         for (model, setting, curve), dcurve in by.items():
@@ -166,7 +189,8 @@ def matched_table(points: pd.DataFrame) -> pd.DataFrame:
             for _, d in dcurve[dcurve["curve"] != NONE].iterrows():
                 got = privacy_at(mcurve, d["top1"], d["top1_low"], d["top1_high"])
                 rows.append({"at": "MJP @ defence", "defence": curve, "defence_setting": f"{model} ({setting})",
-                             "matched_point": f"{curve} {d['point_label']}", "top1": d["top1"],
+                             "matched_point": f"{curve} {d['point_label']}", "between": between(mcurve, d["top1"]),
+                             "top1": d["top1"],
                              "top1_low": d["top1_low"], "top1_high": d["top1_high"], "own_psnr": d["psnr"],
                              "own_lpips": d["lpips"], **got})
     return pd.DataFrame(rows)
@@ -197,12 +221,13 @@ def table_markdown(table: pd.DataFrame) -> str:
     if table.empty:
         return "(no MJP point and defence curve to match)\n"
     lines = ["| privacy of | at the top-1 of | top-1 % [95 % CI] | its PSNR dB | matched PSNR dB | its LPIPS | "
-             "matched LPIPS |", "|---|---|---|---|---|---|---|"]
+             "matched LPIPS | between |", "|---|---|---|---|---|---|---|---|"]
     for _, r in table.iterrows():
         who = f"{r['defence']} ({r['defence_setting']})" if r["at"] == "defence @ MJP" else "MJP"
         lines.append(f"| {who} | {r['matched_point']} | {_fmt(r['top1'], r['top1_low'], r['top1_high'], 2)} | "
                      f"{r['own_psnr']:.1f} | {_fmt(r['psnr'], r['psnr_low'], r['psnr_high'], 1)} | "
-                     f"{r['own_lpips']:.2f} | {_fmt(r['lpips'], r['lpips_low'], r['lpips_high'], 2)} |")
+                     f"{r['own_lpips']:.2f} | {_fmt(r['lpips'], r['lpips_low'], r['lpips_high'], 2)} | "
+                     f"{r.get('between', '')} |")
     return "\n".join(lines) + "\n"
 
 

@@ -98,6 +98,7 @@ def test_matched_table_interpolates_each_defence_at_mjps_top1_and_back():
     expected = 19.0 + 0.25 * (12.0 - 19.0)
     assert at_mjp["psnr"].iloc[0] == pytest.approx(expected)
     assert at_mjp["own_psnr"].iloc[0] == pytest.approx(16.5)
+    assert at_mjp["between"].iloc[0] == "sigma 0.001, eps 7.5 .. sigma 0.01, eps 0.9"
     # the MJP curve is one point: MJP's privacy at the defences' top-1 is not reached
     back = table[table["at"] == "MJP @ defence"]
     assert len(back) == 2 and back["psnr"].isna().all()
