@@ -128,7 +128,7 @@ class Federation(Schema):
 
 class ModelRowConfig(Schema):
     """A model row as the config writes it: the factory spec (:func:`fedmjp.factory.build_model`)
-    and its weights (the built row of a run is :class:`benchmark.pipeline.ModelRow`)."""
+    and its weights (the built row of a run is :class:`benchmark.inputs.ModelRow`)."""
 
     name: str
     label: Optional[str] = None  # table label (default: name)
