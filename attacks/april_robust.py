@@ -47,7 +47,8 @@ from fedmjp.devices import resolve_device
 
 from .linalg import conjugate_gradient
 from .first_layer import check_conditions, gradient_of_Z, is_design_a, unwrap_vit
-from .base import Attack, AttackFailure, AttackMetadata, AttackOptions, AttackResult, Update, register_attack, update_to_gradients
+from .base import Attack, AttackFailure, AttackMetadata, AttackOptions, AttackResult, Update, update_to_gradients
+from .registry import register_attack
 from .pe_closed_form import images_to_patches, patches_to_images, pe_closed_form_system, pe_conditions
 from .priors import PatchPrior, load_patch_prior
 
