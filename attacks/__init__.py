@@ -6,8 +6,8 @@
 
 Names: see :func:`attack_names`. No Flower import here: attacks run without a simulation.
 """
-from .base import (Attack, AttackFailure, AttackMetadata, AttackOptions, AttackResult, attack_names, create_attack,
-                   register_attack, update_to_gradients)
+from .base import Attack, AttackFailure, AttackMetadata, AttackOptions, AttackResult, update_to_gradients
+from .registry import attack_names, create_attack, register_attack
 from .updates import compute_per_sample_updates, compute_update
 from .first_layer import AprilConditionError, check_conditions
 from .april import AprilAnalytic

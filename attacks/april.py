@@ -35,7 +35,8 @@ from patchgrid import unpatchify
 from fedmjp.config import Float
 
 from .base import (AttackFailure, AttackOptions, BatchedSolveAttack, AttackMetadata, AttackResult, Update,
-                   register_attack, update_to_gradients)
+                   update_to_gradients)
+from .registry import register_attack
 from .first_layer import PRECISIONS, Precision, check_conditions, gradient_of_Z, is_design_a, unwrap_vit
 
 _logger = logging.getLogger(__name__)

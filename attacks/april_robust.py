@@ -32,24 +32,23 @@ import dataclasses
 import logging
 import math
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from pydantic import model_validator
 
-from defences.spec import DefenceSpec
 from fedmjp.config import Float, Int, option
 from fedmjp.devices import resolve_device
 
 from .linalg import conjugate_gradient
 from .first_layer import check_conditions, gradient_of_Z, is_design_a, unwrap_vit
-from .base import Attack, AttackFailure, AttackMetadata, AttackOptions, AttackResult, Update, register_attack, update_to_gradients
+from .base import Attack, AttackFailure, AttackMetadata, AttackOptions, AttackResult, Update, update_to_gradients
+from .registry import register_attack
 from .pe_closed_form import images_to_patches, patches_to_images, pe_closed_form_system, pe_conditions
-from .priors import PatchPrior, load_patch_prior
+from .priors import load_patch_prior
+from .robust_terms import NoiseModel, PatchPriorTerm, defence_noise, noise_floor, smooth_energy, smooth_normal
 
 _logger = logging.getLogger(__name__)
 _DT = torch.float64
@@ -62,135 +61,6 @@ _DT = torch.float64
 _GAUSSIAN_WEIGHT = 10.0
 
 
-def _noise_floor(t: torch.Tensor) -> float:
-    """The smallest noise std assumed for a tensor: float64 rounding of its entries."""
-    return 1e-13 * float(t.pow(2).mean().sqrt()) + 1e-150
-
-
-def _smooth_normal(img: torch.Tensor, edge: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
-    """L^T diag(edge) L img for L the horizontal and vertical pixel differences of [C, H, W] images
-    (``edge``: per-difference weights of the x and y differences, None for all ones)."""
-    out = torch.zeros_like(img)
-    dx = img[..., :, 1:] - img[..., :, :-1]
-    dy = img[..., 1:, :] - img[..., :-1, :]
-    if edge is not None:
-        dx, dy = dx * edge[0], dy * edge[1]
-    out[..., :, 1:] += dx
-    out[..., :, :-1] -= dx
-    out[..., 1:, :] += dy
-    out[..., :-1, :] -= dy
-    return out
-
-
-def _smooth_energy(img: torch.Tensor) -> tuple[float, int]:
-    dx = img[..., :, 1:] - img[..., :, :-1]
-    dy = img[..., 1:, :] - img[..., :-1, :]
-    return float(dx.pow(2).sum() + dy.pow(2).sum()), dx.numel() + dy.numel()
-
-
-@dataclass
-class _Noise:
-    """The noise model of the received update's entries, and where it came from.
-
-    ``std``: i.i.d. additive noise std per entry in gradient units (local DP, DP-SGD); ``quant``:
-    (bits, stochastic) of a per-tensor quantiser; ``prune_keep``: the kept share of a top-k pruning
-    (zeros are missing entries). ``known`` is False when
-    nothing about the perturbation is known and the noise is read off the update."""
-
-    source: str = "estimate"
-    description: str = "unknown: noise std read off the update's redundancy"
-    std: float = 0.0
-    quant: Optional[tuple[int, bool]] = None
-    prune_keep: Optional[float] = None
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def known(self) -> bool:
-        return self.std > 0 or self.quant is not None
-
-    def tensor_std(self, t: torch.Tensor) -> Optional[float]:
-        """The noise std of one received tensor's entries, or None when unknown."""
-        if not self.known:
-            return None
-        var = self.std ** 2
-        if self.quant is not None:
-            bits, stochastic = self.quant
-            m = float(t.abs().max())  # the largest level is max|u| itself (bits > 1), mean|u| (bits = 1)
-            if bits == 1:
-                var += m ** 2 / 3
-            else:
-                step = 2 * m / (2 ** bits - 1)
-                # nearest level: uniform error on [-step/2, step/2]; unbiased stochastic rounding:
-                # variance p (1 - p) step^2, 1/6 step^2 on average over the position p in the step
-                var += step ** 2 / (6 if stochastic else 12)
-        return math.sqrt(var)
-
-    def as_dict(self) -> dict[str, Any]:
-        return dict(source=self.source, model=self.description, std=self.std,
-                    quant_bits=None if self.quant is None else self.quant[0],
-                    quant_stochastic=None if self.quant is None else self.quant[1], prune_keep=self.prune_keep)
-
-
-def _defence_noise(spec: DefenceSpec, meta: AttackMetadata) -> _Noise:
-    """The noise model of the defence spec in the metadata (Kerckhoffs: what the defence states it
-    does, :meth:`defences.spec.DefenceSpec.observation`); an unmodelled defence gives the estimating
-    model with a note saying why."""
-    obs, src = spec.observation(), "defence metadata"
-    if obs is None:
-        return _Noise(notes=[f"defence {spec.name!r} in metadata is not modelled by april_robust: treated as "
-                             "unknown, noise estimated"])
-    if not obs.perturbs:
-        return _Noise(src, f"{obs.what}: noise std read off the update's redundancy")
-    if obs.noise is not None and obs.per_example:
-        # per-sample clip (a common factor at batch 1), Gaussian noise on the sum, / batch size; a
-        # FedAvg delta's mean gradient averages ``local_steps`` independent draws
-        std, _ = meta.defence_noise(obs)
-        steps = 1 if meta.update_type == "gradient" else max(meta.local_steps, 1)
-        return _Noise(src, f"dp_sgd: Gaussian noise, std {std:.3g} per entry of the mean gradient (sigma "
-                           f"{obs.sigma} x clip {obs.clip} / batch {meta.num_images}"
-                           + (f" / sqrt({steps} steps)" if steps > 1 else "") + ")", std=std)
-    if obs.noise is not None:
-        # the clip scales every equation alike (X unchanged); Laplace noise is modelled by its variance
-        laplace = obs.noise == "laplace"
-        std = meta.defence_noise(obs)[0] * (math.sqrt(2) if laplace else 1.0)
-        desc = (f"local_dp: i.i.d. {'Laplace (by its variance)' if laplace else 'Gaussian'} noise, std {std:.3g} "
-                f"per entry (sigma {obs.sigma} x clip {obs.clip}" + (", x sqrt 2" if laplace else "")
-                + (", / (lr steps) of the delta" if abs(meta.gradient_scale) != 1 else "") + ")")
-        return _Noise(src, desc, std=std)
-    if obs.quant_bits is not None:
-        bits, stochastic = obs.quant_bits, obs.quant_stochastic
-        kind = "sign x mean|u| per tensor" if bits == 1 else (
-            f"{2 ** bits} levels per tensor, {'stochastic' if stochastic else 'nearest'} rounding error of the step")
-        return _Noise(src, f"quantize {bits} bit: {kind}", quant=(bits, stochastic))
-    return _Noise(src, f"prune keep {obs.prune_keep}: zeros are missing entries, the kept ones exact (their "
-                       "rounding estimated)", prune_keep=obs.prune_keep)
-
-
-class _PatchPriorTerm:
-    """The Gaussian patch prior as a quadratic term of the normalised image ``img`` [1, C, H, W]:
-    sum over every p x p patch at every offset of (u_p - mu)^T Lambda (u_p - mu), u = std img + mean
-    the pixels in [0, 1]. ``torch.nn.functional.unfold``/``fold`` are the patch extraction and its adjoint."""
-
-    def __init__(self, prior: PatchPrior, meta: AttackMetadata, info, device: torch.device) -> None:
-        p, C = prior.patch, info.channels
-        self.p, self.size = p, (info.grid[0] * p, info.grid[1] * p)
-        self.s = meta.std.to(device, _DT).reshape(1, C, 1, 1)
-        self.lam_mat = torch.from_numpy(prior.precision).to(device, _DT)
-        # u_p - mu = unfold(std img) - c, c = mu - mean (per channel, repeated over the patch)
-        self.c = torch.from_numpy(prior.mean).to(device, _DT) - meta.mean.to(device, _DT).repeat_interleave(p * p)
-        self.count = (self.size[0] - p + 1) * (self.size[1] - p + 1)
-        ones = torch.ones(1, self.c.numel(), self.count, dtype=_DT, device=device)
-        self.rhs_img = self.s * F.fold(self.lam_mat @ self.c[:, None] * ones, self.size, p)
-        self.diag_img = self.s ** 2 * F.fold(self.lam_mat.diagonal()[:, None] * ones, self.size, p)
-
-    def apply(self, img: torch.Tensor) -> torch.Tensor:
-        """The term's Hessian (halved) times ``img``: std fold(Lambda unfold(std img))."""
-        return self.s * F.fold(self.lam_mat @ F.unfold(self.s * img, self.p), self.size, self.p)
-
-    def energy(self, img: torch.Tensor) -> tuple[float, int]:
-        """(sum of squared Mahalanobis distances, number of patch values)."""
-        r = F.unfold(self.s * img, self.p)[0] - self.c[:, None]
-        return float((r * (self.lam_mat @ r)).sum()), r.numel()
 
 
 @register_attack("april_robust")
@@ -266,7 +136,7 @@ class AprilRobust(Attack):
         self.quant_cells = True
 
     # --------------------------------------------------------------------------------- noise model
-    def _noise_model(self, meta: AttackMetadata) -> _Noise:
+    def _noise_model(self, meta: AttackMetadata) -> NoiseModel:
         """The noise model: the options where they set one, else the metadata's defence spec
         (``known_defence``), else unknown (estimated from the update)."""
         if self.sigma is not None or self.quant_bits is not None or self.prune_keep is not None:
@@ -274,23 +144,23 @@ class AprilRobust(Attack):
             parts = ([f"Gaussian std {std:.3g} per entry (sigma {self.sigma} x clip {self.clip})"] if self.sigma else []) \
                 + ([f"quantize {self.quant_bits} bit, rounding error of the step"] if self.quant_bits else []) \
                 + ([f"prune keep {self.prune_keep}: zeros are missing entries"] if self.prune_keep else [])
-            noise = _Noise("options", "; ".join(parts) or "sigma = 0: no additive noise", std=std,
-                           quant=None if self.quant_bits is None else (self.quant_bits, False),
-                           prune_keep=self.prune_keep)
+            noise = NoiseModel("options", "; ".join(parts) or "sigma = 0: no additive noise", std=std,
+                               quant=None if self.quant_bits is None else (self.quant_bits, False),
+                               prune_keep=self.prune_keep)
             if self.known_defence and meta.defence is not None:
                 noise.notes.append(f"options set the noise model; metadata defence {meta.defence.label} not used")
             return noise
         if not self.known_defence:
-            return _Noise(notes=["known_defence=False: the defence's parameters are not used"]
-                          if meta.defence is not None else [])
+            return NoiseModel(notes=["known_defence=False: the defence's parameters are not used"]
+                              if meta.defence is not None else [])
         if meta.defence_error is not None:
-            return _Noise(notes=[f"defence spec in metadata not understood ({meta.defence_error}): treated as "
-                                 "unknown, noise estimated"])
+            return NoiseModel(notes=[f"defence spec in metadata not understood ({meta.defence_error}): treated as "
+                                     "unknown, noise estimated"])
         if meta.defence is None:
-            return _Noise()
-        return _defence_noise(meta.defence, meta)
+            return NoiseModel()
+        return defence_noise(meta.defence, meta)
 
-    def _prior_term(self, meta: AttackMetadata, info, notes: list[str]) -> Optional[_PatchPriorTerm]:
+    def _prior_term(self, meta: AttackMetadata, info, notes: list[str]) -> Optional[PatchPriorTerm]:
         """The Gaussian patch prior's term for this model, None for the smoothness priors; a patch
         size the prior file was not made for is refused (``gaussian``) or falls back (``auto``)."""
         pp = self.patch_prior
@@ -308,7 +178,7 @@ class AprilRobust(Attack):
         if meta.image_size[1] != pp.image_size:
             notes.append(f"the patch prior was learned on {pp.image_size} px images, these are {meta.image_size[1]} px")
         notes.append(f"prior: Gaussian over every {pp.patch} x {pp.patch} patch, {Path(pp.path).name} ({pp.source})")
-        return _PatchPriorTerm(pp, meta, info, self.device)
+        return PatchPriorTerm(pp, meta, info, self.device)
 
     def _reconstruct(self, model: nn.Module, update: Update, meta: AttackMetadata) -> AttackResult:
         t0 = time.perf_counter()
@@ -366,14 +236,14 @@ class AprilRobust(Attack):
         def std(key: str, t: torch.Tensor) -> float:
             s = std_known[key] if key in std_known else noise.tensor_std(t)
             s = est if s is None else s
-            return max(s, _noise_floor(t))
+            return max(s, noise_floor(t))
         s_P, s_We = std("P", G_obs), std("We", dW)
         s_b = [std(name, tgt) for name, _, tgt, _ in bias_eqs]
         wP, wW, wb = 1 / s_P ** 2, 1 / s_We ** 2, [1 / s ** 2 for s in s_b]
         if qkv is not None:
             s_q = noise.tensor_std(qkv["G_W"])
-            s_q = max(est if s_q is None else s_q, _noise_floor(qkv["G_W"]))
-            qkv["omega"] = 1.0 / (s_q ** 2 * qkv["W"].pow(2).sum(0) + _noise_floor(qkv["R"]) ** 2)
+            s_q = max(est if s_q is None else s_q, noise_floor(qkv["G_W"]))
+            qkv["omega"] = 1.0 / (s_q ** 2 * qkv["W"].pow(2).sum(0) + noise_floor(qkv["R"]) ** 2)
             qkv["s"] = s_q
         fracG = float(mG.double().mean())
         noise_stats = noise.as_dict()
@@ -433,7 +303,7 @@ class AprilRobust(Attack):
                 if prior_term is not None:
                     lam = self.prior_scale * _GAUSSIAN_WEIGHT
                 else:
-                    energy, count = _smooth_energy(img)
+                    energy, count = smooth_energy(img)
                     # clamped to pixel-difference std between 1e-3 and 10 (normalised input)
                     lam = self.prior_scale * min(max(count / max(energy, 1e-300), 1e-2), 1e6)
                 if prior_name == "tv":
@@ -467,13 +337,13 @@ class AprilRobust(Attack):
             if not noise.known and self.reestimate_noise:
                 # variance components: each group's noise std from its own residual at the estimate
                 ms = self._mean_squares(X, G, G_obs, mG, dW, mW, bias_eqs, qkv, W_e, b_e)
-                s_P = max(math.sqrt(ms["P"]), _noise_floor(G_obs)) if self.errors == "joint" else s_P
-                s_We = max(math.sqrt(ms["We"]), _noise_floor(dW))
-                s_b = [max(math.sqrt(ms[n]), _noise_floor(t)) for n, _, t, _ in bias_eqs]
+                s_P = max(math.sqrt(ms["P"]), noise_floor(G_obs)) if self.errors == "joint" else s_P
+                s_We = max(math.sqrt(ms["We"]), noise_floor(dW))
+                s_b = [max(math.sqrt(ms[n]), noise_floor(t)) for n, _, t, _ in bias_eqs]
                 wP, wW, wb = 1 / s_P ** 2, 1 / s_We ** 2, [1 / v ** 2 for v in s_b]
                 if qkv is not None:
-                    qkv["s"] = max(math.sqrt(ms["qkv"]), _noise_floor(qkv["G_W"]))
-                    qkv["omega"] = 1.0 / (qkv["s"] ** 2 * qkv["W"].pow(2).sum(0) + _noise_floor(qkv["R"]) ** 2)
+                    qkv["s"] = max(math.sqrt(ms["qkv"]), noise_floor(qkv["G_W"]))
+                    qkv["omega"] = 1.0 / (qkv["s"] ** 2 * qkv["W"].pow(2).sum(0) + noise_floor(qkv["R"]) ** 2)
             if change < 1e-10:
                 break
 
@@ -612,7 +482,7 @@ class AprilRobust(Attack):
             if qkv is not None:
                 out = out + G @ (om * (G.T @ X @ qkv["W_e"].T)) @ qkv["W_e"]
             img = patches_to_images(X[None], info)
-            reg = _smooth_normal(img, edge) if prior_term is None else prior_term.apply(img)
+            reg = smooth_normal(img, edge) if prior_term is None else prior_term.apply(img)
             return out + lam * images_to_patches(reg, info)[0] + eps * X
 
         def pre(x: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The attack interface: one ``Attack`` base class, its result type, and the name registry.
+"""The attack interface: one ``Attack`` base class, its result type, its metadata and options.
 
 An honest-but-curious server calls ``attack.reconstruct(model, update, metadata)`` with the model
 as it sent it, one client's update and what the server sees besides (docs/design.md,
@@ -15,16 +15,16 @@ Two kinds of failure are told apart, so that a bug cannot make a row look privat
 - *unexpected errors*: any other exception (a bug in an attack, a third-party library error). The
   result is still failed, but :attr:`AttackResult.error` carries the traceback; the benchmark writes
   it to the run folder's ``errors/`` and ends with a non-zero exit status.
+
+The name registry and building an attack by name with its options checked: :mod:`attacks.registry`.
 """
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 import math
 import time
 import traceback
-import typing
 from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Callable, ClassVar, Literal, Mapping, Optional, Sequence, TypeVar, Union
@@ -32,11 +32,10 @@ from typing import Annotated, Any, Callable, ClassVar, Literal, Mapping, Optiona
 import numpy as np
 import torch
 import torch.nn as nn
-from pydantic import BeforeValidator, ConfigDict, ValidationInfo, create_model, field_validator
+from pydantic import BeforeValidator, ConfigDict, ValidationInfo, field_validator
 
 from defences.spec import DefenceSpec, Observation, validate_defence
 from fedmjp import config as core
-from fedmjp import plugins
 from fedmjp.factory import normalize
 
 _logger = logging.getLogger(__name__)
@@ -362,6 +361,23 @@ COUNT_LIMITS = {"restarts": 1_000, "starts": 1_000}
 OptionsT = TypeVar("OptionsT", bound=core.Schema)
 
 
+def parse_options(name: str, schema: type[OptionsT], options: Mapping[str, Any]) -> OptionsT:
+    """``options`` checked against an attack's options schema, defaults filled in.
+
+    Raises:
+        ValueError: ``bad options for attack 'name': ...``: every unknown option with the valid
+            ones listed, or the option, what it takes and what it got (fedmjp.config's message).
+    """
+    unknown = sorted(set(options) - set(schema.model_fields), key=str)
+    if unknown:  # every unknown option at once, not only the first
+        valid = ", ".join(schema.model_fields) or "none"
+        raise ValueError(f"bad options for attack {name!r}: unknown option(s) {unknown}; valid: {valid}")
+    try:
+        return core.parse(schema, options, "options.")
+    except core.ConfigError as err:
+        raise ValueError(f"bad options for attack {name!r}: {err}") from None
+
+
 class Attack:
     """Base class: subclasses implement :meth:`_reconstruct` (and may vectorise
     :meth:`reconstruct_many`), and declare their options as a nested ``Options`` schema (an
@@ -501,134 +517,3 @@ def _expand_metadatas(metadatas: Union[Metadata, Sequence[Metadata], None], n: i
     if len(mds) != n:
         raise ValueError(f"{len(mds)} metadata dicts for {n} updates")
     return mds
-
-
-# --------------------------------------------------------------------------------- registry
-# Built-ins register with @register_attack; plug-ins from other packages are named by an entry
-# point of group ``fedmjp.attacks`` or a ``package.module:Name`` reference (fedmjp/plugins.py,
-# docs/plugins.md) and loaded when a config names them.
-_REGISTRY: dict[str, Callable[..., Attack]] = {}
-
-
-def register_attack(name: str) -> Callable:
-    """Class decorator: make ``create_attack(name)`` build this class."""
-
-    def wrap(cls):
-        _REGISTRY[name] = cls
-        return cls
-
-    return wrap
-
-
-def attack_names() -> list[str]:
-    """The valid names of :func:`create_attack`, sorted: built-ins and installed plug-ins' entry
-    points (a ``package.module:Name`` reference is valid too)."""
-    return sorted({*_REGISTRY, *plugins.entry_points("attack")})
-
-
-def attack_catalog() -> list[tuple[str, str]]:
-    """(name, origin) of every attack: ``built-in``, or the entry point's package and version."""
-    entries = plugins.entry_points("attack")
-    return [(name, "built-in" if name in _REGISTRY else entries[name].origin) for name in attack_names()]
-
-
-def attack_class(name: str) -> Callable[..., Attack]:
-    """The class (or factory) ``create_attack(name)`` calls: a built-in, else a plug-in (imported now).
-
-    Raises:
-        ValueError: unknown name (the valid ones listed), or a plug-in that cannot be loaded or is
-            not an :class:`Attack` subclass (:class:`fedmjp.plugins.PluginError`).
-    """
-    if name in _REGISTRY:
-        return _REGISTRY[name]
-    plugin = plugins.find("attack", name)
-    if plugin is None:
-        raise ValueError(f"unknown attack {name!r}; valid: {', '.join(attack_names())}, "
-                         "or a plug-in's package.module:Name")
-    return plugins.load("attack", plugin, Attack)
-
-
-def option_schema(factory: Callable[..., Any]) -> type[core.Schema]:
-    """The options schema of an attack class: the ``Options`` it declares (built-ins: one
-    :class:`AttackOptions` per attack, like a defence's spec in defences/spec.py).
-
-    A plug-in written against docs/plugins.md declares its options as annotated keyword arguments of
-    its own ``__init__`` instead; its schema is read off that signature (number annotations typed as
-    config keys, other options any value; ``**options`` adds the schema of the class they are passed
-    up to). Parameters named ``_...`` and, for a ``takes_name`` factory, ``name`` are no options.
-    """
-    mro = factory.__mro__ if isinstance(factory, type) else ()
-    owner = next((k for k in mro if "__init__" in vars(k)), None)
-    declared = next((k for k in mro if "Options" in vars(k)), None)
-    if declared is not None and owner is not None and mro.index(declared) <= mro.index(owner):
-        return factory.Options  # type: ignore[attr-defined]
-    return _signature_schema(factory, owner)
-
-
-@functools.cache
-def _signature_schema(factory: Callable[..., Any], owner: Optional[type]) -> type[core.Schema]:
-    init = owner.__init__ if owner is not None else factory  # type: ignore[misc]
-    params = list(inspect.signature(init).parameters.values())
-    try:
-        hints = typing.get_type_hints(init)
-    except (NameError, TypeError):  # unresolvable annotations: the names without types
-        hints = {}
-    skip = {"self", "name"} if getattr(factory, "takes_name", False) else {"self"}
-    fields: dict[str, Any] = {}
-    for p in params:
-        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in skip and not p.name.startswith("_"):
-            tp = hints.get(p.name, Any)
-            number = any(m in (int, float) for m in typing.get_args(tp) or (tp,))
-            fields[p.name] = (core.number_type(tp) if number else Any, ... if p.default is p.empty else p.default)
-    base: type[core.Schema] = core.Schema
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        base = getattr(factory, "Options", AttackOptions)
-    return create_model(f"{getattr(factory, '__name__', 'Attack')}Options", __base__=base, **fields)
-
-
-def parse_options(name: str, schema: type[OptionsT], options: Mapping[str, Any]) -> OptionsT:
-    """``options`` checked against an attack's options schema, defaults filled in.
-
-    Raises:
-        ValueError: ``bad options for attack 'name': ...``: every unknown option with the valid
-            ones listed, or the option, what it takes and what it got (fedmjp.config's message).
-    """
-    unknown = sorted(set(options) - set(schema.model_fields), key=str)
-    if unknown:  # every unknown option at once, not only the first
-        valid = ", ".join(schema.model_fields) or "none"
-        raise ValueError(f"bad options for attack {name!r}: unknown option(s) {unknown}; valid: {valid}")
-    try:
-        return core.parse(schema, options, "options.")
-    except core.ConfigError as err:
-        raise ValueError(f"bad options for attack {name!r}: {err}") from None
-
-
-def attack_options(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
-    """The options of attack ``name`` checked against its schema (:func:`option_schema`), as given
-    with number options converted (``"1e-4"`` -> 0.0001, ``1e3`` -> 1000 for an integer option).
-
-    Raises:
-        ValueError: an unknown name or option, or a value its option does not take.
-    """
-    checked = parse_options(name, option_schema(attack_class(name)), options)
-    return {key: getattr(checked, key) for key in options}
-
-
-def create_attack(name: str, **options: Any) -> Attack:
-    """Build an attack by name (built-in, entry point or ``package.module:Name``), its options
-    checked against its schema first (:func:`attack_options`): a number written another way
-    (``"1e-4"``, ``1e3`` for an integer option) becomes that number, a bool or text is refused.
-
-    Raises:
-        ValueError: unknown name (the message lists the valid ones), a plug-in that cannot be
-            loaded, or bad options.
-    """
-    factory = attack_class(name)
-    options = attack_options(name, options)
-    attack = factory(name=name, **options) if getattr(factory, "takes_name", False) else factory(**options)
-    if not isinstance(attack, Attack):
-        raise ValueError(f"attack {name!r}: its factory returned {type(attack).__name__}, not an Attack")
-    if not attack.name:  # a plug-in without its own name is known by the name the config gave
-        attack.name = name
-    return attack
-

@@ -55,7 +55,8 @@ import torch.nn.functional as F
 from fedmjp.config import Float, Int, option
 from fedmjp.devices import resolve_device
 
-from .base import Attack, AttackFailure, AttackMetadata, AttackOptions, AttackResult, Update, register_attack, update_to_gradients
+from .base import Attack, AttackFailure, AttackMetadata, AttackOptions, AttackResult, Update, update_to_gradients
+from .registry import register_attack
 from .breaching_adapter import attack_copy, matched_names
 from .first_layer import unwrap_vit
 from .jigsaw_solver import unshuffle_image

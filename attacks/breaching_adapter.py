@@ -33,7 +33,8 @@ import torch.nn as nn
 from fedmjp.config import Float, Int
 from fedmjp.devices import resolve_device
 
-from .base import Attack, AttackFailure, AttackMetadata, AttackOptions, AttackResult, Update, register_attack, update_to_gradients
+from .base import Attack, AttackFailure, AttackMetadata, AttackOptions, AttackResult, Update, update_to_gradients
+from .registry import register_attack
 
 _logger = logging.getLogger(__name__)
 

@@ -10,7 +10,8 @@ from pydantic import Field
 
 from fedmjp.config import Float, Int, option
 
-from .base import AttackMetadata, Update, register_attack
+from .base import AttackMetadata, Update
+from .registry import register_attack
 from .first_layer import unwrap_vit
 from .matching import GradientMatching
 from .mjp_update import read_mjp_update
@@ -110,7 +111,7 @@ class InvertingGradientsClosedStart(GradientMatching):
         """(name, normalised [n, C, H, W]) of every attack in ``order`` that succeeds; the first
         restart starts from the one whose gradient matches the update best (:meth:`_pick_starts`).
         A start attack with a ``device`` option runs on this attack's device."""
-        from .base import attack_class, attack_names, create_attack, option_schema
+        from .registry import attack_class, attack_names, create_attack, option_schema
 
         known = set(attack_names())
         out = []

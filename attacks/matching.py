@@ -39,7 +39,8 @@ from fedmjp.config import Float, Int, option
 from fedmjp.devices import resolve_device
 
 from .base import (Attack, AttackFailure, AttackOptions, AttackMetadata, AttackResult, Metadata, Update, _check_finite,
-                   _expand_metadatas, register_attack, update_to_gradients)
+                   _expand_metadatas, update_to_gradients)
+from .registry import register_attack
 from .breaching_adapter import attack_copy, matched_names
 from .labels import LABEL_STRATEGIES, recover_labels
 from .match_terms import MatchTerms, defence_match, total_variation, tv_kernel

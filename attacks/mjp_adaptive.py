@@ -60,8 +60,8 @@ from fedmjp.devices import resolve_device
 
 from .first_layer import check_conditions
 from .first_layer import gradient_of_Z as _gradient_of_Z, is_design_a as _is_design_a, unwrap_vit as _vit
-from .base import (Attack, AttackFailure, AttackMetadata, AttackOptions, AttackResult, Update, register_attack,
-                   update_to_gradients)
+from .base import Attack, AttackFailure, AttackMetadata, AttackOptions, AttackResult, Update, update_to_gradients
+from .registry import register_attack
 from .jigsaw_solver import unshuffle_image
 from .labels import recover_labels
 from .mjp_maths import (Reduction, assemble, mjp_reduction, neighbour_diffs, patches_to_image, smoothness_prior_solve,

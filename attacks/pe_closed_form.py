@@ -40,8 +40,9 @@ from patchgrid import patchify, unpatchify
 from fedmjp.config import Float
 
 from .first_layer import PRECISIONS, Precision, unwrap_vit
-from .base import (AttackFailure, AttackOptions, AttackMetadata, AttackResult, BatchedSolveAttack, Update, register_attack,
+from .base import (AttackFailure, AttackOptions, AttackMetadata, AttackResult, BatchedSolveAttack, Update,
                    update_to_gradients)
+from .registry import register_attack
 
 
 @dataclass

@@ -55,7 +55,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from benchmark import config as C  # noqa: E402
-from benchmark.pipeline import build_rows, client_run_config  # noqa: E402
+from benchmark.inputs import client_run_config  # noqa: E402
+from benchmark.pipeline import build_rows  # noqa: E402
 from run_benchmark import main as benchmark_main  # noqa: E402
 
 
@@ -114,7 +115,7 @@ def bare_parts(cfg: C.BenchmarkConfig, work: list[Victims]) -> tuple[dict[str, f
     import attacks
     from benchmark import scoring
     from benchmark.config import attack_entries
-    from benchmark.pipeline import attack_metadata
+    from benchmark.group_attacker import attack_metadata
     from clients.update import fedsgd_gradients
     from metrics.regions import region_scores
 

@@ -2,6 +2,9 @@
 
 - :mod:`.config`: YAML presets, ``key=value`` overrides, validation, the resolved config.
 - :mod:`.pipeline`: federations -> attacks on tapped updates -> scores -> ``results.jsonl`` (resumable).
+- :mod:`.group_attacker`: one federation: its tapped updates by round, the attacks dispatched, the
+  results scored and stored.
+- :mod:`.inputs`: the run's checked inputs (model rows, attackers) and each federation's run config.
 - :mod:`.scoring`: metrics against the setting's reference and top-1 (the Acc. column), as pure
   functions (``score_round``, ``round_top1``) a test can call without threads or Flower.
 - :mod:`.rows`: ``ResultRow``, the schema of ``results.jsonl`` and its one row key.

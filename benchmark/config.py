@@ -128,7 +128,7 @@ class Federation(Schema):
 
 class ModelRowConfig(Schema):
     """A model row as the config writes it: the factory spec (:func:`fedmjp.factory.build_model`)
-    and its weights (the built row of a run is :class:`benchmark.pipeline.ModelRow`)."""
+    and its weights (the built row of a run is :class:`benchmark.inputs.ModelRow`)."""
 
     name: str
     label: Optional[str] = None  # table label (default: name)
@@ -399,8 +399,8 @@ def _validate_attack(entry: Attack | AttackEntry) -> None:
     """An attacker ``{name, options}``: a built-in, an installed plug-in's entry point or a
     ``package.module:Name`` reference that loads as an Attack subclass (a plug-in is imported here,
     so a bad one fails before any work), and options its schema takes (every value checked, number
-    options converted in place: attacks.base.attack_options)."""
-    from attacks.base import attack_options
+    options converted in place: attacks.registry.attack_options)."""
+    from attacks.registry import attack_options
 
     try:
         entry.options = attack_options(entry.name, entry.options)
@@ -436,7 +436,7 @@ def catalog() -> dict[str, list[tuple[str, str]]]:
     """Every attack, defence and model architecture a config can name, as (name, origin) by kind:
     ``built-in`` or the entry point's package (``run_benchmark.py --list``). ``package.module:Name``
     references are not listed: any importable one is valid."""
-    from attacks.base import attack_catalog
+    from attacks.registry import attack_catalog
     from defences.spec import defence_names
     from fedmjp.models import model_catalog
 

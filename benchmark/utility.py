@@ -43,7 +43,7 @@ def defence_utility(cfg: BenchmarkConfig, row: Any, federate: Callable[..., Any]
 
     Args:
         cfg: a validated benchmark config with a ``utility`` section (benchmark/config.py's ``Utility``).
-        row: a :class:`benchmark.pipeline.ModelRow`.
+        row: a :class:`benchmark.inputs.ModelRow`.
         federate: the federation runner (default :func:`server.federation.run_federation`).
     Returns:
         {"utility_top1", "utility_top1_start", "utility_rounds", "utility_start" ("checkpoint" or
@@ -89,7 +89,7 @@ def utility_run_config(cfg: Any, row: Any, images: str, extra: Optional[dict] = 
     """(group, the clients' typed run config) of a utility federation: the row's run config as the
     attack federation builds it, trained as deployed (no APRIL surgery), FedAvg with the ``utility``
     section's rounds, local steps, batch, lr and clients on ``images``, plus ``extra`` run-config keys."""
-    from .pipeline import client_run_config
+    from .inputs import client_run_config
 
     u = cfg.utility
     group = "shuffled" if set(cfg.settings) & {"b", "c"} else "clean"

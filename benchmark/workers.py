@@ -209,7 +209,7 @@ class RoundDispatch(Generic[Round]):
     :meth:`drain` hands the rounds whose jobs are all done to ``finish``: the oldest first, a later
     one first where an older one still runs (on Ray workers). At most :attr:`limit` rounds stay in
     flight: :meth:`add` beyond that waits for the oldest, so the updates held in memory stay bounded.
-    A round is whatever the caller keeps beside its jobs (the pipeline's ``_Round``).
+    A round is whatever the caller keeps beside its jobs (the group attacker's ``_Round``, benchmark/group_attacker.py).
 
     Args:
         runner: where the attacks run (:func:`make_runner`).

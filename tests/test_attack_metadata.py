@@ -41,7 +41,7 @@ MODEL = _Model()
 
 
 def bench_metadata(**changes) -> dict:
-    """Metadata as benchmark/pipeline.py's attack_metadata builds it."""
+    """Metadata as benchmark/group_attacker.py's attack_metadata builds it."""
     md = {"num_images": 4, "mean": IMAGENET_MEAN, "std": IMAGENET_STD, "image_size": (3, 224, 224),
           "update_type": "gradient", "lr": 0.01, "local_steps": 1,
           "defence": validate_defence({"name": "local_dp", "sigma": 0.1}), "labels": torch.tensor([3, 1, 4, 1])}
@@ -235,13 +235,13 @@ def test_parse_is_fast():
 # --- typed metadata from the benchmark ----------------------------------------------------------
 
 def test_the_pipeline_builds_typed_metadata_equal_to_the_parsed_dict():
-    """benchmark/pipeline.py's attack_metadata gives an AttackMetadata (tensors stay tensors, one
+    """benchmark/group_attacker.py's attack_metadata gives an AttackMetadata (tensors stay tensors, one
     label per image, the local steps) equal to what parse reads from the same values as a dict, and
     an attack takes it as it is."""
     from types import SimpleNamespace
 
     from benchmark import config as C
-    from benchmark.pipeline import attack_metadata
+    from benchmark.group_attacker import attack_metadata
     from clients.runconfig import resolve_config
 
     cfg = C.validate(C.apply_overrides(C.load_config(), ["attack.labels=known", "federation.algorithm=fedavg",

@@ -77,16 +77,16 @@ def test_an_error_after_the_federation_ended_stops_the_run_instead_of_hanging(tm
     """An error while the attack thread finishes (after it took the end marker: the last round's
     attacks, e.g. a Ray attack worker killed during the final drain) is raised, not waited on: the
     thread used to wait for a second end marker that never comes, and the run hung in join()."""
-    from benchmark import pipeline
+    from benchmark import group_attacker
 
-    close = pipeline.RoundCollector.close
+    close = group_attacker.RoundCollector.close
 
     def broken_close(self):
         if not self.buffer:  # the call at the end marker (every round already complete)
             raise RuntimeError("attack worker died while the last round was attacked")
         return close(self)
 
-    monkeypatch.setattr(pipeline.RoundCollector, "close", broken_close)
+    monkeypatch.setattr(group_attacker.RoundCollector, "close", broken_close)
     done = threading.Event()
     errors: list[BaseException] = []
 

@@ -40,7 +40,8 @@ def test_each_attack_declares_its_options_as_one_schema():
     """Every built-in attack's options are one pydantic schema: checked when the config is (ranges,
     choices and cross-checks too, not only when the attack is built), each message naming the
     option, what it takes and, for an unknown one, the valid ones."""
-    from attacks.base import AttackOptions, attack_class, attack_options, option_schema
+    from attacks.base import AttackOptions
+    from attacks.registry import attack_class, attack_options, option_schema
 
     # built-in only: test modules register attacks of their own when pytest imports them
     built_in = [n for n in attacks.attack_names() if attack_class(n).__module__.startswith("attacks.")]

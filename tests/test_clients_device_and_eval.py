@@ -21,7 +21,7 @@ def test_server_eval_uses_a_public_split() -> None:
 
 def test_benchmark_device_reaches_the_clients() -> None:
     from benchmark import config as C
-    from benchmark.pipeline import ModelRow, client_run_config
+    from benchmark.inputs import ModelRow, client_run_config
 
     cfg = C.validate(C.apply_overrides(C.load_config(), ["device=cpu"]))
     row = ModelRow(0, "x", "x", C.model_spec(cfg, 0), torch.nn.Identity(), False)

@@ -214,7 +214,7 @@ def test_benchmark_keys_feed_the_run_config_from_the_schema() -> None:
     import torch
 
     from benchmark import config as C
-    from benchmark.pipeline import ModelRow, client_run_config
+    from benchmark.inputs import ModelRow, client_run_config
     from clients.runconfig import DEFAULTS, resolve_config
 
     cfg = C.validate(C.apply_overrides(C.load_config(), ["data.num_images=null", "federation.lr=1", "dry_run=true",

@@ -241,7 +241,7 @@ def test_benchmark_defence_key_row_override_and_errors(tmp_path):
     from benchmark import cli
     from benchmark import config as C
     from benchmark.errors import ConfigError
-    from benchmark.pipeline import ModelRow, client_run_config
+    from benchmark.inputs import ModelRow, client_run_config
 
     args = cli.build_parser().parse_args(["--set", "defence={name: local_dp, clip: 1.0, sigma: 0.5}",
                                           "--set", "defence.clip=2.0", "--output", str(tmp_path / "out")])

@@ -443,7 +443,8 @@ def test_every_integer_attack_option_but_a_seed_is_a_bounded_count() -> None:
     """Iterations, restarts and other counts of the built-in attacks are bounded (no config can ask
     for a run that never ends); seeds are not counts."""
     import attacks
-    from attacks.base import COUNT_LIMIT, attack_class
+    from attacks.base import COUNT_LIMIT
+    from attacks.registry import attack_class
 
     checked = 0
     for name in ("batch_match", "ig_closed_start", "april_robust", "mjp_adaptive", "invertinggradients"):

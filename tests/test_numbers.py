@@ -21,6 +21,7 @@ from pydantic.fields import FieldInfo
 
 import attacks
 from attacks import base as attack_base
+from attacks import registry as attack_registry
 from benchmark import config as C
 from benchmark.cli import build_parser, integer, resolve
 from benchmark.errors import ConfigError as BenchmarkConfigError
@@ -110,7 +111,7 @@ DEFENCE_KEYS = [(name, key, NUMBER_KEYS[key], (default + 1) if NUMBER_KEYS[key] 
 
 def _attack_option_cases() -> list[tuple[str, str, type, Any]]:
     return [(name, *case) for name in attacks.attack_names()
-            for case in _schema_cases(attack_base.option_schema(attack_base.attack_class(name)))]
+            for case in _schema_cases(attack_registry.option_schema(attack_registry.attack_class(name)))]
 
 
 ATTACK_OPTIONS = _attack_option_cases()
@@ -296,14 +297,14 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> dict[str, dict]:
     attacks' own range checks are theirs; this checks what reaches them)."""
     seen: dict[str, dict] = {}
     for name in attacks.attack_names():
-        real = attack_base.attack_class(name)
+        real = attack_registry.attack_class(name)
 
         def init(self: Any, _name: str = name, **options: Any) -> None:
             seen[_name] = options
             attack_base.Attack.__init__(self)
 
         spy = type(f"Recording{real.__name__}", (real,), {"__init__": init, "__module__": __name__})
-        monkeypatch.setitem(attack_base._REGISTRY, name, spy)
+        monkeypatch.setitem(attack_registry._REGISTRY, name, spy)
     return seen
 
 

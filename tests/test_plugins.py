@@ -18,7 +18,7 @@ import torch
 
 import run_benchmark
 from attacks import create_attack
-from attacks.base import attack_catalog
+from attacks.registry import attack_catalog
 from benchmark import config as C
 from defences import validate_defence
 from fedmjp import plugins

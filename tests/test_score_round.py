@@ -1,7 +1,7 @@
 """The row schema and the pipeline's pure functions, called directly on small tensors (no threads,
 no Flower, no Ray): :class:`benchmark.rows.ResultRow`, :func:`benchmark.rows.client_failure_rows`,
 :func:`benchmark.scoring.score_round`, :func:`benchmark.scoring.round_top1` and the pipeline's
-:class:`~benchmark.pipeline.RoundCollector`. Expected values are computed here with numpy."""
+:class:`~benchmark.group_attacker.RoundCollector`. Expected values are computed here with numpy."""
 from __future__ import annotations
 
 import json
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from attacks.base import AttackResult
 from benchmark import scoring
-from benchmark.pipeline import RoundCollector
+from benchmark.group_attacker import RoundCollector
 from benchmark.rows import (
     ABSENT,
     ROW_KEY,

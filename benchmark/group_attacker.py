@@ -1,0 +1,401 @@
+"""One federation's attacks: assembles each round's tapped updates, dispatches the attacks, scores
+and stores the rows.
+
+:class:`GroupAttacker` runs one federation (a model row and a gradient group) with the server's tap
+feeding an attack thread; :class:`RoundCollector` groups the tapped updates into rounds; each round
+goes to the runner (:class:`benchmark.workers.RoundDispatch`) as one call per attacker, and once its
+attacks are done, its results are scored (:mod:`benchmark.scoring`) and appended to the run folder
+with the grid images. :func:`attack_metadata` is what the attacks are told besides an update.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from . import scoring
+from .aggregates import tapped_batch
+from .config import BenchmarkConfig
+from .errors import FederationFailed
+from .inputs import Attacker, ModelRow, Prepared, client_run_config, expected_updates
+from .rows import RowContext, RowKey, client_failure_rows
+from .store import RunFolder, slug
+
+if TYPE_CHECKING:
+    from attacks.base import AttackMetadata
+    from clients.runconfig import RunConfig
+
+    from .workers import Runner
+
+_logger = logging.getLogger(__name__)
+
+_END, _ABORT = object(), object()  # what the federation's end tells the attack thread
+
+
+def grid_image_ids(cfg: BenchmarkConfig, run_config: RunConfig) -> set[str]:
+    """The fixed grid selection: the first ``report.grid_images`` images attacked, in (round,
+    partition, batch index) order. Private batches do not depend on the model row or the setting
+    group, so every grid row shows the same images."""
+    k = cfg.report.grid_images
+    ids: list[str] = []
+    for rnd, part in expected_updates(cfg):
+        if len(ids) >= k:
+            break
+        ids += tapped_batch(run_config, part, rnd, cfg.federation.clients).image_ids
+    return set(ids[:k])
+
+
+def attack_metadata(cfg: BenchmarkConfig, resolved: RunConfig, model: nn.Module, batch: Any) -> AttackMetadata:
+    """What the server knows besides an update, typed: batch size, input normalisation, image size,
+    the update type with its local SGD steps, the defence the clients run (its spec with parameters:
+    Kerckhoffs, the server configures the protocol) and, when the threat model grants them, the
+    labels, one per image.
+
+    Args:
+        cfg: the benchmark config; resolved: the federation's typed client config
+            (:func:`client_run_config`); model: the server's model; batch: the private batch.
+    """
+    from attacks.base import AttackMetadata
+    from fedmjp.factory import model_input_stats
+
+    mean, std = model_input_stats(model)
+    fed = cfg.federation
+    fedavg = resolved.mode != fed.algorithm  # the fedavg defence turns FedSGD into FedAvg
+    return AttackMetadata(
+        num_images=len(batch.image_ids), image_size=(3, cfg.data.image_size, cfg.data.image_size),
+        mean=torch.tensor(mean, dtype=torch.float64), std=torch.tensor(std, dtype=torch.float64),
+        labels=batch.labels.detach().to("cpu", torch.long).clone() if cfg.attack.labels == "known" else None,
+        update_type="gradient" if fed.algorithm == "fedsgd" and not fedavg else "delta",
+        lr=float(fed.lr), local_steps=resolved.local_steps if fedavg else fed.local_steps,
+        defence=resolved.defence)
+
+
+def row_context(cfg: BenchmarkConfig, row: ModelRow, group: str, resolved: RunConfig,
+                image_names: list[str]) -> RowContext:
+    """What every result row of one federation (model row, setting group) shares; ``resolved``: the
+    federation's run config. The flat image of the ``flat_psnr`` column has the colour the model
+    normalises its input with (:func:`fedmjp.factory.model_input_stats`), as the attacks are told."""
+    from fedmjp.factory import model_input_stats
+
+    return RowContext(model=row.name, label=row.label, trained=row.trained, arch=row.spec["arch"],
+                      variant=row.spec["variant"], april=row.spec["april"], group=group, seed=cfg.seed,
+                      defence=resolved.defence,
+                      image_index={name: i for i, name in enumerate(image_names)},
+                      federation={"batch_size": cfg.federation.batch_size, "local_steps": cfg.federation.local_steps,
+                                  "labels": "known" if cfg.attack.labels == "known" else "recovered"},
+                      flat_colour=tuple(float(v) for v in model_input_stats(row.model)[0]))
+
+
+def round_keys(model: str, attackers: list[Attacker], settings: list[str], rnd: int, part: int,
+               image_ids: list[str]) -> dict[tuple[str, str, int], RowKey]:
+    """(attacker label, setting, batch index) -> the row key, for every row one update gives."""
+    return {(a.label, s, b): RowKey(model, a.label, s, rnd, part, b, image_id)
+            for a in attackers for s in settings for b, image_id in enumerate(image_ids)}
+
+
+class RoundCollector:
+    """Groups a federation's tapped updates into rounds, in the order the server saw them.
+
+    A round is complete once every expected client of it has replied; a round with a missing
+    client is complete when the next round starts or the federation ends (:meth:`close`). Updates
+    of (round, partition) pairs not expected (beyond a dry run's first) are dropped.
+    """
+
+    def __init__(self, wanted: set[tuple[int, int]]) -> None:
+        self.wanted = wanted
+        self.seen: set[tuple[int, int]] = set()  # (round, partition) pairs tapped
+        self.buffer: list[Any] = []  # the current round's updates
+
+    def add(self, update: Any) -> list[list[Any]]:
+        """Take one update; returns the rounds it completed (zero, one or two)."""
+        rnd, part = int(update.server_round), int(update.partition_id)
+        if (rnd, part) not in self.wanted:
+            return []
+        done = []
+        if self.buffer and int(self.buffer[0].server_round) != rnd:
+            done.append(self.close())  # a round with a missing client: its updates are attacked now
+        self.seen.add((rnd, part))
+        self.buffer.append(update)
+        if {(r, p) for r, p in self.wanted if r == rnd} <= self.seen:
+            done.append(self.close())
+        return [r for r in done if r]
+
+    def close(self) -> list[Any]:
+        """The updates collected (the round so far) and an empty buffer."""
+        updates, self.buffer = self.buffer, []
+        return updates
+
+    def missing(self) -> list[tuple[int, int]]:
+        """Expected (round, partition) pairs never tapped, in order."""
+        return sorted(self.wanted - self.seen)
+
+
+@dataclass
+class _Round:
+    """One round's tapped updates of one federation, on their way through attack and scoring.
+
+    ``jobs`` holds, per attacker, the runner's job and the positions (in ``updates``) it attacks.
+    """
+
+    rnd: int
+    updates: list
+    batches: list
+    keys: list[dict[tuple[str, str, int], RowKey]]
+    top1: scoring.RoundTop1
+    jobs: list[tuple[Attacker, Any, list[int]]] = field(default_factory=list)
+
+
+class GroupAttacker:
+    """Runs one federation and attacks its tapped updates, one round at a time, in an attack thread.
+
+    The concurrency shell around :class:`RoundCollector`, :func:`benchmark.scoring.round_top1`,
+    :func:`benchmark.scoring.score_round` and :func:`benchmark.rows.client_failure_rows`: the
+    server's tap only queues each update (:meth:`tap`); the attack thread (:meth:`work`) takes them
+    in the server's order, so the clients compute round r + 1 while round r is attacked and scored
+    (on 2 CPU cores the two overlap; the rows do not depend on it: the attack thread alone touches
+    the server's model copy, the scorer and the results file). Once a round is complete, each
+    attacker gets all of its updates in one ``reconstruct_many`` call on the runner (batched attacks
+    solve them together; on Ray workers, the federation goes on meanwhile); the round waits in
+    :class:`benchmark.workers.RoundDispatch` until its attacks are done, then (:meth:`finish_round`)
+    the results are scored per round and setting and appended. ``batched=False`` attacks one update per
+    ``reconstruct`` call (the reference path; the rows are the same).
+    """
+
+    def __init__(self, prepared: Prepared, run: RunFolder, row: ModelRow, group: str, settings: list[str],
+                 done: set[RowKey], progress: bool, runner: Runner | None = None, batched: bool = True) -> None:
+        from .workers import LocalRunner, RoundDispatch
+
+        self.p, self.run_folder, self.row, self.group, self.settings = prepared, run, row, group, settings
+        self.cfg = prepared.cfg
+        self.done = done
+        # the rounds on the runner; each comes back to finish_round once its attacks are done
+        self.dispatch: RoundDispatch[_Round] = RoundDispatch(
+            runner if runner is not None else LocalRunner([a.attack for a in prepared.attackers]),
+            self.finish_round, batched)
+        self.resolved = client_run_config(self.cfg, row, group)
+        self.ctx = row_context(self.cfg, row, group, self.resolved, prepared.image_names)
+        # The classifier-bias gradient carries the attacked model's prediction when the update is a
+        # plain FedSGD gradient (no defence transforms it); see scoring.round_top1.
+        plain = self.resolved.mode == "fedsgd" and self.resolved.defence.name == "none"
+        self.gradient_readout = scoring.classifier_bias_name(row.model) if plain else None
+        self.forward_top1 = 0  # updates whose attacked-model top-1 needed a forward pass
+        self.rounds = RoundCollector(set(expected_updates(self.cfg)))
+        # The server's copy is the row's own model: every use loads the federation's weights first
+        # (strict, so nothing of an earlier federation survives; block-0 norm1, which the surgery
+        # removed, is never in them), and run() restores the row's weights at the end. A deepcopy
+        # per federation cost more than the attacks of a round.
+        self.model = row.model
+        self.acc_model = row.acc_model
+        self.pristine = {k: v.detach().clone() for k, v in row.model.state_dict().items()}
+        self.grid_ids = grid_image_ids(self.cfg, self.resolved)
+        self.new_rows = self.failed_rows = self.error_rows = 0
+        self.error: BaseException | None = None
+        self.aborted = False
+        # Updates on their way from the server's tap to the attack thread; a round and a half of
+        # them at most, so the server runs one round ahead and no further.
+        self.inbox: queue.Queue[Any] = queue.Queue(maxsize=max(1, (3 * self.cfg.federation.clients) // 2))
+        self.bar = tqdm(total=len(self.rounds.wanted), desc=f"attack {row.name} [{group}]", unit="upd",
+                        leave=False, disable=None if progress else True)  # None: off a terminal
+
+    def run(self, federate: Callable[..., Any] | None) -> None:
+        from server.federation import run_federation
+
+        t0 = time.perf_counter()
+        worker = threading.Thread(target=self.work, name=f"attack-{self.row.name}-{self.group}", daemon=True)
+        worker.start()
+        finished = False
+        try:
+            if federate is None:
+                # Ray stays up between federations of one benchmark (its start-up is paid once);
+                # run_benchmark shuts it down at the end.
+                result = run_federation(self.resolved, tap=self.tap, engine=self.cfg.federation.engine,
+                                        keep_ray=True)
+            else:
+                result = federate(self.resolved, tap=self.tap, engine=self.cfg.federation.engine)
+            finished = True
+        finally:
+            self.aborted = not finished  # an error or Ctrl-C: the thread drops what is queued
+            self.inbox.put(_END if finished else _ABORT)
+            worker.join()
+            self.model.load_state_dict(self.pristine, strict=True)
+        self.bar.close()
+        if self.error is not None:
+            raise self.error
+        self.record_client_failures(result)
+        _logger.info("%s/%s: federation and attacks took %.1f s; the attacked model's top-1 needed a forward for "
+                     "%d update(s), the others were read off their gradients", self.row.name, self.group,
+                     time.perf_counter() - t0, self.forward_top1)
+        if self.p.scorer.lpips_cache is not None:
+            _logger.info("LPIPS features so far: %(computed)d image(s) computed, %(reused)d reused; %(kept_images)d "
+                         "reference(s) kept (%(kept_bytes)d bytes)", self.p.scorer.lpips_cache.stats())
+
+    def tap(self, update: Any) -> None:
+        """The server's tap: hands the update to the attack thread (:meth:`work`) and returns, so
+        that the clients compute the next round while this one is attacked and scored. Waits while
+        ``inbox`` is full (the updates held in memory stay bounded). An error of the attack thread
+        is raised here (aborting the federation) and again after the federation returns, so that an
+        engine running the ServerApp in a thread cannot swallow it."""
+        while True:
+            if self.error is not None:
+                raise self.error
+            try:
+                self.inbox.put(update, timeout=0.2)
+                return
+            except queue.Full:
+                continue
+
+    def work(self) -> None:
+        """The attack thread: every tapped update in the order the server saw them, then (at the
+        end of the federation) the last round and every round still in flight."""
+        update = None
+        try:
+            while True:
+                update = self.inbox.get()
+                if update is _ABORT:
+                    return
+                if update is _END:
+                    last = self.rounds.close()
+                    if last:
+                        self.submit_round(last)
+                    self.dispatch.drain(keep=0)
+                    return
+                if not self.aborted:
+                    for updates in self.rounds.add(update):
+                        self.submit_round(updates)
+                    self.dispatch.drain()
+        except BaseException as err:  # noqa: BLE001  (re-raised by tap() and run(); never swallowed)
+            self.error = err
+            # let tap() return until run() sends the end marker; an error while finishing (the marker
+            # already taken, e.g. a Ray attack worker killed during the last drain) must not wait
+            # for a second marker that never comes
+            while update is not _END and self.inbox.get() not in (_END, _ABORT):
+                pass
+
+    # ---------------------------------------------------------------------------------- a round
+    def submit_round(self, updates: list) -> None:
+        """Top-1 of the round's images, then one runner job per attacker over the updates that
+        still miss rows of that attacker; the round goes to :attr:`dispatch` until they are done."""
+        rnd = int(updates[0].server_round)
+        clients = self.cfg.federation.clients
+        batches = [tapped_batch(self.resolved, int(u.partition_id), rnd, clients, getattr(u, "partition_ids", None))
+                   for u in updates]
+        keys = [round_keys(self.row.name, self.p.attackers, self.settings, rnd, int(u.partition_id), b.image_ids)
+                for u, b in zip(updates, batches)]
+        todo = [i for i, k in enumerate(keys) if not all(v in self.done for v in k.values())]
+        self.bar.update(len(updates) - len(todo))
+        if not todo:
+            return
+        updates, batches, keys = [updates[i] for i in todo], [batches[i] for i in todo], [keys[i] for i in todo]
+        # Every update of a round carries the same global weights (the state the server sent).
+        state = {k: v.to(self.p.device) for k, v in updates[0].global_state.items()}
+        self.model.load_state_dict(state, strict=True)
+        self.model.eval()
+        acc_model = None if self.acc_model is None else self.acc_model_at(state)
+        top1, forwards = scoring.round_top1(self.model, acc_model, updates, batches, self.p.device,
+                                            self.gradient_readout)
+        self.forward_top1 += forwards
+        round_ = _Round(rnd, updates, batches, keys, top1)
+        model = self.dispatch.share(self.model)  # e.g. shipped to Ray's object store once per round
+        for index, attacker in enumerate(self.p.attackers):
+            mine = [i for i, (batch, k) in enumerate(zip(batches, keys))
+                    if not all(k[(attacker.label, s, b)] in self.done for s in self.settings
+                               for b in range(len(batch.image_ids)))]
+            if not mine:
+                continue
+            metadata = [attack_metadata(self.cfg, self.resolved, self.model, batches[i]) for i in mine]
+            job = self.dispatch.submit(index, model, [updates[i].arrays for i in mine], metadata)
+            round_.jobs.append((attacker, job, mine))
+        self.dispatch.add(round_, [job for _, job, _ in round_.jobs])
+
+    def finish_round(self, r: _Round) -> None:
+        """Score every attacker's results of the round under each setting; append the rows and
+        store the grid images."""
+        scored: list[scoring.ScoredImage] = []
+        for attacker, job, mine in r.jobs:
+            results, seconds = job.result()
+            n_images = sum(len(r.batches[i].image_ids) for i in mine)
+            for i, result in zip(mine, results):
+                if result.error is not None:
+                    self.record_error(attacker.label, r.rnd, int(r.updates[i].partition_id), result.error)
+            for s in self.settings:
+                scored += scoring.score_round(
+                    self.ctx, (attacker.label, attacker.name), s, [r.updates[i] for i in mine],
+                    [r.batches[i] for i in mine], results, r.top1.take(mine), self.p.scorer,
+                    # ignore: patch_size is a plain tuple attribute of a timm-style patch embedding,
+                    # which torch types as Tensor | Module (see benchmark.pipeline.build_rows)
+                    int(self.model.patch_embed.patch_size[0]),  # type: ignore[union-attr, index]
+                    seconds / max(n_images, 1), skip=self.done,
+                    grid_ids=self.grid_ids)
+        batch_of = {int(u.partition_id): b for u, b in zip(r.updates, r.batches)}  # one update per partition
+        for item in scored:
+            if item.row.image_stored:
+                batch, b = batch_of[item.row.partition_id], item.row.batch_index
+                self.run_folder.save_row_images(item.row, batch.images[b],
+                                                None if batch.shuffled is None else batch.shuffled[b],
+                                                item.reconstruction)
+        rows = [item.row for item in scored]
+        self.run_folder.append(rows)
+        for k in r.keys:
+            self.done.update(k.values())
+        self.new_rows += len(rows)
+        self.failed_rows += sum(bool(x.failed) for x in rows)
+        self.error_rows += sum(bool(x.error) for x in rows)
+        self.bar.update(len(r.updates))
+
+    def acc_model_at(self, state: dict) -> nn.Module:
+        """The model as trained at the global weights ``state``: the row's unmodified model with the
+        federation's weights (block 0's norm1, which the surgery removed, keeps its checkpoint or
+        seeded values)."""
+        if self.acc_model is None:  # finish_round calls it only for a row with an unmodified model
+            raise RuntimeError(f"model row {self.row.name!r} has no unmodified model (acc_model)")
+        result = self.acc_model.load_state_dict(state, strict=False)
+        removed = [k for k in result.missing_keys if not k.startswith("blocks.0.norm1.")]
+        if removed or result.unexpected_keys:
+            raise RuntimeError(f"model row {self.row.name!r}: the unmodified model does not take the federation's "
+                               f"weights (missing {removed}, unexpected {result.unexpected_keys})")
+        return self.acc_model.eval()
+
+    def record_error(self, attack: str, rnd: int, part: int, text: str) -> None:
+        """Write an unexpected attack error's traceback to ``errors/`` of the run folder."""
+        path = self.run_folder.write_error(f"{slug(self.row.name)}__{self.group}__{slug(attack)}__r{rnd}-p{part}.txt",
+                                           text)
+        _logger.error("%s/%s: attack %s raised an unexpected error (round %d, partition %d); traceback in %s",
+                      self.row.name, self.group, attack, rnd, part, path)
+
+    def record_client_failures(self, result: Any) -> None:
+        """Updates that never reached the attacker (a client raised, timed out or sent a malformed
+        reply): their rows (:func:`benchmark.rows.client_failure_rows`), so the table counts them
+        and a resumed run does not wait for them. The server does not know a failed client's
+        partition; the missing (round, partition) pairs are what was expected and not tapped. A
+        federation where no update reached the attacker at all is an error."""
+        failures = list(getattr(result, "failures", None) or [])
+        for f in failures:
+            _logger.warning("%s/%s: round %d, node %d: %s", self.row.name, self.group, f.server_round, f.node_id,
+                            f.reason)
+        rows = []
+        attackers = [(a.label, a.name) for a in self.p.attackers]
+        for rnd, part in self.rounds.missing():
+            reasons = sorted({f.reason for f in failures if f.server_round == rnd and f.partition_id in (None, part)})
+            batch = tapped_batch(self.resolved, part, rnd, self.cfg.federation.clients)
+            rows += [r for r in client_failure_rows(self.ctx, rnd, part, batch, reasons, attackers, self.settings)
+                     if r.key not in self.done]
+        if rows:
+            self.run_folder.append(rows)
+            self.done.update(r.key for r in rows)
+            self.new_rows += len(rows)
+            self.failed_rows += len(rows)
+        if not self.rounds.seen and self.rounds.wanted:
+            counts = Counter(f.reason for f in failures)
+            listed = "; ".join(f"{reason} ({n} update(s))" for reason, n in counts.most_common(3))
+            more = f"; and {len(counts) - 3} other reason(s)" if len(counts) > 3 else ""
+            raise FederationFailed(f"model row {self.row.name!r} ({self.group}): no client update reached the "
+                                   f"attacker: {listed or 'no client answered'}{more}")
