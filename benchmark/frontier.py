@@ -231,6 +231,16 @@ def table_markdown(table: pd.DataFrame) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _psnr_cap(points: pd.DataFrame, exact: float = 60.0, margin: float = 4.0) -> float:
+    """Top of the PSNR axis: ``margin`` dB above the highest point below ``exact`` dB when some point
+    is an exact reconstruction (>= ``exact``), else no cut (inf)."""
+    values = points["psnr"].to_numpy(float)
+    values = values[np.isfinite(values)]
+    if not len(values) or values.max() < exact or not (values < exact).any():
+        return math.inf
+    return float(values[values < exact].max()) + margin
+
+
 def frontier_plot(points: pd.DataFrame, path: str | Path, title: Optional[str] = None) -> Path:
     """PSNR (left) and LPIPS (right) of the strongest attacker against top-1 with its interval; one
     line per defence curve in strength order, MJP points as stars, no defence as a black square."""
@@ -246,22 +256,32 @@ def frontier_plot(points: pd.DataFrame, path: str | Path, title: Optional[str] =
     by = curves(points)
     for a, metric in enumerate(METRICS):
         ax = axes[0][a]
+        # An exact reconstruction (100 dB: the closed forms on an undefended update) would squash every
+        # defence into the bottom of the PSNR panel: the axis stops above the highest other point and
+        # such points sit on its top edge, marked with their value.
+        cap = _psnr_cap(points) if metric == "psnr" else math.inf
         for k, ((model, setting, curve), g) in enumerate(by.items()):
             style = dict(marker="*", ms=11, color="crimson") if curve == MJP else dict(marker="o", ms=4,
                                                                                      color=colours(k % 10))
             xerr = np.vstack([g["top1"] - g["top1_low"], g["top1_high"] - g["top1"]])
-            ax.errorbar(g["top1"], g[metric], xerr=np.nan_to_num(xerr), capsize=2, lw=1.2,
+            ax.errorbar(g["top1"], np.minimum(g[metric], cap), xerr=np.nan_to_num(xerr), capsize=2, lw=1.2,
                         label=f"{curve}: {model} ({setting})", **style)
             for _, p in g.iterrows():
                 if p["curve"] != NONE:
-                    ax.annotate(p["point_label"], (p["top1"], p[metric]), fontsize=6, textcoords="offset points",
-                                xytext=(3, 3))
+                    ax.annotate(p["point_label"], (p["top1"], min(p[metric], cap)), fontsize=6,
+                                textcoords="offset points", xytext=(3, 3))
         none = points[points["curve"] == NONE]
         if len(none):
             xerr = np.vstack([none["top1"] - none["top1_low"], none["top1_high"] - none["top1"]])
-            ax.errorbar(none["top1"], none[metric], xerr=np.nan_to_num(xerr), fmt="s", ms=8, color="black",
-                        capsize=2, label="no defence", zorder=5)
-        ax.set_xlabel("top-1 (%) on the validation split after FedAvg with the defence (95 % CI)", fontsize=8)
+            ax.errorbar(none["top1"], np.minimum(none[metric], cap), xerr=np.nan_to_num(xerr), fmt="s", ms=8,
+                        color="black", capsize=2, label="no defence", zorder=5)
+        if math.isfinite(cap):
+            for _, p in points[points[metric] > cap].iterrows():
+                ax.annotate(f"{p[metric]:.0f} dB (axis cut)", (p["top1"], cap), fontsize=7, textcoords="offset points",
+                            xytext=(-30, -12))
+            ax.set_ylim(top=cap + 0.5)
+        ax.set_xlabel("top-1 (%) on the validation split after federated training with the defence (95 % CI)",
+                      fontsize=8)
         ax.set_ylabel(f"{metric.upper()} of the strongest attacker" + (" (dB)" if metric == "psnr" else ""),
                       fontsize=8)
         ax.grid(alpha=0.3)

@@ -162,3 +162,11 @@ def test_local_and_central_dp_epsilon_is_the_gaussian_mechanism():
     lap = federation_epsilon(validate_defence({"name": "local_dp", "noise": "laplace"}), 10, 1, 32, 100, 1e-5)
     assert math.isnan(lap["dp_epsilon"])
     assert federation_epsilon(validate_defence({"name": "prune"}), 10, 1, 32, 100, 1e-5) == {}
+
+
+def test_the_psnr_axis_stops_above_the_highest_inexact_point():
+    from benchmark.frontier import _psnr_cap
+
+    assert _psnr_cap(pd.DataFrame({"psnr": [100.0, 17.4, 11.2]})) == pytest.approx(21.4)
+    assert math.isinf(_psnr_cap(pd.DataFrame({"psnr": [17.4, 11.2]})))
+    assert math.isinf(_psnr_cap(pd.DataFrame({"psnr": [100.0, 100.0]})))
