@@ -251,8 +251,7 @@ def conform(data: Mapping[str, Any]) -> dict:
 def load_config(path: Optional[str | Path] = None) -> dict:
     """Defaults merged with a preset (``configs/default.yaml`` when ``path`` is None); relative paths
     resolved against the project root (:data:`ConfigPath`)."""
-    data = core.read_yaml(DEFAULT_CONFIG if path is None else path)
-    return conform(data)
+    return conform(core.read_yaml(DEFAULT_CONFIG if path is None else path))
 
 
 def apply_overrides(cfg: Mapping[str, Any] | BenchmarkConfig, overrides: Iterable[str]) -> dict:

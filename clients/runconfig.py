@@ -57,7 +57,7 @@ secagg-*           SecAgg+'s parameters: num-shares and reconstruction-threshold
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal, Mapping, get_args
+from typing import Annotated, Any, Literal, Mapping
 
 from pydantic import ConfigDict, PlainSerializer, model_validator
 
@@ -70,10 +70,6 @@ ServerOpt = Literal["fedavg", "fedavgm", "fedadam"]
 ServerSchedule = Literal["constant", "cosine"]
 Partitioner = Literal["iid", "dirichlet"]
 Precision = Literal["float32", "float64"]
-MODES: tuple[str, ...] = get_args(Mode)
-PARTITIONERS: tuple[str, ...] = get_args(Partitioner)
-PRECISIONS: tuple[str, ...] = get_args(Precision)
-SERVER_OPTS: tuple[str, ...] = get_args(ServerOpt)
 #: Flower's SecAgg+ default quantisation levels (2**22) and its modulus (2**32, also its maximum):
 #: the masked sum of K clients stays exact while K * quantization-range <= modulus.
 SECAGG_QUANTIZATION_RANGE = 2 ** 22

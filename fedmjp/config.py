@@ -219,19 +219,18 @@ def _message(schema: type[BaseModel], error: Mapping[str, Any], where: str) -> s
     if kind == "value_error":  # a validator's own message (a field's names it, a whole schema's speaks for itself)
         return f"{where}{key}: {error['ctx']['error']}" if key else str(error["ctx"]["error"])
     key = where + key
-    if kind == "too_short":
-        return f"config key {key!r} must not be empty ({describe(tp)}), got {value!r}"
-    if kind == "missing":
-        return f"config key {key!r} is required ({describe(tp)})"
+    if kind in ("too_short", "missing"):
+        return f"config key {key!r} " + (f"is required ({describe(tp)})" if kind == "missing"
+                                         else f"must not be empty ({describe(tp)}), got {value!r}")
     if kind == "literal_error" and get_origin(_bare(tp)) is Literal:
         return f"config key {key!r}: unknown value {value!r}; valid: {', '.join(map(str, get_args(_bare(tp))))}"
-    got = {k: getattr(m, k) for m in (info.metadata if info else ()) for k in ("ge", "gt", "le", "lt") if hasattr(m, k)}
-    lo, hi = got.get("gt", got.get("ge")), got.get("lt", got.get("le"))
-    left, right = "(" if "gt" in got else "[", ")" if "lt" in got else "]"
-    bounds = (f"in {left}{lo}, {hi}{right}" if lo is not None and hi is not None
-              else f"{'>' if 'gt' in got else '>='} {lo}" if lo is not None
-              else f"{'<' if 'lt' in got else '<='} {hi}" if hi is not None else "")
-    if bounds and kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than", "finite_number"):
+    got = {k: v for m in (info.metadata if info else ()) for k in ("ge", "gt", "le", "lt")
+           if (v := getattr(m, k, None)) is not None}
+    lo = ("(", ">", got["gt"]) if "gt" in got else ("[", ">=", got["ge"]) if "ge" in got else None
+    hi = (")", "<", got["lt"]) if "lt" in got else ("]", "<=", got["le"]) if "le" in got else None
+    side = lo or hi
+    if side and kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than", "finite_number"):
+        bounds = f"in {lo[0]}{lo[2]}, {hi[2]}{hi[0]}" if lo and hi else f"{side[1]} {side[2]}"
         return f"config key {key!r} must be {describe(_bare(tp))} {bounds}, got {value!r}"
     return f"config key {key!r} must be {describe(tp)}, got {value!r}"
 
@@ -261,15 +260,10 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
-    try:
-        if path.stat().st_size > 4 * MAX_CHARS:  # refused before reading (4 bytes per character at most)
-            raise ConfigError(f"config file {path} is {path.stat().st_size:,} bytes; a config is a few kB "
-                              f"(limit {MAX_CHARS:,} characters)")
-        data = load_yaml(path.read_text())
-    except YamlLimitError as err:
-        raise ConfigError(f"config file {path} is refused: {err}") from None
-    except yaml.YAMLError as err:
-        raise ConfigError(f"config file {path} is not valid YAML: {' '.join(str(err).split())}") from err
+    if path.stat().st_size > 4 * MAX_CHARS:  # refused before reading (4 bytes per character at most)
+        raise ConfigError(f"config file {path} is {path.stat().st_size:,} bytes; a config is a few kB "
+                          f"(limit {MAX_CHARS:,} characters)")
+    data = _load(path.read_text(), f"config file {path} is refused", f"config file {path} is not valid YAML")
     if not isinstance(data, (dict, type(None))):
         raise ConfigError(f"config file {path} must hold a mapping, got {type(data).__name__}")
     return data or {}
@@ -278,12 +272,17 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 def parse_value(text: str, what: str) -> Any:
     """A command-line value as YAML data (``0.5`` and ``1e-4`` -> float, ``null`` -> None, ``{a: 1}``
     -> dict), read by :func:`load_yaml`."""
+    return _load(text, f"{what}: value is refused", f"{what}: value is not a YAML scalar") if text.strip() else None
+
+
+def _load(text: str, refused: str, invalid: str) -> Any:
+    """:func:`load_yaml`, its errors as a ConfigError starting with ``refused`` (over a limit) or ``invalid``."""
     try:
-        return load_yaml(text) if text.strip() else None
+        return load_yaml(text)
     except YamlLimitError as err:
-        raise ConfigError(f"{what}: value is refused: {err}") from None
+        raise ConfigError(f"{refused}: {err}") from None
     except yaml.YAMLError as err:
-        raise ConfigError(f"{what}: value is not a YAML scalar: {' '.join(str(err).split())}") from err
+        raise ConfigError(f"{invalid}: {' '.join(str(err).split())}") from err
 
 
 def _shown(text: str, limit: int = 120) -> str:
@@ -308,18 +307,15 @@ def set_dotted(data: dict, parts: list[str], value: Any) -> None:
     created (the schema check afterwards names a key that does not exist)."""
     node: Any = data
     for i, part in enumerate(parts):
-        if isinstance(node, list):
-            if not part.isdigit() or int(part) >= len(node):
-                raise ConfigError(f"{'.'.join(parts)}: {part!r} is not a row index below {len(node)}")
-            key: Any = int(part)
-        elif isinstance(node, dict):
-            key = part
-            if i < len(parts) - 1 and node.get(key) is None:
-                node[key] = {}
-        else:
+        if not isinstance(node, (list, dict)):
             raise ConfigError(f"{'.'.join(parts)}: {'.'.join(parts[:i])!r} is not a mapping")
+        if isinstance(node, list) and not (part.isdecimal() and int(part) < len(node)):
+            raise ConfigError(f"{'.'.join(parts)}: {part!r} is not a row index below {len(node)}")
+        key: Any = int(part) if isinstance(node, list) else part
         if i == len(parts) - 1:
             node[key] = value
         else:
+            if isinstance(node, dict) and node.get(key) is None:
+                node[key] = {}
             node = node[key]
 

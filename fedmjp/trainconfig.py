@@ -174,19 +174,15 @@ def parse_overrides(items: list[str]) -> dict:
             unknown key, or a value the key does not take.
     """
     out: dict = {}
-    i = 0
-    while i < len(items):
-        item = items[i]
+    rest = list(items)
+    while rest:
+        item = rest.pop(0)
         if not item.startswith("--"):
             raise ConfigError(f"expected --key value, got {item!r}")
         key, eq, value = item[2:].partition("=")
-        if not eq:
-            if i + 1 >= len(items) or items[i + 1].startswith("--"):
-                raise ConfigError(f"missing value for {item} (--key value or --key=value)")
-            value = items[i + 1]
-            i += 1
-        out[key.replace("-", "_")] = parse_value(value, item)
-        i += 1
+        if not eq and (not rest or rest[0].startswith("--")):
+            raise ConfigError(f"missing value for {item} (--key value or --key=value)")
+        out[key.replace("-", "_")] = parse_value(value if eq else rest.pop(0), item)
     parse(TrainConfig, out)  # unknown keys and wrong types fail here, before any training
     return out
 

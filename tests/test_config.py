@@ -117,8 +117,9 @@ def test_overrides_are_yaml_data_never_code() -> None:
     set_dotted(cfg, ["rows", "0", "seed"], 3)
     set_dotted(cfg, ["free", "deep", "key"], 1)  # missing mappings are created; the schema check decides
     assert cfg["rows"][0]["seed"] == 3 and cfg["free"]["deep"] == {"key": 1}
-    with pytest.raises(ConfigError, match="not a row index below 1"):
-        set_dotted(cfg, ["rows", "1", "seed"], 3)
+    for index in ("1", "\u00b2"):  # a superscript two is a digit to str.isdigit, not to int()
+        with pytest.raises(ConfigError, match="not a row index below 1"):
+            set_dotted(cfg, ["rows", index, "seed"], 3)
     with pytest.raises(ConfigError, match="'title' is not a mapping"):
         set_dotted(cfg, ["title", "x"], 3)
 
