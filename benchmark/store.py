@@ -34,6 +34,7 @@ import torch
 import yaml
 from PIL import Image
 
+from fedmjp.config import dump_yaml, load_yaml
 from fedmjp.folder_lock import LOCK, FolderLocked, FolderLockLink, release_lock, take_lock
 
 from .config import BenchmarkConfig, attack_entries, diff_configs, plain, result_view
@@ -225,7 +226,7 @@ class RunFolder:
         if not self.config_path.is_file():
             return None
         try:
-            old = yaml.safe_load(self.config_path.read_text())
+            old = load_yaml(self.config_path.read_text())  # the configs' own loader: YAML 1.2 floats, size limits
         except yaml.MarkedYAMLError as err:
             mark = err.problem_mark
             why = f"not YAML: {err.problem}{f' at line {mark.line + 1}' if mark is not None else ''}"
@@ -310,7 +311,7 @@ class RunFolder:
             resume = self.check(cfg)  # checked again under the lock
             retried = self.retry_run_failures()
             if not resume:
-                text = yaml.safe_dump(plain(cfg), sort_keys=False, default_flow_style=None)
+                text = dump_yaml(plain(cfg), sort_keys=False, default_flow_style=None)  # reads back equal
                 write_text(self.config_path, text, sync=True)
             if provenance is not None:
                 fresh = not resume or not self.results_path.is_file() or not self.rows()

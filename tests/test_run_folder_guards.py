@@ -88,3 +88,20 @@ def test_code_version_is_read_once_per_process(tmp_path: Path) -> None:
     assert code_version(tmp_path) == first and first["commit"] != "unknown" and first["dirty"] is False
     first["commit"] = "mutated"  # callers get a copy
     assert code_version(tmp_path)["commit"] != "mutated"
+
+
+def test_stored_config_reads_back_as_the_run_config(tmp_path: Path) -> None:
+    """config.yaml is written with the configs' own dumper: a text value that YAML 1.2 reads as a
+    number (a model label '1e-4') stays text, the folder's stored config equals the run's, and the
+    stored file itself resumes the run as --config."""
+    from fedmjp.config import dump_yaml
+    from helpers import tiny_config
+
+    cfg = tmp_path / "label.yaml"
+    cfg.write_text(dump_yaml(tiny_config(**{"federation.rounds": 1, "models": [{**MJP_ROW, "label": "1e-4"}]})))
+    out = tmp_path / "out"
+    assert _run(cfg, out, "--dry-run") == 0
+    stored = RunFolder(out).stored_config()
+    assert stored is not None and stored["models"][0]["label"] == "1e-4"
+    assert "'1e-4'" in (out / "config.yaml").read_text()
+    assert _run(out / "config.yaml", out, "--dry-run") == 0
