@@ -7,6 +7,7 @@
 Names: see :func:`attack_names`. No Flower import here: attacks run without a simulation.
 """
 from .base import Attack, AttackFailure, AttackMetadata, AttackOptions, AttackResult, update_to_gradients
+from .estimates import EstimateStore
 from .registry import attack_names, create_attack, register_attack
 from .updates import compute_per_sample_updates, compute_update
 from .first_layer import AprilConditionError, check_conditions
@@ -25,7 +26,7 @@ from .labels import LabelCounts, recover_label_counts, recover_labels
 
 __all__ = [
     "BREACHING_ATTACKS", "AprilAnalytic", "AprilConditionError", "AprilOptimization", "Attack", "AttackFailure",
-    "AttackMetadata", "AttackOptions", "AttackResult", "BatchMatch", "BreachingAttack", "LabelCounts", "GradientMatching", "InvertingGradientsBatched", "InvertingGradientsClosedStart", "MJPAdaptive",
+    "AttackMetadata", "AttackOptions", "AttackResult", "BatchMatch", "BreachingAttack", "EstimateStore", "LabelCounts", "GradientMatching", "InvertingGradientsBatched", "InvertingGradientsClosedStart", "MJPAdaptive",
     "attack_names", "check_conditions", "compute_per_sample_updates", "compute_update", "create_attack", "detect_shuffled",
     "load_attack_config", "mjp_reduction", "recover_label_counts", "recover_labels", "register_attack", "solve_jigsaw", "update_to_gradients",
 ]

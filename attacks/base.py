@@ -38,6 +38,8 @@ from defences.spec import DefenceSpec, Observation, validate_defence
 from fedmjp import config as core
 from fedmjp.factory import normalize
 
+from .estimates import EstimateStore
+
 _logger = logging.getLogger(__name__)
 
 Update = Mapping[str, torch.Tensor]
@@ -98,6 +100,10 @@ class AttackMetadata:
             principle).
         defence_error: why the metadata's defence spec could not be read (an unknown name, a bad
             value), else None; ``defence`` is then None and attacks treat the defence as unknown.
+        estimates: not something the server sees: the caller's store of what the attacks of this
+            one update estimated (:class:`attacks.estimates.EstimateStore`), for one attack to
+            start from another's estimate (``ig_closed_start`` from ``mjp_adaptive``'s x~); None:
+            each attack computes its own. Never compared, never printed.
     """
 
     num_images: int
@@ -110,6 +116,7 @@ class AttackMetadata:
     local_steps: int = 1
     defence: Optional[DefenceSpec] = None
     defence_error: Optional[str] = None
+    estimates: Optional[EstimateStore] = field(default=None, compare=False, repr=False)
 
     @classmethod
     def of(cls, metadata: Union["AttackMetadata", Metadata, None], model: nn.Module) -> "AttackMetadata":
@@ -392,6 +399,10 @@ class Attack:
     #: Exceptions besides AttackFailure that are condition failures of the case attacked (kept as
     #: failure rows without an error); anything else is an unexpected error (see the module docstring).
     expected_errors: ClassVar[tuple[type[BaseException], ...]] = (torch.linalg.LinAlgError,)
+    #: Whether the attack (as built, with its options) writes or reads the update's estimate store
+    #: (``AttackMetadata.estimates``): a runner that spreads attackers over processes keeps those of
+    #: one update together, one after the other, so that they see one store (benchmark/workers.py).
+    shares_estimates: bool = False
 
     def __init__(self, raise_errors: bool = False) -> None:
         self.raise_errors = bool(raise_errors)

@@ -32,7 +32,10 @@ class InvertingGradientsClosedStart(GradientMatching):
       ``april_analytic``; of those that succeed, the one whose gradient matches the update best
       (cosine term: the attacker's own criterion, no ground truth); where none does (not
       registered, a failed condition) the restart starts from the seeded random draw like the
-      others. ``start_attacks`` names other candidates (an empty list: random starts only);
+      others. ``start_attacks`` names other candidates (an empty list: random starts only). The
+      start attacks get this attack's metadata, so ``mjp_adaptive`` takes its x~ from the update's
+      estimate store (``meta.estimates``) where an ``mjp_adaptive`` with the same options already
+      put it (a benchmark round), and computes it otherwise;
     - further restarts from seeded random draws; the restart with the best cosine term is returned;
     - on MJP models (``mjp_mask``), each update's shuffled positions read off the zero rows of
       dL/dP (:func:`attacks.mjp_update.read_mjp_update`,
@@ -82,6 +85,8 @@ class InvertingGradientsClosedStart(GradientMatching):
         o = self.options
         self.start_attacks = None if o.start_attacks is None else tuple(o.start_attacks)
         self.mjp_mask, self.exact_cos = o.mjp_mask, o.exact_cos
+        # its start reads mjp_adaptive's x~ from the update's estimate store (shuffled updates only)
+        self.shares_estimates = self.mjp_mask and (self.start_attacks is None or "mjp_adaptive" in self.start_attacks)
 
     def _prepare_groups(self, model: nn.Module, updates: Sequence[Update], metas: Sequence[AttackMetadata],
                         converted: list) -> tuple[Optional[torch.Tensor], Optional[list], list[list[str]]]:

@@ -41,15 +41,10 @@ detected ``unk_mask``) from the same detection.
 from __future__ import annotations
 
 import copy
-import dataclasses
-import hashlib
-import json
 import logging
-import threading
 import time
 from typing import Any, Literal, Optional
 
-import cachetools
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -64,8 +59,8 @@ from .base import Attack, AttackFailure, AttackMetadata, AttackOptions, AttackRe
 from .registry import register_attack
 from .jigsaw_solver import unshuffle_image
 from .labels import recover_labels
-from .mjp_maths import (Reduction, assemble, mjp_reduction, neighbour_diffs, patches_to_image, smoothness_prior_solve,
-                        tv_prior_refine)
+from .mjp_maths import (Reduction, assemble, draw_shuffled, lbfgs, mjp_reduction, neighbour_diffs, patches_to_image,
+                        smoothness_prior_solve, tv_prior_refine)
 from .mjp_update import read_mjp_update
 from .spans import InputSpan, SpanResidual, forward_cost, input_spans
 
@@ -90,74 +85,6 @@ LM_JACOBIANS = 0
 LM_BUDGET = 5e11
 #: Bytes of the dense float64 Jacobian the default allows (~1.5 GB at 32 px, depth 4, |S| = 17).
 LM_MEMORY = 3e9
-#: x~ estimates kept by :class:`MJPAdaptive` (see :func:`estimate_key`): a benchmark round runs
-#: ``mjp_adaptive`` and then ``ig_closed_start``, which starts from the same estimate of the same update.
-ESTIMATE_CACHE_SIZE = 64
-
-
-def _lbfgs(objective, b: torch.Tensor, a: torch.Tensor, iterations: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """``iterations`` of L-BFGS (strong Wolfe) on objective(b, a) -> scalar; returns (b, a, iterations run)."""
-    vb, va = b.clone().requires_grad_(True), a.clone().requires_grad_(True)
-    opt = torch.optim.LBFGS([vb, va], lr=1.0, max_iter=iterations, history_size=50, line_search_fn="strong_wolfe",
-                            tolerance_grad=1e-20, tolerance_change=1e-30)
-
-    def closure() -> torch.Tensor:
-        opt.zero_grad()
-        obj = objective(vb, va)
-        obj.backward()
-        return obj
-
-    opt.step(closure)
-    return vb.detach(), va.detach(), int(opt.state[opt._params[0]].get("n_iter", 0))
-
-
-# ------------------------------------------------------------------------------------ memo
-def _hash_tensor(h: "hashlib._Hash", name: str, t: torch.Tensor) -> None:
-    t = t.detach().to("cpu").contiguous()
-    h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-    h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
-
-
-def estimate_key(model: nn.Module, update: Update, meta: AttackMetadata, options: dict) -> bytes:
-    """A digest (BLAKE2b) of everything the x~ estimate depends on: every array of the update,
-    every parameter and buffer of the model, the parsed metadata and the attack's options. Two calls
-    with equal digests compute the same estimate (the attack is a deterministic function of them),
-    so the second may reuse the first's. Hashing a 32 px depth-4 update and model takes ~30 ms."""
-    h = hashlib.blake2b(digest_size=32)
-    for name in sorted(update):
-        _hash_tensor(h, "u:" + name, update[name])
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        _hash_tensor(h, "m:" + name, t)
-    fields = {f.name: (v.tolist() if isinstance(v := getattr(meta, f.name), torch.Tensor) else v)
-              for f in dataclasses.fields(meta)}
-    h.update(json.dumps([fields, options], sort_keys=True, default=str).encode())
-    return h.digest()
-
-
-class _EstimateCache:
-    """A small LRU map from :func:`estimate_key` to (x~ [1, C, H, W] model input, S [N], stats, notes,
-    labels [1] or None):
-    cachetools' LRU behind a lock (attack threads share it)."""
-
-    def __init__(self, size: int) -> None:
-        self._items: cachetools.LRUCache = cachetools.LRUCache(maxsize=int(size))
-        self._lock = threading.Lock()
-
-    def get(self, key: bytes) -> Optional[tuple]:
-        with self._lock:
-            return self._items.get(key)  # a hit counts as a use
-
-    def put(self, key: bytes, value: tuple) -> None:
-        with self._lock:
-            self._items[key] = value  # the least recently used goes when the cache is full
-
-    def clear(self) -> None:
-        with self._lock:
-            self._items.clear()
-
-
-#: The estimates of this process (a benchmark's attackers run in one process per worker).
-ESTIMATES = _EstimateCache(ESTIMATE_CACHE_SIZE)
 
 
 # ------------------------------------------------------------------------------------ attack
@@ -192,9 +119,11 @@ class MJPAdaptive(Attack):
         dal_weight: the client's DAL weight if known; None estimates it from the DAL head's gradient.
         fallback_iterations: iterations of the MJP-aware ``april_optimization`` on non-design-A models.
         seed: seed of the shuffled patches' initialisation.
-        reuse: reuse the x~ estimate of an earlier call on the same model, update, metadata and
-            options (:func:`estimate_key`, :data:`ESTIMATES`; e.g. ``ig_closed_start`` starting
-            from the estimate this attack made for the same update); False: always compute it.
+        reuse: take the x~ estimate from the update's estimate store (``meta.estimates``, an
+            :class:`attacks.estimates.EstimateStore` the caller passes with one update) where an
+            earlier call with the same options put it, and put it there otherwise (e.g.
+            ``ig_closed_start`` starts from the estimate this attack made for the same update in a
+            benchmark round); False, or no store: always compute it.
         device: where the priors, the span fit, its Levenberg-Marquardt stage and ``match`` run
             (float64): ``cpu``, ``cuda``, ``cuda:N`` or ``auto``; the benchmark passes the run's
             ``--device``. The reduction (a few SVDs of the first layer's gradients) and the jigsaw
@@ -238,6 +167,7 @@ class MJPAdaptive(Attack):
         self.joint_prior, self.tv_prior = o.joint_prior, o.tv_prior
         self.lm_jacobians = o.lm_jacobians
         self.device, self.min_device_cost = resolve_device(o.device), o.min_device_cost
+        self.shares_estimates = self.reuse  # puts its x~ in the update's store (ig_closed_start reads it)
 
     # ------------------------------------------------------------------------------- pieces
     def read_update(self, vit: nn.Module, grads: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict, dict]:
@@ -247,7 +177,9 @@ class MJPAdaptive(Attack):
 
     # ------------------------------------------------------------------------------- attack
     def _estimate_options(self) -> dict:
-        """The options the x~ estimate depends on (not ``unshuffle``, which acts after it)."""
+        """The options the x~ estimate depends on, its key in the update's estimate store (not
+        ``unshuffle``, which acts after it, nor ``device``: the devices compute the same estimate up
+        to float64 rounding)."""
         return dict(refine=self.refine, iterations=self.iterations, rounds=self.rounds,
                     prior_weight=self.prior_weight, span_iterations=self.span_iterations, starts=self.starts,
                     probe_iterations=self.probe_iterations, rcond=self.rcond, dal_weight=self.dal_weight,
@@ -262,11 +194,12 @@ class MJPAdaptive(Attack):
         vit = _vit(model)
         if getattr(vit, "unk_embed", None) is None and hasattr(vit, "pos_embed"):
             return self._not_mjp(model, update, meta)
-        key = estimate_key(model, update, meta, self._estimate_options()) if self.reuse else None
-        cached = ESTIMATES.get(key) if key is not None else None
+        store = meta.estimates if self.reuse else None
+        key = self._estimate_options()
+        cached = store.get(self.name, key) if store is not None else None  # a copy
         labels: Optional[torch.Tensor] = None  # the labels matched against (refine="match" on design A)
         if cached is not None:
-            x_tilde, S, stats, notes, labels = (copy.deepcopy(v) for v in cached)
+            x_tilde, S, stats, notes, labels = cached
             notes.append("x~ estimate reused: computed before for the same model, update and options")
         else:
             grads, notes = update_to_gradients(update, meta)
@@ -282,8 +215,8 @@ class MJPAdaptive(Attack):
             if "device_note" in stats:
                 notes.append(stats["device_note"])
             stats["estimate_cpu_s"] = time.process_time() - c0
-            if key is not None:
-                ESTIMATES.put(key, tuple(copy.deepcopy(v) for v in (x_tilde, S, stats, notes, labels)))
+            if store is not None:
+                store.put(self.name, key, (x_tilde, S, stats, notes, labels))  # kept as a copy
         design_a = _is_design_a(vit.blocks[0])
         p = int(vit.patch_embed.patch_size[0])
         images = meta.denormalize(x_tilde)
@@ -339,7 +272,7 @@ class MJPAdaptive(Attack):
             if self.tv_prior:
                 b = tv_prior_refine(red, b, grid, C, p, std)
             if not self.joint_prior:
-                a = self._draw_shuffled(red, b, nS, gen)
+                a = draw_shuffled(red, b, nS, gen)
         if self.refine == "span" and nS > 0 and k > 0:
             b, a, sstats = self._span(vit, grads, red, b, a, grid, C, p, gen)
             stats.update(sstats)
@@ -379,7 +312,7 @@ class MJPAdaptive(Attack):
             return b0, a0, dict(span_note="no layer gives a usable input span")
         residual = SpanResidual(vit, spans, red.shuffled, red.device)
         nS = a0.shape[0]
-        starts = [a0] + [self._draw_shuffled(red, b0, nS, gen) for _ in range(self.starts - 1)]
+        starts = [a0] + [draw_shuffled(red, b0, nS, gen) for _ in range(self.starts - 1)]
         b = b0.expand(len(starts), -1, -1).clone()
         a = torch.stack(starts)
 
@@ -390,14 +323,14 @@ class MJPAdaptive(Attack):
             first = objective(b, a)
         iters = 0
         if self.probe_iterations and len(starts) > 1:
-            b, a, n = _lbfgs(lambda vb, va: objective(vb, va).sum(), b, a, self.probe_iterations)
+            b, a, n = lbfgs(lambda vb, va: objective(vb, va).sum(), b, a, self.probe_iterations)
             iters += n
         with torch.no_grad():
             probe = objective(b, a)
         best = int(torch.argmin(probe))
         b, a = b[best:best + 1], a[best:best + 1]
         if iterations:
-            b, a, n = _lbfgs(lambda vb, va: objective(vb, va).sum(), b, a, iterations)
+            b, a, n = lbfgs(lambda vb, va: objective(vb, va).sum(), b, a, iterations)
             iters += n
         out: dict[str, Any] = {}
         b, a = b[0], a[0]
@@ -433,17 +366,6 @@ class MJPAdaptive(Attack):
             return (f"Levenberg-Marquardt stage skipped: a {rows} x {unknowns} Jacobian exceeds the default "
                     "budget; set lm_jacobians to run it")
         return LM_JACOBIANS
-
-    @staticmethod
-    def _draw_shuffled(red: Reduction, b: torch.Tensor, nS: int, gen: torch.Generator) -> torch.Tensor:
-        """Shuffled patches' coefficients [nS, k] drawn from a Gaussian with the mean and full
-        covariance of the unshuffled patches' null-space coordinates (spread like them; equivariant
-        under a rotation of the basis, so the draw does not depend on how SVD picked it)."""
-        nU = red.x_unshuffled.shape[0]
-        coords = (red.x_unshuffled + b @ red.null_basis.T - red.x_bar) @ red.null_basis
-        centred = coords - coords.mean(dim=0, keepdim=True)
-        z = torch.randn(nS, nU, generator=gen, dtype=torch.float64).to(coords.device) / max(nU - 1, 1) ** 0.5
-        return coords.mean(dim=0, keepdim=True) + z @ centred
 
     def _match(self, vit: nn.Module, grads: dict, red: Reduction, b0: torch.Tensor, a0: torch.Tensor,
                labels: torch.Tensor, grid, C: int, p: int, std: torch.Tensor):

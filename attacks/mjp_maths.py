@@ -6,13 +6,14 @@ docs/design.md, "Attacking MJP with knowledge of MJP", step 2 (the reduction) an
 :func:`mjp_reduction` gives a :class:`Reduction` (the minimum-norm unshuffled patches, the null space
 N and a point of the shuffled patches' affine hull); :func:`assemble` turns the reduced parameters
 (b, a) into model inputs; :func:`smoothness_prior_solve` and :func:`tv_prior_refine` choose (b, a)
-without any model evaluation. Plain float64 torch, no attack state: :mod:`attacks.span_lm` and the
+without any model evaluation, :func:`draw_shuffled` draws starts of the shuffled patches and
+:func:`lbfgs` runs L-BFGS over (b, a). Plain float64 torch, no attack state: :mod:`attacks.span_lm` and the
 batch attacks reuse it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -282,3 +283,34 @@ def tv_prior_refine(red: Reduction, b0: torch.Tensor, grid: tuple[int, int], cha
 
     opt.step(closure)
     return b.detach()
+
+
+def draw_shuffled(red: Reduction, b: torch.Tensor, nS: int, gen: torch.Generator) -> torch.Tensor:
+    """Shuffled patches' coefficients [nS, k] drawn from a Gaussian with the mean and full
+    covariance of the unshuffled patches' null-space coordinates (spread like them; equivariant
+    under a rotation of the basis, so the draw does not depend on how SVD picked it). Draws on the
+    CPU from ``gen`` (the same on every device)."""
+    nU = red.x_unshuffled.shape[0]
+    coords = (red.x_unshuffled + b @ red.null_basis.T - red.x_bar) @ red.null_basis
+    centred = coords - coords.mean(dim=0, keepdim=True)
+    z = torch.randn(nS, nU, generator=gen, dtype=torch.float64).to(coords.device) / max(nU - 1, 1) ** 0.5
+    return coords.mean(dim=0, keepdim=True) + z @ centred
+
+
+# ------------------------------------------------------------------------------------ solver
+def lbfgs(objective: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], b: torch.Tensor, a: torch.Tensor,
+          iterations: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``iterations`` of L-BFGS (strong Wolfe) on objective(b, a) -> scalar over the reduced
+    parameters; returns (b, a, iterations run)."""
+    vb, va = b.clone().requires_grad_(True), a.clone().requires_grad_(True)
+    opt = torch.optim.LBFGS([vb, va], lr=1.0, max_iter=iterations, history_size=50, line_search_fn="strong_wolfe",
+                            tolerance_grad=1e-20, tolerance_change=1e-30)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        obj = objective(vb, va)
+        obj.backward()
+        return obj
+
+    opt.step(closure)
+    return vb.detach(), va.detach(), int(opt.state[opt._params[0]].get("n_iter", 0))

@@ -45,7 +45,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +113,7 @@ def bare_parts(cfg: C.BenchmarkConfig, work: list[Victims]) -> tuple[dict[str, f
     """Seconds of each part of the benchmark's work on these updates, bare and one after the other
     (see the module docstring), and the number of updates."""
     import attacks
+    from attacks.estimates import EstimateStore
     from benchmark import scoring
     from benchmark.config import attack_entries
     from benchmark.group_attacker import attack_metadata
@@ -136,7 +137,8 @@ def bare_parts(cfg: C.BenchmarkConfig, work: list[Victims]) -> tuple[dict[str, f
                 t = time.perf_counter()
                 scoring.top1_many(row.acc_model, batches, device)
                 parts["Acc. forward"] += time.perf_counter() - t
-            md = [attack_metadata(cfg, v.resolved, row.model, b) for b in batches]
+            # one estimate store per update for the round's attacks, as the pipeline passes them
+            md = [replace(attack_metadata(cfg, v.resolved, row.model, b), estimates=EstimateStore()) for b in batches]
             for a in attack:
                 t = time.perf_counter()
                 results = a.reconstruct_many(row.model, grads, md)

@@ -332,12 +332,12 @@ def part_april_robust(ctx: Context, seconds: float) -> dict:
 
 
 def part_mjp_adaptive(ctx: Context, seconds: float) -> dict:
-    # reuse=False: the CPU run must not take the device run's cached estimate of the same update
+    # run_attack passes no estimate store (attacks.estimates): every run computes its own x~
     # --quick: no TV refinement of the prior's start (300 L-BFGS steps, most of a 32 px call's time);
     # the span fit, its probe of two starts and the jigsaw still run
     cheap = dict(tv_prior=False) if ctx.quick else {}
     small = dict(refine="span", span_iterations=2 if ctx.quick else 20, starts=2, probe_iterations=1 if ctx.quick else 5,
-                 reuse=False, **cheap)
+                 **cheap)
     dev = str(ctx.device)
     ref = compare_attack(ctx, make_case(ctx, 32, "mjp", torch.float64), "mjp_adaptive", {**small, "device": "cpu"},
                          exact=False, dev_options={"device": dev, "min_device_cost": 0})
@@ -346,9 +346,8 @@ def part_mjp_adaptive(ctx: Context, seconds: float) -> dict:
     opts["device"] = dev
     # the prior's estimate alone, for the span fit's share of the time
     case = make_case(ctx, ctx.size, "mjp", torch.float64)
-    attacks.mjp_adaptive.ESTIMATES.clear()  # its full cost, no reused estimate
-    res, dt = run_attack(ctx, "mjp_adaptive", {**opts, "reuse": False}, case.model_dev, case.update_dev, case.meta)
-    prior, dt_prior = run_attack(ctx, "mjp_adaptive", dict(refine="prior", reuse=False, device=dev, **cheap),
+    res, dt = run_attack(ctx, "mjp_adaptive", opts, case.model_dev, case.update_dev, case.meta)
+    prior, dt_prior = run_attack(ctx, "mjp_adaptive", dict(refine="prior", device=dev, **cheap),
                                  case.model_dev,
                                  case.update_dev, case.meta)
     st = res.stats[0]

@@ -45,7 +45,7 @@ import attacks  # noqa: E402
 import fedmjp  # noqa: E402,F401  (registers the models)
 from attacks.april import _gradient_of_Z, check_conditions  # noqa: E402
 from attacks.jigsaw_solver import oracle_c  # noqa: E402
-from attacks.mjp_adaptive import _lbfgs  # noqa: E402
+from attacks.mjp_maths import lbfgs  # noqa: E402
 from attacks.mjp_maths import assemble, mjp_reduction  # noqa: E402
 from attacks.spans import SpanResidual, input_spans  # noqa: E402
 from attacks.span_lm import SpanVector, identifiability, span_lm, truth_coordinates  # noqa: E402
@@ -148,7 +148,7 @@ def basin(model: torch.nn.Module, update: dict, xin: torch.Tensor, eps_list: lis
             b1, a1, out = span_lm(residual, red, b0[0], a0[0], grid, C, p, max_jacobians=jacobians)
             b1, a1, n = b1[None], a1[None], f"{out.jacobians} Jacobians"
         else:
-            b1, a1, it = _lbfgs(lambda vb, va: objective(vb, va).sum(), b0.clone(), a0.clone(), iterations)
+            b1, a1, it = lbfgs(lambda vb, va: objective(vb, va).sum(), b0.clone(), a0.clone(), iterations)
             n = f"{it} it"
         with torch.no_grad():
             lines.append(f"eps {eps:g} ({solver}): residual {float(objective(b0, a0)[0]):.1e} -> "

@@ -3,9 +3,10 @@ and stores the rows.
 
 :class:`GroupAttacker` runs one federation (a model row and a gradient group) with the server's tap
 feeding an attack thread; :class:`RoundCollector` groups the tapped updates into rounds; each round
-goes to the runner (:class:`benchmark.workers.RoundDispatch`) as one call per attacker, and once its
-attacks are done, its results are scored (:mod:`benchmark.scoring`) and appended to the run folder
-with the grid images. :func:`attack_metadata` is what the attacks are told besides an update.
+goes to the runner (:class:`benchmark.workers.RoundDispatch`) as one call per attacker, each update's
+metadata carrying the round's estimate store of that update, and once its attacks are done, its
+results are scored (:mod:`benchmark.scoring`) and appended to the run folder with the grid images.
+:func:`attack_metadata` is what the attacks are told besides an update.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,6 +30,7 @@ from .errors import FederationFailed
 from .inputs import Attacker, ModelRow, Prepared, client_run_config, expected_updates
 from .rows import RowContext, RowKey, client_failure_rows
 from .store import RunFolder, slug
+from .workers import AttackCall
 
 if TYPE_CHECKING:
     from attacks.base import AttackMetadata
@@ -284,6 +286,8 @@ class GroupAttacker:
     def submit_round(self, updates: list) -> None:
         """Top-1 of the round's images, then one runner job per attacker over the updates that
         still miss rows of that attacker; the round goes to :attr:`dispatch` until they are done."""
+        from attacks.estimates import EstimateStore
+
         rnd = int(updates[0].server_round)
         clients = self.cfg.federation.clients
         batches = [tapped_batch(self.resolved, int(u.partition_id), rnd, clients, getattr(u, "partition_ids", None))
@@ -305,16 +309,23 @@ class GroupAttacker:
         self.forward_top1 += forwards
         round_ = _Round(rnd, updates, batches, keys, top1)
         model = self.dispatch.share(self.model)  # e.g. shipped to Ray's object store once per round
+        # One store per update, for this round's calls only: what one attacker estimates from an
+        # update (mjp_adaptive's x~), another attacker of the same update starts from (ig_closed_start).
+        stores = [EstimateStore() for _ in updates]
+        calls, mines = [], []
         for index, attacker in enumerate(self.p.attackers):
             mine = [i for i, (batch, k) in enumerate(zip(batches, keys))
                     if not all(k[(attacker.label, s, b)] in self.done for s in self.settings
                                for b in range(len(batch.image_ids)))]
             if not mine:
                 continue
-            metadata = [attack_metadata(self.cfg, self.resolved, self.model, batches[i]) for i in mine]
-            job = self.dispatch.submit(index, model, [updates[i].arrays for i in mine], metadata)
-            round_.jobs.append((attacker, job, mine))
-        self.dispatch.add(round_, [job for _, job, _ in round_.jobs])
+            metadata = [replace(attack_metadata(self.cfg, self.resolved, self.model, batches[i]), estimates=stores[i])
+                        for i in mine]
+            calls.append(AttackCall(index, [updates[i].arrays for i in mine], metadata))
+            mines.append((attacker, mine))
+        jobs = self.dispatch.submit(model, calls) if calls else []
+        round_.jobs = [(attacker, job, mine) for (attacker, mine), job in zip(mines, jobs)]
+        self.dispatch.add(round_, jobs)
 
     def finish_round(self, r: _Round) -> None:
         """Score every attacker's results of the round under each setting; append the rows and

@@ -1,15 +1,21 @@
 """Where the attacks of a benchmark run: in this process, or spread over Ray workers.
 
-The pipeline hands every round's updates to a runner as one call per attacker
-(``attack.reconstruct_many``: the batched attacks solve them together) and scores the results when
-they are ready. A runner (:class:`Runner`) returns each call as a ``concurrent.futures.Future``;
-:class:`RoundDispatch` keeps the rounds in flight and hands each back once its jobs are done.
-:class:`LocalRunner` attacks at once, in this process. :class:`RayRunner` sends the
-call to one of ``workers`` Ray actors (a local Ray instance of that many CPUs, or a running cluster
-at ``address``) and returns at once, so the federation's next round and other workers' attacks go
-on meanwhile; the attacks are deterministic functions of (model, update, metadata), so the rows are
-the same as in a single process. On a cluster, every node needs this checkout importable (the same
-code and libraries, e.g. an editable install of the project).
+The pipeline hands every round's updates to a runner as one :class:`AttackCall` per attacker
+(``attack.reconstruct_many``: the batched attacks solve them together), all of a round at once, and
+scores the results when they are ready. A runner (:class:`Runner`) returns each call as a
+``concurrent.futures.Future``; :class:`RoundDispatch` keeps the rounds in flight and hands each back
+once its jobs are done. :class:`LocalRunner` attacks at once, in this process, in the calls' order.
+:class:`RayRunner` sends the calls to ``workers`` Ray actors (a local Ray instance of that many
+CPUs, or a running cluster at ``address``) and returns at once, so the federation's next round and
+other workers' attacks go on meanwhile; the attacks are deterministic functions of (model, update,
+metadata), so the rows are the same as in a single process. On a cluster, every node needs this
+checkout importable (the same code and libraries, e.g. an editable install of the project).
+
+Each update's metadata carries the round's estimate store of that update
+(:class:`attacks.estimates.EstimateStore`): ``ig_closed_start`` starts from the x~ that
+``mjp_adaptive`` put there. In this process every call sees it; :class:`RayRunner` sends the calls of
+the attackers that share estimates (``attack.shares_estimates``) to one actor as one task, in their
+order, so that they see one unpickled store there too.
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, wait
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
@@ -48,17 +55,31 @@ def run_attack(attack: Any, model: Any, updates: Sequence[dict], metadatas: Sequ
 JobResult = tuple[list, float]
 
 
+@dataclass(frozen=True)
+class AttackCall:
+    """Attacker ``index`` (the pipeline's attacker order) on ``updates`` with their ``metadatas``."""
+
+    index: int
+    updates: Sequence[dict]
+    metadatas: Sequence[AttackMetadata]
+
+
+def run_calls(attacks: Sequence[Any], model: Any, calls: Sequence[AttackCall], batched: bool = True) -> list[JobResult]:
+    """:func:`run_attack` for each call, one after the other (what one job of a runner does)."""
+    return [run_attack(attacks[c.index], model, c.updates, c.metadatas, batched) for c in calls]
+
+
 class Runner(Protocol):
     """Where the pipeline's attack calls run: ``slots`` (attacks that run at the same time),
-    :meth:`share` (the model as jobs take it), :meth:`submit` (a Future per call), :meth:`close`."""
+    :meth:`share` (the model as jobs take it), :meth:`submit` (a round's calls; a Future per call),
+    :meth:`close`."""
 
     @property
     def slots(self) -> int: ...
 
     def share(self, model: Any) -> Any: ...
 
-    def submit(self, index: int, model: Any, updates: Sequence[dict], metadatas: Sequence[AttackMetadata],
-               batched: bool = True) -> Future[JobResult]: ...
+    def submit(self, model: Any, calls: Sequence[AttackCall], batched: bool = True) -> list[Future[JobResult]]: ...
 
     def close(self) -> None: ...
 
@@ -81,12 +102,13 @@ class LocalRunner:
         """The model as :meth:`submit` takes it, for every job of a round: the model itself."""
         return model
 
-    def submit(self, index: int, model: Any, updates: Sequence[dict], metadatas: Sequence[AttackMetadata],
-               batched: bool = True) -> Future[JobResult]:
-        """Run the attack now (an error of it is raised here) and return its done Future."""
-        job: Future[JobResult] = Future()
-        job.set_result(run_attack(self.attacks[index], model, updates, metadatas, batched))
-        return job
+    def submit(self, model: Any, calls: Sequence[AttackCall], batched: bool = True) -> list[Future[JobResult]]:
+        """Run the calls now, in order (an error of an attack is raised here); their done Futures."""
+        jobs: list[Future[JobResult]] = []
+        for result in run_calls(self.attacks, model, calls, batched):
+            jobs.append(Future())
+            jobs[-1].set_result(result)
+        return jobs
 
     def close(self) -> None:
         pass
@@ -101,8 +123,11 @@ class _AttackWorker:
         torch.set_num_threads(1)  # one CPU per actor: Ray schedules one actor per requested CPU
         self.attacks = attacks
 
-    def run(self, index: int, model: Any, updates: list, metadatas: list, batched: bool) -> tuple[list, float]:
-        return run_attack(self.attacks[index], model, updates, metadatas, batched)
+    def run(self, model: Any, calls: list[AttackCall], batched: bool) -> Any:
+        """The calls in order, one return value each (Ray's ``num_returns``: a single call's result
+        is returned as is, several as a tuple)."""
+        results = run_calls(self.attacks, model, calls, batched)
+        return results[0] if len(results) == 1 else tuple(results)
 
 
 def gpu_share(workers: int, gpus: int) -> float:
@@ -160,6 +185,8 @@ class RayRunner:
         share = gpu_share(int(workers), int(ray.cluster_resources().get("GPU", 0))) if cuda else 0.0
         actor = ray.remote(num_cpus=1, num_gpus=share)(_AttackWorker)
         shared = ray.put(list(attacks))
+        #: per attacker: does it share the update's estimate store (its calls of a round go together)
+        self.shares = [bool(getattr(a, "shares_estimates", False)) for a in attacks]
         self.actors = [actor.remote(shared) for _ in range(int(workers))]
         self.jobs: list[list[Future]] = [[] for _ in self.actors]  # per actor, the jobs sent to it
         _logger.info("attacks run on %d Ray worker(s)%s", len(self.actors), f" at {address}" if address else "")
@@ -173,22 +200,37 @@ class RayRunner:
         """The model in Ray's object store, shipped once per round for every attacker's job."""
         return self.ray.put(model)
 
-    def submit(self, index: int, model: Any, updates: Sequence[dict], metadatas: Sequence[AttackMetadata],
-               batched: bool = True) -> Future[JobResult]:
-        """Queue the call on the actor with the fewest unfinished jobs; its ObjectRef as a Future.
+    def submit(self, model: Any, calls: Sequence[AttackCall], batched: bool = True) -> list[Future[JobResult]]:
+        """Queue each call on the actor with the fewest unfinished jobs, the calls of attackers that
+        share estimates together as one task (in their order: one process, one unpickled estimate
+        store per update); an ObjectRef as a Future per call.
 
         Not ``ray.util.ActorPool``: it holds one job per actor and queues the rest in this process
         until its results are fetched (``get_next``) in submission order, and hands out no per-job
         handle, while the pipeline keeps several rounds in flight and asks each round's jobs whether
         they are done."""
-        self.jobs = [[j for j in jobs if not j.done()] for jobs in self.jobs]
-        k = min(range(len(self.actors)), key=lambda i: len(self.jobs[i]))  # the least busy actor
-        # ignore: Ray types an actor handle as ActorHandle | type[_AttackWorker], whose methods have no
-        # .remote (Ray's own typing needs @ray.method, which would import Ray with this module)
-        job = self.actors[k].run.remote(  # type: ignore[attr-defined]
-            index, model, list(updates), list(metadatas), batched).future()
-        self.jobs[k].append(job)
-        return job
+        tasks: list[list[AttackCall]] = []
+        together: list[AttackCall] = []  # the calls that share estimates, a task where the first of them is
+        for call in calls:
+            if not self.shares[call.index]:
+                tasks.append([call])
+            elif not together:
+                together.append(call)
+                tasks.append(together)
+            else:
+                together.append(call)
+        futures: list[tuple[AttackCall, Future[JobResult]]] = []
+        for task in tasks:
+            self.jobs = [[j for j in jobs if not j.done()] for jobs in self.jobs]
+            k = min(range(len(self.actors)), key=lambda i: len(self.jobs[i]))  # the least busy actor
+            # ignore: Ray types an actor handle as ActorHandle | type[_AttackWorker], whose methods have
+            # no .options/.remote (Ray's own typing needs @ray.method, which would import Ray here)
+            refs = self.actors[k].run.options(num_returns=len(task)).remote(  # type: ignore[attr-defined]
+                model, task, batched)
+            for call, ref in zip(task, refs if len(task) > 1 else [refs]):
+                futures.append((call, ref.future()))
+                self.jobs[k].append(futures[-1][1])
+        return [next(f for c, f in futures if c is call) for call in calls]
 
     def close(self) -> None:
         """Stop the actors; shut Ray down if this runner started it."""
@@ -227,9 +269,9 @@ class RoundDispatch(Generic[Round]):
         """The model as the round's jobs take it (:meth:`Runner.share`, e.g. put in Ray's object store once)."""
         return self.runner.share(model)
 
-    def submit(self, index: int, model: Any, updates: Sequence[dict], metadatas: Sequence[AttackMetadata]) -> Future[JobResult]:
-        """Attacker ``index`` on ``updates``: the runner's job."""
-        return self.runner.submit(index, model, updates, metadatas, self.batched)
+    def submit(self, model: Any, calls: Sequence[AttackCall]) -> list[Future[JobResult]]:
+        """A round's attack calls: the runner's jobs, one per call."""
+        return self.runner.submit(model, calls, self.batched)
 
     def add(self, item: Round, jobs: Sequence[Future[JobResult]]) -> None:
         """Queue a round whose jobs were submitted; beyond :attr:`limit` rounds, finish the oldest."""

@@ -94,6 +94,36 @@ def test_mjp_update_gets_the_detected_mask_and_an_mjp_aware_start() -> None:
     assert st["matched_parameters"] == plain.stats[0]["matched_parameters"] + 1
 
 
+def test_mjp_start_takes_mjp_adaptive_s_estimate_from_the_update_s_store(monkeypatch) -> None:
+    """With the update's estimate store in its metadata (a benchmark round), the start reads the x~
+    an mjp_adaptive with the same options put there instead of computing it again; without it, it
+    computes it: the same result either way."""
+    import dataclasses
+
+    import attacks.mjp_adaptive as mjp
+    from attacks.estimates import EstimateStore
+
+    monkeypatch.setattr(mjp, "SPAN_ITERATIONS", 30)  # the default options' span fit, shortened
+    model = model_of("mjp")
+    x = bundled_images(1, 32, start=2)
+    plan = model.draw_plan(1, gamma=0.27, seed=3)
+    update = attacks.compute_update(model, normalize(model.shuffle_images(x, plan)), torch.tensor([2]),
+                                    unk_mask=plan.mask)
+    store = EstimateStore()
+    shared = dataclasses.replace(attacks.AttackMetadata.parse(meta(2), model), estimates=store)
+    assert not attacks.create_attack("mjp_adaptive").reconstruct(model, update, shared).failed
+    assert (store.computed, store.reused) == (1, 0)
+    ig = attacks.create_attack("ig_closed_start", iterations=3, restarts=1, start_attacks=["mjp_adaptive"])
+    assert ig.shares_estimates
+    res = ig.reconstruct(model, update, shared)
+    assert (store.computed, store.reused) == (1, 1)
+    alone = ig.reconstruct(model, update, meta(2))
+    assert not res.failed and res.stats[0]["trials"][0]["start"].startswith("mjp_adaptive")
+    assert torch.equal(res.images, alone.images)
+    assert not attacks.create_attack("ig_closed_start", mjp_mask=False).shares_estimates
+    assert not attacks.create_attack("ig_closed_start", start_attacks=["april_robust"]).shares_estimates
+
+
 def test_unknown_start_falls_back_to_a_random_draw() -> None:
     model = model_of("plain")
     _, update = plain_update(model, 1)

@@ -377,35 +377,43 @@ def test_default_span_fit_is_skipped_where_it_does_not_fit_the_budget(monkeypatc
     assert torch.equal(res.images, prior.images)
 
 
-def test_estimate_is_reused_for_the_same_update_only():
-    """A second call on the same model, update and options (ig_closed_start's start after the
-    benchmark's mjp_adaptive row) reuses the x~ estimate instead of recomputing it; another update,
-    other options or reuse=False compute their own."""
+def test_estimate_is_shared_through_the_update_s_store_only():
+    """A second call with the update's estimate store and the same options (ig_closed_start's start
+    after the benchmark's mjp_adaptive row) takes the x~ estimate from it instead of recomputing it;
+    a call without the store, with other options or with reuse=False computes its own, and nothing
+    outlives the store (no state in the process)."""
+    import dataclasses
     import time
 
-    from attacks.mjp_adaptive import ESTIMATES
+    from attacks.estimates import EstimateStore
 
-    ESTIMATES.clear()
     model = mjp_model()
     _, _, _, update = client_update(model)
+    store = EstimateStore()
+    meta = dataclasses.replace(attacks.AttackMetadata.parse(MD, model), estimates=store)
     opts = dict(span_iterations=60, starts=2, probe_iterations=5)
     t0 = time.process_time()
-    first = attacks.create_attack("mjp_adaptive", **opts).reconstruct(model, update, MD)
+    first = attacks.create_attack("mjp_adaptive", **opts).reconstruct(model, update, meta)
     t_first = time.process_time() - t0
+    assert (store.computed, store.reused, len(store)) == (1, 0, 1)
     t0 = time.process_time()
-    again = attacks.create_attack("mjp_adaptive", unshuffle=False, **opts).reconstruct(model, update, MD)
+    again = attacks.create_attack("mjp_adaptive", unshuffle=False, **opts).reconstruct(model, update, meta)
     t_again = time.process_time() - t0
-    assert not first.failed and not again.failed
+    assert not first.failed and not again.failed and (store.computed, store.reused) == (1, 1)
     assert torch.equal(first.images, again.images)
     assert any("reused" in n for n in again.stats[0]["notes"])
     assert not any("reused" in n for n in first.stats[0]["notes"])
     assert t_again < 0.5 * t_first, (t_again, t_first)
-    fresh = attacks.create_attack("mjp_adaptive", reuse=False, unshuffle=False, **opts).reconstruct(model, update, MD)
+    fresh = attacks.create_attack("mjp_adaptive", reuse=False, unshuffle=False, **opts).reconstruct(model, update, meta)
     assert torch.equal(fresh.images, first.images)  # deterministic: reuse returns what a fresh run gives
     assert not any("reused" in n for n in fresh.stats[0]["notes"])
-    other = attacks.create_attack("mjp_adaptive", unshuffle=False, **{**opts, "seed": 1}).reconstruct(model, update, MD)
+    alone = attacks.create_attack("mjp_adaptive", unshuffle=False, **opts).reconstruct(model, update, MD)
+    assert torch.equal(alone.images, first.images) and not any("reused" in n for n in alone.stats[0]["notes"])
+    other = attacks.create_attack("mjp_adaptive", unshuffle=False, **{**opts, "seed": 1}).reconstruct(
+        model, update, meta)
     assert not any("reused" in n for n in other.stats[0]["notes"])
-    _, _, _, update2 = client_update(model, index=1, seed=4)
-    res2 = attacks.create_attack("mjp_adaptive", unshuffle=False, **opts).reconstruct(model, update2, MD)
-    assert not any("reused" in n for n in res2.stats[0]["notes"])
-    assert not torch.equal(res2.images, first.images)
+    assert (store.computed, store.reused, len(store)) == (2, 1, 2)  # reuse=False neither read nor wrote it
+    # what a reader gets is a copy: changing it changes nothing for the next reader
+    again.stats[0]["notes"].append("changed by a reader")
+    third = attacks.create_attack("mjp_adaptive", unshuffle=False, **opts).reconstruct(model, update, meta)
+    assert "changed by a reader" not in third.stats[0]["notes"] and torch.equal(third.images, first.images)
