@@ -37,14 +37,11 @@ from fedmjp.config import Float
 from .base import (AttackFailure, AttackOptions, BatchedSolveAttack, AttackMetadata, AttackResult, Update,
                    update_to_gradients)
 from .registry import register_attack
-from .first_layer import PRECISIONS, Precision, check_conditions, gradient_of_Z, is_design_a, unwrap_vit
+from .first_layer import PRECISIONS, Precision, check_conditions, gradient_of_Z, unwrap_vit
 
 _logger = logging.getLogger(__name__)
 
 PE_MODES = ("plain", "detect_unk")
-# attacks.first_layer's helpers under the private names bench/mjp_adaptive_strength.py imports from here
-_PRECISIONS, _vit, _is_design_a, _gradient_of_Z = PRECISIONS, unwrap_vit, is_design_a, gradient_of_Z
-
 
 #: (pseudo-inverse, rank) of the patch embeddings solved lately, by content: a benchmark attacks
 #: every round of a federation with the same weights (the paper's lr 0), and the SVD of a DeiT-S

@@ -54,7 +54,7 @@ from fedmjp.config import Float, Int, option
 from fedmjp.devices import resolve_device
 
 from .first_layer import check_conditions
-from .first_layer import gradient_of_Z as _gradient_of_Z, is_design_a as _is_design_a, unwrap_vit as _vit
+from .first_layer import gradient_of_Z, is_design_a, unwrap_vit
 from .base import Attack, AttackFailure, AttackMetadata, AttackOptions, AttackResult, Update, update_to_gradients
 from .registry import register_attack
 from .jigsaw_solver import unshuffle_image
@@ -191,7 +191,7 @@ class MJPAdaptive(Attack):
         t0, c0 = time.perf_counter(), time.process_time()
         if meta.num_images != 1:
             raise AttackFailure(f"mjp_adaptive needs batch size 1 per update, got num_images={meta.num_images}")
-        vit = _vit(model)
+        vit = unwrap_vit(model)
         if getattr(vit, "unk_embed", None) is None and hasattr(vit, "pos_embed"):
             return self._not_mjp(model, update, meta)
         store = meta.estimates if self.reuse else None
@@ -206,7 +206,7 @@ class MJPAdaptive(Attack):
             S, grads, stats = self.read_update(vit, grads)
             if not bool(S.any()):
                 notes.append("no shuffled position detected: plain closed form / matching")
-            if _is_design_a(vit.blocks[0]):
+            if is_design_a(vit.blocks[0]):
                 x_tilde, more, labels = self._design_a(vit, grads, S, meta)
             else:
                 x_tilde, more = self._fallback(model, grads, S, meta)
@@ -217,7 +217,7 @@ class MJPAdaptive(Attack):
             stats["estimate_cpu_s"] = time.process_time() - c0
             if store is not None:
                 store.put(self.name, key, (x_tilde, S, stats, notes, labels))  # kept as a copy
-        design_a = _is_design_a(vit.blocks[0])
+        design_a = is_design_a(vit.blocks[0])
         p = int(vit.patch_embed.patch_size[0])
         images = meta.denormalize(x_tilde)
         unshuffled = None
@@ -245,7 +245,7 @@ class MJPAdaptive(Attack):
         info = check_conditions(vit)
         if "blocks.0.attn.qkv.weight" not in grads:
             raise AttackFailure("update lacks 'blocks.0.attn.qkv.weight'")
-        G_Z = _gradient_of_Z(vit, grads, info)
+        G_Z = gradient_of_Z(vit, grads, info)
         labels: Optional[torch.Tensor] = None
         dev, device_note = self._solve_device(vit, S)
         red = mjp_reduction(vit, G_Z, grads["blocks.0.attn.qkv.weight"], S, self.rcond).to(dev)
@@ -433,9 +433,9 @@ class MJPAdaptive(Attack):
         from .matching import AprilOptimization
         from .pe_closed_form import PEClosedForm
 
-        vit = _vit(model)
+        vit = unwrap_vit(model)
         attack: Attack
-        if _is_design_a(vit.blocks[0]):
+        if is_design_a(vit.blocks[0]):
             attack = AprilAnalytic()
         else:
             # Any block 0: the patch-embedding closed form is exact where it applies (learned PE, batch

@@ -43,7 +43,7 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import attacks  # noqa: E402
 import fedmjp  # noqa: E402,F401  (registers the models)
-from attacks.april import _gradient_of_Z, check_conditions  # noqa: E402
+from attacks.first_layer import check_conditions, gradient_of_Z  # noqa: E402
 from attacks.jigsaw_solver import oracle_c  # noqa: E402
 from attacks.mjp_maths import lbfgs  # noqa: E402
 from attacks.mjp_maths import assemble, mjp_reduction  # noqa: E402
@@ -113,7 +113,7 @@ def basin(model: torch.nn.Module, update: dict, xin: torch.Tensor, eps_list: lis
     iterations (``solver="lbfgs"``) or ``jacobians`` Levenberg-Marquardt iterations (``"lm"``); with
     ``ident`` first the rank and condition number of the span Jacobian at the truth."""
     S, grads, _ = attacks.create_attack("mjp_adaptive").read_update(model, dict(update))
-    red = mjp_reduction(model, _gradient_of_Z(model, grads, check_conditions(model)),
+    red = mjp_reduction(model, gradient_of_Z(model, grads, check_conditions(model)),
                         grads["blocks.0.attn.qkv.weight"], S)
     C, p = xin.shape[1], int(model.patch_embed.patch_size[0])
     grid = tuple(int(g) for g in model.patch_embed.grid_size)

@@ -9,7 +9,7 @@ import torch
 import attacks
 import fedmjp  # noqa: F401  (registers the mjp_* models)
 from attacks.first_layer import check_conditions
-from attacks.first_layer import gradient_of_Z as _gradient_of_Z
+from attacks.first_layer import gradient_of_Z
 from attacks.jigsaw_solver import arrangement_cost, place, solve_jigsaw
 from attacks.mjp_maths import mjp_reduction
 from fedmjp.jigsaw import make_plan
@@ -66,7 +66,7 @@ def test_detection_exact_and_reduction_identities():
     assert res.stats[0]["shuffled_positions"] == [int(i) for i in torch.nonzero(S).flatten()]
     # identities of the reduction, against the truth (never used inside the attack)
     info = check_conditions(model)
-    red = mjp_reduction(model, _gradient_of_Z(model, update, info), update["blocks.0.attn.qkv.weight"], S)
+    red = mjp_reduction(model, gradient_of_Z(model, update, info), update["blocks.0.attn.qkv.weight"], S)
     with torch.no_grad():
         Z = model._pos_embed(model.patch_embed(normalize(x_t)), plan.mask)[0]  # [T, D]
     I_P = torch.eye(Z.shape[1], dtype=torch.float64) - red.projector
@@ -205,7 +205,7 @@ def test_matrix_free_prior_equals_the_dense_solve():
     model = mjp_model()
     _, _, plan, update = client_update(model)
     info = check_conditions(model)
-    red = mjp_reduction(model, _gradient_of_Z(model, update, info), update["blocks.0.attn.qkv.weight"],
+    red = mjp_reduction(model, gradient_of_Z(model, update, info), update["blocks.0.attn.qkv.weight"],
                         plan.mask[0])
     std = STD.double()
     dense = smoothness_prior_solve(red, (8, 8), 3, 4, std)
@@ -269,7 +269,7 @@ def test_first_layer_observables_are_invariant_on_the_orbit():
     with torch.no_grad():
         Z = model._pos_embed(model.patch_embed(normalize(x_t)), plan.mask)[0]  # [T, D]
     info = check_conditions(model)
-    G = _gradient_of_Z(model, update, info).clone()  # rows at S: their PE gradient is 0; recover dL/dZ there
+    G = gradient_of_Z(model, update, info).clone()  # rows at S: their PE gradient is 0; recover dL/dZ there
     T, D = Z.shape
     Sfull = torch.cat([torch.tensor([False]), S])
     # the true dL/dZ rows at S from the client's forward (the attacker never sees them)

@@ -11,7 +11,7 @@ import torch
 
 import attacks
 import fedmjp  # noqa: F401  (registers the mjp_* models)
-from attacks.april import _gradient_of_Z, check_conditions
+from attacks.first_layer import check_conditions, gradient_of_Z
 from attacks.mjp_maths import mjp_reduction
 from attacks.spans import SpanResidual, input_spans
 from attacks.span_lm import SpanVector, levenberg_marquardt, span_lm, truth_coordinates
@@ -38,7 +38,7 @@ def _case(imagenet_sample, gamma: float):
     update = attacks.compute_update(model, xin, torch.tensor([0]), unk_mask=plan.mask)
     S, grads, _ = attacks.create_attack("mjp_adaptive").read_update(model, dict(update))
     assert torch.equal(S, plan.mask[0])
-    red = mjp_reduction(model, _gradient_of_Z(model, grads, check_conditions(model)),
+    red = mjp_reduction(model, gradient_of_Z(model, grads, check_conditions(model)),
                         grads["blocks.0.attn.qkv.weight"], S)
     residual = SpanResidual(model, input_spans(model, grads, S.numel() + 1), S)
     vec = SpanVector(residual, red, (8, 8), 3, 4)
