@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence, TypeVar, Union
+from typing import Any, Callable, ClassVar, Hashable, Mapping, Optional, Sequence, TypeVar, Union
 
 import torch
 import torch.nn as nn
@@ -158,6 +158,21 @@ class Attack:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
+
+    @classmethod
+    def run_key(cls, options: AttackOptions, model: nn.Module) -> Optional[Hashable]:
+        """What decides this attack's results on ``model`` given its checked ``options``: two
+        attackers of a run with equal keys compute the same thing, so the benchmark runs the first
+        and scores its results under both labels (benchmark/group_attacker.py). None (the default):
+        never shared; an attack says which of its options have no effect on which models
+        (:meth:`options_key`), and only a deterministic one (a fixed seed) may return a key."""
+        return None
+
+    @classmethod
+    def options_key(cls, options: AttackOptions, ignore: Sequence[str] = ()) -> Hashable:
+        """(class, every option but ``ignore`` as repr) for :meth:`run_key`."""
+        kept = {k: v for k, v in options if k not in ignore}
+        return cls.__module__, cls.__qualname__, tuple(sorted((k, repr(v)) for k, v in kept.items()))
 
     def _parse_options(self, options: Mapping[str, Any]) -> Any:
         """``options`` checked against this class's ``Options`` (:func:`parse_options`), kept as

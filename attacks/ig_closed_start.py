@@ -2,7 +2,7 @@
 (:class:`InvertingGradientsClosedStart`; the matching machinery is :class:`attacks.matching.GradientMatching`)."""
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Optional, Sequence
+from typing import Annotated, Any, Hashable, Literal, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -10,7 +10,7 @@ from pydantic import Field
 
 from fedmjp.config import Float, Int, option
 
-from .base import AttackMetadata, Update
+from .base import AttackMetadata, AttackOptions, Update
 from .registry import register_attack
 from .first_layer import unwrap_vit
 from .matching import GradientMatching
@@ -87,6 +87,17 @@ class InvertingGradientsClosedStart(GradientMatching):
         self.mjp_mask, self.exact_cos = o.mjp_mask, o.exact_cos
         # its start reads mjp_adaptive's x~ from the update's estimate store (shuffled updates only)
         self.shares_estimates = self.mjp_mask and (self.start_attacks is None or "mjp_adaptive" in self.start_attacks)
+
+    @classmethod
+    def run_key(cls, options: AttackOptions, model: nn.Module) -> Optional[Hashable]:
+        """Seeded runs are deterministic; ``mjp_mask`` has no effect on a model without E_unk, so
+        the preset's ``ig_plain_forward`` (``mjp_mask: false``) is ``ig_closed_start`` on a plain
+        ViT and runs once there (``progress`` only draws a bar)."""
+        if getattr(options, "seed", None) is None:
+            return None
+        vit = unwrap_vit(model)
+        plain = getattr(vit, "unk_embed", None) is None or not hasattr(vit, "pos_embed")
+        return cls.options_key(options, ("progress", "mjp_mask") if plain else ("progress",))
 
     def _prepare_groups(self, model: nn.Module, updates: Sequence[Update], metas: Sequence[AttackMetadata],
                         converted: list) -> tuple[Optional[torch.Tensor], Optional[list], list[list[str]]]:

@@ -156,6 +156,19 @@ class _Round:
     jobs: list[tuple[Attacker, Any, list[int]]] = field(default_factory=list)
 
 
+class _SameRun:
+    """The job of an attacker that computes what an earlier attacker of the round computes
+    (:meth:`attacks.base.Attack.run_key`): that attacker's results, each image's notes saying so."""
+
+    def __init__(self, label: str, job: Any) -> None:
+        self.label, self.job = label, job
+
+    def result(self) -> Any:
+        results, seconds = self.job.result()
+        note = f"the run of {self.label} (same attack and options on this model)"
+        return [replace(r, stats=[dict(st, notes=[*st.get("notes", []), note]) for st in r.stats]) for r in results], seconds
+
+
 class GroupAttacker:
     """Runs one federation and attacks its tapped updates, one round at a time, in an attack thread.
 
@@ -199,6 +212,7 @@ class GroupAttacker:
         self.acc_model = row.acc_model
         self.pristine = {k: v.detach().clone() for k, v in row.model.state_dict().items()}
         self.grid_ids = grid_image_ids(self.cfg, self.resolved)
+        self._run_keys: dict[str, Any] = {}  # attacker label -> Attack.run_key on this row's model
         self.new_rows = self.failed_rows = self.error_rows = 0
         self.error: BaseException | None = None
         self.aborted = False
@@ -313,19 +327,39 @@ class GroupAttacker:
         # update (mjp_adaptive's x~), another attacker of the same update starts from (ig_closed_start).
         stores = [EstimateStore() for _ in updates]
         calls, mines = [], []
+        # attackers that compute the same thing on this model (Attack.run_key: the preset's
+        # ig_plain_forward is ig_closed_start on a plain ViT) run once; the others score its results
+        first: dict[tuple, int] = {}
+        same: list[tuple[Attacker, int, list[int]]] = []
         for index, attacker in enumerate(self.p.attackers):
             mine = [i for i, (batch, k) in enumerate(zip(batches, keys))
                     if not all(k[(attacker.label, s, b)] in self.done for s in self.settings
                                for b in range(len(batch.image_ids)))]
             if not mine:
                 continue
+            key = self._run_key(attacker)
+            if key is not None and (key, tuple(mine)) in first:
+                same.append((attacker, first[(key, tuple(mine))], mine))
+                continue
+            if key is not None:
+                first[(key, tuple(mine))] = len(calls)
             metadata = [replace(attack_metadata(self.cfg, self.resolved, self.model, batches[i]), estimates=stores[i])
                         for i in mine]
             calls.append(AttackCall(index, [updates[i].arrays for i in mine], metadata))
             mines.append((attacker, mine))
         jobs = self.dispatch.submit(model, calls) if calls else []
         round_.jobs = [(attacker, job, mine) for (attacker, mine), job in zip(mines, jobs)]
+        round_.jobs += [(attacker, _SameRun(mines[at][0].label, jobs[at]), mine) for attacker, at, mine in same]
         self.dispatch.add(round_, jobs)
+
+    def _run_key(self, attacker: Attacker) -> Any:
+        """The attacker's :meth:`attacks.base.Attack.run_key` on this row's model (cached), None
+        where it does not say."""
+        if attacker.label not in self._run_keys:
+            attack, options = attacker.attack, getattr(attacker.attack, "options", None)
+            run_key = getattr(attack, "run_key", None)
+            self._run_keys[attacker.label] = None if options is None or run_key is None else run_key(options, self.model)
+        return self._run_keys[attacker.label]
 
     def finish_round(self, r: _Round) -> None:
         """Score every attacker's results of the round under each setting; append the rows and

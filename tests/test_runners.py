@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
+from pathlib import Path
 
 import pytest
 
@@ -178,3 +179,40 @@ def test_ray_keeps_the_attackers_that_share_estimates_on_one_worker() -> None:
     finally:
         runner.close()
     assert not ray.is_initialized()
+
+
+def test_an_attacker_that_computes_what_an_earlier_one_computes_runs_once(tmp_path: Path, monkeypatch) -> None:
+    """The preset's ``ig_plain_forward`` (``ig_closed_start`` with ``mjp_mask: false``) is
+    ``ig_closed_start`` on a plain ViT: there it runs once and both labels' rows hold its scores (the
+    copy's notes say so); on the MJP row the two differ and both run."""
+    from collections import Counter
+
+    from helpers import run, write_config
+
+    from attacks.ig_closed_start import InvertingGradientsClosedStart as IgClosedStart
+    from benchmark.store import read_jsonl
+
+    calls: Counter = Counter()
+    original = IgClosedStart.reconstruct_many
+
+    def counted(self, model, updates, metadatas):  # type: ignore[no-untyped-def]
+        calls[(getattr(model, "unk_embed", None) is not None, self.mjp_mask)] += 1
+        return original(self, model, updates, metadatas)
+
+    monkeypatch.setattr(IgClosedStart, "reconstruct_many", counted)
+    options = {"iterations": 3, "restarts": 1, "start_attacks": []}
+    config = write_config(tmp_path, **{"federation.rounds": 1, "federation.lr": 0.0, "attacks": [
+        {"name": "ig_closed_start", "options": options},
+        {"name": "ig_closed_start", "label": "ig_plain_forward", "options": {**options, "mjp_mask": False}}]})
+    assert run(config, tmp_path / "out") == 0
+    assert calls == {(False, True): 1, (True, True): 1, (True, False): 1}  # plain row: one call for both labels
+    rows = {(r["model"], r["attack"], r["image_id"]): r for r in read_jsonl(tmp_path / "out" / "results.jsonl")}
+    plain = [(r, rows[("DeiT", "ig_plain_forward", key[2])]) for key, r in rows.items()
+             if key[:2] == ("DeiT", "ig_closed_start")]
+    assert len(plain) == 2
+    for first, copy in plain:
+        assert copy["psnr"] == first["psnr"] and copy["mse"] == first["mse"]
+        assert any("the run of ig_closed_start" in n for n in copy["attack_stats"]["notes"])
+        assert not any("the run of" in n for n in first["attack_stats"]["notes"])
+    mjp = [r for k, r in rows.items() if k[0] == "DeiT+MJP"]
+    assert mjp and not any("the run of" in n for r in mjp for n in r["attack_stats"]["notes"])
