@@ -326,7 +326,8 @@ class GroupAttacker:
         # One store per update, for this round's calls only: what one attacker estimates from an
         # update (mjp_adaptive's x~), another attacker of the same update starts from (ig_closed_start).
         stores = [EstimateStore() for _ in updates]
-        calls, mines = [], []
+        calls: list[AttackCall] = []
+        mines: list[tuple[Attacker, list[int]]] = []
         # attackers that compute the same thing on this model (Attack.run_key: the preset's
         # ig_plain_forward is ig_closed_start on a plain ViT) run once; the others score its results
         first: dict[tuple, int] = {}
