@@ -166,7 +166,7 @@ class _SameRun:
     def result(self) -> Any:
         results, seconds = self.job.result()
         note = f"the run of {self.label} (same attack and options on this model)"
-        return [replace(r, stats=[dict(st, notes=[*st.get("notes", []), note]) for st in r.stats]) for r in results], seconds
+        return [replace(r, stats=[dict(st, notes=[*(st.get("notes") or []), note]) for st in r.stats]) for r in results], seconds
 
 
 class GroupAttacker:
