@@ -169,6 +169,13 @@ class _SameRun:
         return [replace(r, stats=[dict(st, notes=[*(st.get("notes") or []), note]) for st in r.stats]) for r in results], seconds
 
 
+def _run_key(attacker: Attacker, model: nn.Module) -> Any:
+    """The attacker's :meth:`attacks.base.Attack.run_key` on ``model``; None where it does not say
+    (an attack without parsed options, e.g. a plug-in factory's)."""
+    options, run_key = getattr(attacker.attack, "options", None), getattr(attacker.attack, "run_key", None)
+    return None if options is None or run_key is None else run_key(options, model)
+
+
 class GroupAttacker:
     """Runs one federation and attacks its tapped updates, one round at a time, in an attack thread.
 
@@ -212,7 +219,8 @@ class GroupAttacker:
         self.acc_model = row.acc_model
         self.pristine = {k: v.detach().clone() for k, v in row.model.state_dict().items()}
         self.grid_ids = grid_image_ids(self.cfg, self.resolved)
-        self._run_keys: dict[str, Any] = {}  # attacker label -> Attack.run_key on this row's model
+        # attacker label -> its Attack.run_key on this row's model (None: never shared)
+        self.run_keys: dict[str, Any] = {a.label: _run_key(a, self.model) for a in prepared.attackers}
         self.new_rows = self.failed_rows = self.error_rows = 0
         self.error: BaseException | None = None
         self.aborted = False
@@ -338,7 +346,7 @@ class GroupAttacker:
                                for b in range(len(batch.image_ids)))]
             if not mine:
                 continue
-            key = self._run_key(attacker)
+            key = self.run_keys[attacker.label]
             if key is not None and (key, tuple(mine)) in first:
                 same.append((attacker, first[(key, tuple(mine))], mine))
                 continue
@@ -352,15 +360,6 @@ class GroupAttacker:
         round_.jobs = [(attacker, job, mine) for (attacker, mine), job in zip(mines, jobs)]
         round_.jobs += [(attacker, _SameRun(mines[at][0].label, jobs[at]), mine) for attacker, at, mine in same]
         self.dispatch.add(round_, jobs)
-
-    def _run_key(self, attacker: Attacker) -> Any:
-        """The attacker's :meth:`attacks.base.Attack.run_key` on this row's model (cached), None
-        where it does not say."""
-        if attacker.label not in self._run_keys:
-            attack, options = attacker.attack, getattr(attacker.attack, "options", None)
-            run_key = getattr(attack, "run_key", None)
-            self._run_keys[attacker.label] = None if options is None or run_key is None else run_key(options, self.model)
-        return self._run_keys[attacker.label]
 
     def finish_round(self, r: _Round) -> None:
         """Score every attacker's results of the round under each setting; append the rows and
