@@ -26,10 +26,18 @@ distance to the truth (model-input units) and the PSNR of x~ before and after. `
 (or ``b``) perturbs only the shuffled (unshuffled) patches' coordinates. ``--identifiability``
 prints, before the basin test, the rank and condition number of the span residual's Jacobian at the
 truth (:func:`attacks.span_lm.identifiability`; about one Jacobian's time, ~45 CPU-s at depth 4).
+
+``--roots K`` asks whether block 0's MLP tokens can be found and used (:mod:`attacks.token_roots`):
+K starts (the ``prior`` estimate's own fc1 inputs plus noise, and random ones) solved per token;
+printed: distinct roots, how many are true tokens, and the LM fit of the reduced parameters to the
+roots (``--roots-jacobians`` Jacobians) with each root placed two ways: at the position the start's
+own fc1 inputs are nearest to (assignment; what an attacker can do) and at its true position (an
+oracle, up to the order of the shuffled positions, which no gradient shows).
 """
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -157,6 +165,89 @@ def basin(model: torch.nn.Module, update: dict, xin: torch.Tensor, eps_list: lis
     return lines
 
 
+def roots(model: torch.nn.Module, update: dict, xin: torch.Tensor, mask: torch.Tensor, starts: int,
+          jacobians: int, seed: int) -> list[str]:
+    """``--roots``: block 0's MLP tokens as per-token roots, then the fit to them (module doc)."""
+    from scipy.optimize import linear_sum_assignment
+
+    from attacks.mjp_maths import patches_to_image
+    from attacks.span_lm import levenberg_marquardt
+    from attacks.token_roots import mlp_token_roots
+    from patchgrid import patchify
+
+    S, grads, _ = attacks.create_attack("mjp_adaptive").read_update(model, dict(update))
+    red = mjp_reduction(model, gradient_of_Z(model, grads, check_conditions(model)),
+                        grads["blocks.0.attn.qkv.weight"], S)
+    C, p = xin.shape[1], int(model.patch_embed.patch_size[0])
+    grid = tuple(int(g) for g in model.patch_embed.grid_size)
+    residual = SpanResidual(model, input_spans(model, grads, S.numel() + 1), S)
+    layer, blk = "blocks.0.mlp.fc1", residual.work.blocks[0]
+    basis = {sp.name: sp.basis for sp in residual.spans}
+    est = attacks.create_attack("mjp_adaptive", refine="prior").reconstruct(model, update, dict(mean=MEAN, std=STD))
+    b0, a0 = truth_coordinates(red, normalize(est.images.double(), MEAN, STD), p)
+    with torch.no_grad():
+        true_in = residual.layer_inputs(xin)[layer][0]
+        start_in = residual.layer_inputs(assemble(red, b0[None], a0[None], grid, C, p))[layer][0]
+    gen = torch.Generator().manual_seed(seed)
+    base = (start_in - blk.norm2.bias) / blk.norm2.weight
+    pick = base[torch.randint(0, base.shape[0], (starts - starts // 2,), generator=gen)]
+    v0 = torch.cat([pick + 0.3 * torch.randn(pick.shape, generator=gen, dtype=torch.float64),
+                    torch.randn(starts // 2, base.shape[1], generator=gen, dtype=torch.float64)])
+    t0 = time.process_time()
+    out = mlp_token_roots(blk, basis[layer], basis["blocks.0.mlp.fc2"], v0)
+    unit = lambda t: t / t.norm(dim=-1, keepdim=True)  # noqa: E731
+    cos = unit(out.roots) @ unit(true_in).T
+    true_pos = cos.argmax(dim=1)
+    lines = [f"roots: {starts} starts, {out.converged} converged, {out.roots.shape[0]} distinct, "
+             f"{int(cos.max(dim=1).values.gt(0.99999).sum())} true of {true_in.shape[0]} tokens "
+             f"({time.process_time() - t0:.0f} CPU s)"]
+
+    class Targets(SpanVector):
+        rows: torch.Tensor
+        target: torch.Tensor
+
+        def __call__(self, theta: torch.Tensor) -> torch.Tensor:
+            b, a = self.unpack(theta)
+            xu = red.x_unshuffled + b @ red.null_basis.T
+            xs = red.x_bar + a @ red.null_basis.T
+            order = torch.cat([torch.nonzero(~red.shuffled).flatten(), torch.nonzero(red.shuffled).flatten()])
+            inverse = torch.empty_like(order)
+            inverse[order] = torch.arange(order.numel())
+            x = patches_to_image(torch.cat([xu, xs])[inverse], grid, C, p)[None]
+            return (self.residual.layer_inputs(x)[layer][0][self.rows] - self.target).reshape(-1)
+
+    def score(theta: torch.Tensor, vec: SpanVector) -> str:
+        b, a = vec.unpack(theta)
+        sd = STD.repeat_interleave(p * p)
+        E = patchify(assemble(red, b[None], a[None], grid, C, p), p).flatten(2)[0] * sd
+        X = patchify(xin, p).flatten(2)[0] * sd
+        cost = torch.cdist(E[S], X[S]).pow(2).numpy()
+        r_, c_ = linear_sum_assignment(cost)
+        mse_s = float(cost[r_, c_].mean()) / E.shape[1]
+        return f"unshuffled {float(-10 * torch.log10((E[~S] - X[~S]).pow(2).mean())):.1f} / shuffled set " \
+               f"{-10 * math.log10(mse_s):.1f} dB"
+
+    for how in ("assigned", "oracle"):
+        vec = Targets(residual, red, grid, C, p)
+        if how == "oracle":  # true positions; among the shuffled ones (order invisible) nearest the start's
+            rows = true_pos.clone()
+            in_s = S[(rows - 1).clamp_min(0)] & (rows > 0)
+            s_pos = torch.nonzero(S).flatten() + 1
+            r_, c_ = linear_sum_assignment(torch.cdist(start_in[s_pos], out.roots[in_s]).numpy())
+            rows[torch.nonzero(in_s).flatten()[torch.as_tensor(c_)]] = s_pos[torch.as_tensor(r_)]
+        else:
+            r_, c_ = linear_sum_assignment(torch.cdist(start_in, out.roots).numpy())
+            rows = torch.full((out.roots.shape[0],), -1, dtype=torch.long)
+            rows[torch.as_tensor(c_)] = torch.as_tensor(r_)
+        vec.rows, vec.target = rows[rows >= 0], out.roots[rows >= 0]
+        theta = vec.pack(b0, a0)
+        t0 = time.process_time()
+        fit = levenberg_marquardt(vec, vec.jacobian, theta, max_jacobians=jacobians)
+        lines.append(f"fit to the roots at their {how} positions: {score(theta, vec)} -> {score(fit.theta, vec)} "
+                     f"({fit.jacobians} Jacobians, {time.process_time() - t0:.0f} CPU s)")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--images", type=Path, default=None, help="folder of images (default: scikit-image's)")
@@ -181,6 +272,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--basin-jacobians", type=int, default=6, help="Levenberg-Marquardt iterations of --basin-solver lm")
     p.add_argument("--identifiability", action="store_true",
                    help="with --basin: the span Jacobian's rank and condition number at the truth first")
+    p.add_argument("--roots", type=int, default=None,
+                   help="starts of block 0's per-token MLP roots: run the roots test instead")
+    p.add_argument("--roots-jacobians", type=int, default=8, help="LM Jacobians of the fit to the roots")
     p.add_argument("--lm-jacobians", type=int, default=None, help="mjp_adaptive's lm_jacobians (0: L-BFGS only)")
     p.add_argument("--jigsaw-prediction", action="store_true",
                    help="the oracle (c) with the gradient-prediction boundary cost (solve_jigsaw's prediction)")
@@ -210,6 +304,10 @@ def main(argv: list[str] | None = None) -> None:
             oracle, _ = oracle_c(x, x_t, plan.mask[0], 4, prediction=args.jigsaw_prediction)
             oracles.append(oracle)
             line = [f"[{label}] {name:12s} |S|={int(plan.mask.sum()):2d} oracle (c) {oracle:5.1f}"]
+            if args.roots:
+                out = roots(model, update, normalize(x_t, MEAN, STD), plan.mask, args.roots, args.roots_jacobians, i)
+                print("  ".join(line) + "\n    " + "\n    ".join(out), flush=True)
+                continue
             if args.basin:
                 eps = [float(e) for e in args.basin.split(",")]
                 out = basin(model, update, normalize(x_t, MEAN, STD), eps, args.basin_iterations, args.basin_part, i,
@@ -229,7 +327,7 @@ def main(argv: list[str] | None = None) -> None:
                 if args.residual and n == "span":
                     line.append(_residuals(model, update, plan.mask[0], x_t, res))
             print("  ".join(line), flush=True)
-        for n in names if not args.basin else []:
+        for n in names if not (args.basin or args.roots) else []:
             cols = list(zip(*table[n]))
             print(f"[{label}] median {n:6s} {statistics.median(cols[0]):5.1f} / {statistics.median(cols[1]):5.1f} / "
                   f"{statistics.median(cols[2]):5.1f} dB (oracle (c) {statistics.median(oracles):5.1f}), "

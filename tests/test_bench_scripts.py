@@ -121,3 +121,13 @@ def test_parts_of_the_benchmark_cover_every_update() -> None:
     assert n == 2 * 2 * 2 * 2  # models x groups x rounds x clients
     assert set(parts) == {"victim gradients", "Acc. forward", "attack", "metrics"}
     assert all(v > 0 for v in parts.values())
+
+
+def test_mjp_adaptive_strength_roots_mode_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """bench/mjp_adaptive_strength.py --roots (block 0's per-token MLP roots and the fit to them) on
+    its smallest arguments: one fresh depth-1 model, 8 starts, one LM Jacobian per placement."""
+    load_bench("mjp_adaptive_strength").main(["--num-images", "1", "--weights", "fresh", "--depth", "1",
+                                              "--roots", "8", "--roots-jacobians", "1"])
+    out = capsys.readouterr().out
+    assert "roots: 8 starts" in out
+    assert "fit to the roots at their assigned positions" in out and "fit to the roots at their oracle positions" in out
