@@ -279,6 +279,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--jigsaw-prediction", action="store_true",
                    help="the oracle (c) with the gradient-prediction boundary cost (solve_jigsaw's prediction)")
     args = p.parse_args(argv)
+    if args.roots is not None and not 2 <= args.roots <= 100_000:
+        p.error(f"--roots {args.roots}: give 2 to 100000 starts")
+    if args.roots_jacobians < 1:
+        p.error(f"--roots-jacobians {args.roots_jacobians}: give at least 1")
     images = load_images(args.images, args.first + args.num_images, 32)[args.first:]
     extra = {k: v for k, v in (("span_iterations", args.span_iterations), ("starts", args.starts),
                                ("lm_jacobians", args.lm_jacobians)) if v is not None}
