@@ -25,7 +25,7 @@ import torch
 from torch.func import jvp, vmap
 
 from .mjp_maths import Reduction, assemble, patches_to_image
-from .spans import SpanResidual
+from .spans import SpanResidual, complement
 
 _logger = logging.getLogger(__name__)
 
@@ -35,11 +35,7 @@ JACOBIAN_CHUNK = 64
 
 def complement_bases(residual: SpanResidual) -> list[torch.Tensor]:
     """Per span layer, an orthonormal basis Q_l [fan_in, fan_in - r] of the complement of its span."""
-    out = []
-    for span in residual.spans:
-        U, _, _ = torch.linalg.svd(span.basis, full_matrices=True)
-        out.append(U[:, span.basis.shape[1]:].contiguous())
-    return out
+    return [complement(span.basis) for span in residual.spans]
 
 
 class SpanVector:
@@ -74,9 +70,10 @@ class SpanVector:
         b, a = self.unpack(theta)
         return assemble(self.red, b, a, self.grid, self.channels, self.p)
 
-    def __call__(self, theta: torch.Tensor) -> torch.Tensor:
-        # Written without in-place writes into a preallocated buffer (unlike :func:`attacks.mjp_maths.assemble`) so that
-        # forward-mode AD under vmap sees one differentiable expression.
+    def traced_image(self, theta: torch.Tensor) -> torch.Tensor:
+        """[1, C, H, W] model input that theta assembles, as :meth:`image` but written without in-place
+        writes into a preallocated buffer (unlike :func:`attacks.mjp_maths.assemble`) so that
+        forward-mode AD under vmap sees one differentiable expression."""
         b, a = self.unpack(theta)
         red = self.red
         xu = red.x_unshuffled + b @ red.null_basis.T
@@ -85,8 +82,10 @@ class SpanVector:
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
         patches = torch.cat([xu, xs])[inverse]
-        x = patches_to_image(patches, self.grid, self.channels, self.p)[None]
-        inputs = self.residual.layer_inputs(x)
+        return patches_to_image(patches, self.grid, self.channels, self.p)[None]
+
+    def __call__(self, theta: torch.Tensor) -> torch.Tensor:
+        inputs = self.residual.layer_inputs(self.traced_image(theta))
         L = len(self.residual.spans)
         parts = []
         for span, Q in zip(self.residual.spans, self.Q):

@@ -32,6 +32,12 @@ class InputSpan:
     rows: Optional[int]
 
 
+def complement(basis: torch.Tensor) -> torch.Tensor:
+    """[n, n - r] orthonormal basis of the complement of the span of ``basis`` [n, r] (orthonormal)."""
+    U = torch.linalg.svd(basis, full_matrices=True)[0]
+    return U[:, basis.shape[1]:].contiguous()
+
+
 def input_spans(vit: nn.Module, grads: dict, num_tokens: int, noise_factor: float = 10.0) -> list[InputSpan]:
     """Known input spans of the linear layers of every block and of the classifier head.
 

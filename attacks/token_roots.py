@@ -26,6 +26,8 @@ import torch
 from torch import nn
 from torch.func import jacfwd, vmap
 
+from .spans import complement
+
 
 @dataclass
 class TokenRoots:
@@ -42,12 +44,6 @@ class TokenRoots:
     residuals: torch.Tensor
     converged: int
     starts: int
-
-
-def complement(basis: torch.Tensor) -> torch.Tensor:
-    """[n, n - r] orthonormal basis of the complement of the span of ``basis`` [n, r] (orthonormal)."""
-    U = torch.linalg.svd(basis, full_matrices=True)[0]
-    return U[:, basis.shape[1]:].contiguous()
 
 
 def _batched_lm(fun: Callable[[torch.Tensor], torch.Tensor], v: torch.Tensor, iterations: int) -> tuple[torch.Tensor, torch.Tensor]:

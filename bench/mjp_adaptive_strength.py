@@ -114,19 +114,26 @@ def _residuals(model: torch.nn.Module, update: dict, mask: torch.Tensor, x_t: to
     return f"residual truth {truth:.1e} estimate {est:.1e} ({len(spans)} layers)"
 
 
+def span_problem(model: torch.nn.Module, update: dict, xin: torch.Tensor) -> tuple:
+    """What the attacker reads off ``update`` for the span fit: (shuffled mask S, the first layer's
+    :class:`attacks.mjp_maths.Reduction`, the deeper layers' :class:`SpanResidual`, grid, channels,
+    patch size) for inputs shaped like ``xin`` [1, C, H, W]."""
+    S, grads, _ = attacks.create_attack("mjp_adaptive").read_update(model, dict(update))
+    red = mjp_reduction(model, gradient_of_Z(model, grads, check_conditions(model)),
+                        grads["blocks.0.attn.qkv.weight"], S)
+    grid = tuple(int(g) for g in model.patch_embed.grid_size)
+    residual = SpanResidual(model, input_spans(model, grads, S.numel() + 1), S)
+    return S, red, residual, grid, xin.shape[1], int(model.patch_embed.patch_size[0])
+
+
 def basin(model: torch.nn.Module, update: dict, xin: torch.Tensor, eps_list: list[float], iterations: int,
           part: str, seed: int, solver: str = "lm", jacobians: int = 6, ident: bool = False) -> list[str]:
     """The span fit started at the truth (b, a) + eps x spread noise: residual, RMS distance to the
     client's normalised x~ ``xin`` [1, C, H, W] and PSNR of x~, before -> after ``iterations`` L-BFGS
     iterations (``solver="lbfgs"``) or ``jacobians`` Levenberg-Marquardt iterations (``"lm"``); with
     ``ident`` first the rank and condition number of the span Jacobian at the truth."""
-    S, grads, _ = attacks.create_attack("mjp_adaptive").read_update(model, dict(update))
-    red = mjp_reduction(model, gradient_of_Z(model, grads, check_conditions(model)),
-                        grads["blocks.0.attn.qkv.weight"], S)
-    C, p = xin.shape[1], int(model.patch_embed.patch_size[0])
-    grid = tuple(int(g) for g in model.patch_embed.grid_size)
+    S, red, residual, grid, C, p = span_problem(model, update, xin)
     b_t, a_t = truth_coordinates(red, xin, p)  # the truth's reduced parameters
-    residual = SpanResidual(model, input_spans(model, grads, S.numel() + 1), S)
     vec = SpanVector(residual, red, grid, C, p)
 
     def objective(vb: torch.Tensor, va: torch.Tensor) -> torch.Tensor:
@@ -170,17 +177,11 @@ def roots(model: torch.nn.Module, update: dict, xin: torch.Tensor, mask: torch.T
     """``--roots``: block 0's MLP tokens as per-token roots, then the fit to them (module doc)."""
     from scipy.optimize import linear_sum_assignment
 
-    from attacks.mjp_maths import patches_to_image
     from attacks.span_lm import levenberg_marquardt
     from attacks.token_roots import mlp_token_roots
     from patchgrid import patchify
 
-    S, grads, _ = attacks.create_attack("mjp_adaptive").read_update(model, dict(update))
-    red = mjp_reduction(model, gradient_of_Z(model, grads, check_conditions(model)),
-                        grads["blocks.0.attn.qkv.weight"], S)
-    C, p = xin.shape[1], int(model.patch_embed.patch_size[0])
-    grid = tuple(int(g) for g in model.patch_embed.grid_size)
-    residual = SpanResidual(model, input_spans(model, grads, S.numel() + 1), S)
+    S, red, residual, grid, C, p = span_problem(model, update, xin)
     layer, blk = "blocks.0.mlp.fc1", residual.work.blocks[0]
     basis = {sp.name: sp.basis for sp in residual.spans}
     est = attacks.create_attack("mjp_adaptive", refine="prior").reconstruct(model, update, dict(mean=MEAN, std=STD))
@@ -207,13 +208,7 @@ def roots(model: torch.nn.Module, update: dict, xin: torch.Tensor, mask: torch.T
         target: torch.Tensor
 
         def __call__(self, theta: torch.Tensor) -> torch.Tensor:
-            b, a = self.unpack(theta)
-            xu = red.x_unshuffled + b @ red.null_basis.T
-            xs = red.x_bar + a @ red.null_basis.T
-            order = torch.cat([torch.nonzero(~red.shuffled).flatten(), torch.nonzero(red.shuffled).flatten()])
-            inverse = torch.empty_like(order)
-            inverse[order] = torch.arange(order.numel())
-            x = patches_to_image(torch.cat([xu, xs])[inverse], grid, C, p)[None]
+            x = self.traced_image(theta)
             return (self.residual.layer_inputs(x)[layer][0][self.rows] - self.target).reshape(-1)
 
     def score(theta: torch.Tensor, vec: SpanVector) -> str:
