@@ -227,6 +227,13 @@ class BatchMatch(Attack):
         self.iterations, self.restarts, self.tv = o.iterations, o.restarts, o.tv
         self.init_scale, self.seed, self.device = o.init_scale, o.seed, resolve_device(o.device)
         self.unroll, self.mjp_mask, self.unshuffle = o.unroll, o.mjp_mask, o.unshuffle
+        # its fitted batch goes into the update's estimate store (ig_closed_start starts from it at B > 1)
+        self.shares_estimates = True
+
+    def _estimate_options(self) -> dict[str, Any]:
+        """The options the fitted batch depends on (not ``unshuffle``: the jigsaw comes after it)."""
+        return dict(iterations=self.iterations, restarts=self.restarts, tv=self.tv, init_scale=self.init_scale,
+                    seed=self.seed, device=str(self.device), unroll=self.unroll, mjp_mask=self.mjp_mask)
 
     def _read_mask(self, model: nn.Module, grads: Mapping[str, torch.Tensor], n: int, notes: list[str]
                    ) -> tuple[Optional[torch.Tensor], Mapping[str, torch.Tensor], bool, dict]:
@@ -261,8 +268,11 @@ class BatchMatch(Attack):
                          "and keep their position embedding; no jigsaw solved")
         return S, grads, shared, stats
 
-    def _reconstruct(self, model: nn.Module, update: Update, meta: AttackMetadata) -> AttackResult:
-        t0 = time.perf_counter()
+    def _fit(self, model: nn.Module, update: Update, meta: AttackMetadata
+             ) -> tuple[torch.Tensor, dict, list[str], torch.Tensor, Optional[torch.Tensor], bool]:
+        """(the fitted batch [n, C, H, W] in model-input units on the CPU, stats, notes, labels used,
+        the E_unk mask or None, whether it is a whole-batch shuffle)."""
+        t0 = time.process_time()
         n = meta.num_images
         grads, notes = update_to_gradients(update, meta)
         work = attack_copy(model, torch.float64, self.device)
@@ -319,15 +329,30 @@ class BatchMatch(Attack):
                 best_x, best_val = x.detach().clone(), val
         if best_x is None:
             raise AttackFailure("every restart ended with a non-finite objective")
+        stats = dict(objective=best_val, restarts=runs, matched_parameters=len(names),
+                     labels_used=[int(v) for v in y.cpu()], estimate_cpu_s=time.process_time() - t0,
+                     **label_stats, **mjp_stats)
+        return best_x.cpu(), stats, notes, y.cpu(), mask, shared
+
+    def _reconstruct(self, model: nn.Module, update: Update, meta: AttackMetadata) -> AttackResult:
+        t0 = time.perf_counter()
+        n = meta.num_images
+        store, key = meta.estimates, self._estimate_options()
+        cached = store.get(self.name, key) if store is not None else None  # a copy
+        if cached is not None:
+            best_x, fit_stats, notes, y, mask, shared = cached
+            notes.append("fitted batch reused: computed before for the same model, update and options")
+        else:
+            best_x, fit_stats, notes, y, mask, shared = self._fit(model, update, meta)
+            if store is not None:
+                store.put(self.name, key, (best_x, fit_stats, notes, y, mask, shared))  # kept as a copy
         images = meta.denormalize(best_x)
         unshuffled, jigsaw = None, [{} for _ in range(n)]
         if mask is not None and shared and self.unshuffle:
-            p = int(unwrap_vit(work).patch_embed.patch_size[0])
+            p = int(unwrap_vit(model).patch_embed.patch_size[0])
             solved = [unshuffle_image(images[i:i + 1].cpu(), mask, p) for i in range(n)]
             unshuffled = torch.cat([u for u, _ in solved]).float()
             jigsaw = [dict(jigsaw_cost=info["cost_final"], jigsaw_swaps=info["swaps"]) for _, info in solved]
         elapsed = time.perf_counter() - t0
-        stats = dict(objective=best_val, restarts=runs, time_s=elapsed / n, attack=self.name,
-                     matched_parameters=len(names), notes=notes, labels_used=[int(v) for v in y.cpu()],
-                     **label_stats, **mjp_stats)
-        return AttackResult(images, [dict(stats, **jigsaw[i]) for i in range(n)], labels=y.cpu(), unshuffled=unshuffled)
+        stats = dict(fit_stats, time_s=elapsed / n, attack=self.name, notes=notes)
+        return AttackResult(images, [dict(stats, **jigsaw[i]) for i in range(n)], labels=y, unshuffled=unshuffled)

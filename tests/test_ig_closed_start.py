@@ -120,8 +120,53 @@ def test_mjp_start_takes_mjp_adaptive_s_estimate_from_the_update_s_store(monkeyp
     alone = ig.reconstruct(model, update, meta(2))
     assert not res.failed and res.stats[0]["trials"][0]["start"].startswith("mjp_adaptive")
     assert torch.equal(res.images, alone.images)
-    assert not attacks.create_attack("ig_closed_start", mjp_mask=False).shares_estimates
+    # the default starts include batch_match's fitted batch at B > 1, which is shared too
+    assert attacks.create_attack("ig_closed_start", mjp_mask=False).shares_estimates
+    assert not attacks.create_attack("ig_closed_start", mjp_mask=False, start_attacks=["mjp_adaptive"]).shares_estimates
     assert not attacks.create_attack("ig_closed_start", start_attacks=["april_robust"]).shares_estimates
+
+
+def test_batch_update_starts_from_batch_match_s_fitted_batch_in_the_update_s_store() -> None:
+    """At B = 2 no closed form applies: the first restart starts from batch_match's fitted batch,
+    which a batch_match with the same options already put in the update's store (a benchmark round:
+    fitted once) or which the start fits itself; the same images either way."""
+    import dataclasses
+
+    from attacks.estimates import EstimateStore
+    from attacks.ig_closed_start import BATCH_START
+
+    model = model_of("plain")
+    x = bundled_images(2, 32, start=0)
+    labels = torch.tensor([0, 1])
+    update = attacks.compute_update(model, normalize(x), labels)
+    md = {**MD, "num_images": 2, "image_size": (3, 32, 32), "labels": labels}
+    store = EstimateStore()
+    shared = dataclasses.replace(attacks.AttackMetadata.parse(md, model), estimates=store)
+    fast = {**BATCH_START, "iterations": 5}
+    row = attacks.create_attack("batch_match", **fast)
+    assert row.shares_estimates
+    fitted = row.reconstruct(model, update, shared)
+    assert not fitted.failed and (store.computed, store.reused) == (1, 0)
+    ig = attacks.create_attack("ig_closed_start", iterations=2, restarts=1, start_options={"batch_match": fast})
+    assert ig.shares_estimates
+    res = ig.reconstruct(model, update, shared)
+    assert (store.computed, store.reused) == (1, 1)
+    assert not res.failed and res.stats[0]["trials"][0]["start"].startswith("batch_match")
+    alone = ig.reconstruct(model, update, md)
+    assert torch.equal(res.images, alone.images)
+    # the row reads its fit back too: the same images, the reuse in its notes
+    again = attacks.create_attack("batch_match", **fast).reconstruct(model, update, shared)
+    assert torch.equal(again.images, fitted.images)
+    assert any("fitted batch reused" in note for note in again.stats[0]["notes"])
+
+
+def test_start_options_are_checked_when_the_attack_is_built() -> None:
+    with pytest.raises(ValueError, match=r"start_options\['batch_match'\].*options.tv"):
+        attacks.create_attack("ig_closed_start", start_options={"batch_match": {"tv": "x"}})
+    with pytest.raises(ValueError, match="not in start_attacks"):
+        attacks.create_attack("ig_closed_start", start_attacks=["pe_closed_form"], start_options={"batch_match": {}})
+    with pytest.raises(ValueError, match="unknown attack 'nope'"):
+        attacks.create_attack("ig_closed_start", start_options={"nope": {}})
 
 
 def test_unknown_start_falls_back_to_a_random_draw() -> None:
