@@ -99,7 +99,6 @@ class InvertingGradientsClosedStart(GradientMatching):
         self.start_attacks = None if o.start_attacks is None else tuple(o.start_attacks)
         self.start_options = self._checked_start_options(o.start_options)
         self.mjp_mask, self.exact_cos = o.mjp_mask, o.exact_cos
-        # its start reads mjp_adaptive's x~ from the update's estimate store (shuffled updates only)
         # it reads mjp_adaptive's x~ (shuffled updates) or batch_match's fitted batch (B > 1) where
         # one is a start: its calls then run beside theirs
         self.shares_estimates = (self.start_attacks is None or "batch_match" in self.start_attacks
@@ -164,7 +163,7 @@ class InvertingGradientsClosedStart(GradientMatching):
     @staticmethod
     def _closed_form_start(model: nn.Module, update: Update, meta: AttackMetadata, order: Sequence[str],
                            note: list[str], device: torch.device,
-                           start_options: Optional[dict[str, dict[str, Any]]] = None) -> list[tuple[str, torch.Tensor]]:
+                           start_options: dict[str, dict[str, Any]]) -> list[tuple[str, torch.Tensor]]:
         """(name, normalised [n, C, H, W]) of every attack in ``order`` that succeeds; the first
         restart starts from the one whose gradient matches the update best (:meth:`_pick_starts`).
         A start attack with a ``device`` option runs on this attack's device."""
@@ -176,7 +175,7 @@ class InvertingGradientsClosedStart(GradientMatching):
             if name not in known:
                 note.append(f"start: {name} is not a registered attack")
                 continue
-            options: dict[str, Any] = dict((start_options or {}).get(name, {}))
+            options: dict[str, Any] = dict(start_options.get(name, {}))
             if name in ("mjp_adaptive", "batch_match"):
                 options["unshuffle"] = False  # the client's x~: this attack's forward puts E_unk at S
             if "device" in option_schema(attack_class(name)).model_fields:
