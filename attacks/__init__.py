@@ -22,11 +22,12 @@ from .jigsaw_solver import solve_jigsaw
 from .pe_closed_form import PEClosedForm, PESystem, pe_closed_form_system, pe_conditions
 from .april_robust import AprilRobust
 from .batch_match import BatchMatch
+from .block0_roots import Block0Roots
 from .labels import LabelCounts, recover_label_counts, recover_labels
 
 __all__ = [
     "BREACHING_ATTACKS", "AprilAnalytic", "AprilConditionError", "AprilOptimization", "Attack", "AttackFailure",
-    "AttackMetadata", "AttackOptions", "AttackResult", "BatchMatch", "BreachingAttack", "EstimateStore", "LabelCounts", "GradientMatching", "InvertingGradientsBatched", "InvertingGradientsClosedStart", "MJPAdaptive",
+    "AttackMetadata", "AttackOptions", "AttackResult", "BatchMatch", "Block0Roots", "BreachingAttack", "EstimateStore", "LabelCounts", "GradientMatching", "InvertingGradientsBatched", "InvertingGradientsClosedStart", "MJPAdaptive",
     "attack_names", "check_conditions", "compute_per_sample_updates", "compute_update", "create_attack", "detect_shuffled",
     "load_attack_config", "mjp_reduction", "recover_label_counts", "recover_labels", "register_attack", "solve_jigsaw", "update_to_gradients",
 ]

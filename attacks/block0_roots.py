@@ -1,0 +1,367 @@
+"""``block0_roots``: a batch read off block 0 exactly, through its MLP's per-token roots.
+
+On a ViT whose block 0 is the standard pre-norm block (``norm1`` and a residual around attention,
+the model as trained; not APRIL's design A), a FedSGD update of B images with B T <= D tokens
+(T per image, D the width: B <= 2 on the CIFAR geometry, T = 65, D = 192) determines the batch.
+No closed form of the first layer sees it (docs/design.md, "What survives batching"); block 0's MLP
+and attention projection do:
+
+1. **Roots.** Every token's fc1 input u = norm2(h) lies in fc1's input span and GELU(W1 u + b1) in
+   fc2's (both read off their weight gradients, rank B T): each of the B T tokens is a root of a small
+   problem of its own (:mod:`attacks.token_roots`). Random starts alone find the few tokens with
+   large basins again and again. The search adds a second set of equations that only the tokens
+   not yet found satisfy: their output gradients span what dL/dW_fc2 puts on the part of fc2's span
+   the found tokens leave empty, and their fc1 output gradients likewise for fc1 (:func:`find_roots`),
+   so every converged start is a new token. Rounds stop when B T distinct roots are found.
+2. **Per-token backward quantities, linear.** With every token's activation a_t known,
+   dL/dW_fc2 = sum_t g_t a_t^T gives each token's output gradient g_t (B T <= 4D), and with it the
+   gradient reaching norm2's input up to the LayerNorm's scale 1/sigma_t, which dL/db_proj =
+   sum_t dL/dh_t fixes (B T <= D unknowns); then dL/dW_proj = sum_t (dL/dh_t) c_t^T gives every
+   token's attention output c_t (B T <= D).
+3. **Tokens, positions and patches.** h_t = sigma_t n_t + mu_t (n_t = (u_t - beta) / gamma) and
+   h_t = z_t + W_proj c_t + b_proj, so z_t = W_e x_t + b_e + P_p is known up to mu_t: for each
+   position p, least squares in (mu_t, x_t) (1 + 3 p^2 unknowns, D equations) leaves a residual at
+   the rounding floor at the token's own position only (the class token: z = cls + P_0).
+4. **Which image.** A token's attention output is its image's values averaged by its softmax
+   weights: sum_s m_s exp(q_t . k_s) (v_s - c_t) = 0 per head, linear in the indicators m_s of the
+   tokens that share its image (D equations, B T - 1 unknowns). Solved for each class token, it says
+   which token of every position belongs to which image (an optimal assignment per position).
+
+Every step after the roots is linear algebra in float64: measured on the shipped CIFAR DeiT
+(standard block 0) at B = 2 the attention outputs come back to 4e-14 (relative), every token's
+position is right with a best residual of 6e-14 against a runner-up of 0.04, and the images to the
+rounding floor. Labels are not needed (the labels row is the update's own, as ``batch_match``
+reads it). Refused, with the reason: design-A block 0, B T > D, an MJP forward with E_unk, a
+FedAvg delta of several local steps.
+"""
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping, cast
+
+import torch
+import torch.nn as nn
+from scipy.optimize import linear_sum_assignment
+
+from fedmjp.config import Int, option
+
+from .base import Attack, AttackFailure, AttackMetadata, AttackOptions, AttackResult, Update, update_to_gradients
+from .batch_match import batch_labels
+from .first_layer import is_design_a, unwrap_vit
+from .registry import register_attack
+from .spans import complement, input_spans
+from .token_roots import _batched_lm
+
+#: a token is placed where its position residual (relative) is below this; measured 6e-14 at the
+#: true position against >= 0.04 at every other one (shipped CIFAR DeiT, B = 1 and 2)
+POSITION_TOL = 1e-6
+
+
+@dataclass
+class RootSearch:
+    """Outcome of :func:`find_roots`: the distinct roots [k, D] (fc1 inputs), the starts run and the
+    roots each round added."""
+
+    roots: torch.Tensor
+    starts: int
+    per_round: list[int]
+
+
+def _dedupe(found: torch.Tensor, new: torch.Tensor, distinct_cos: float = 0.99999) -> torch.Tensor:
+    unit = lambda t: t / t.norm(dim=-1, keepdim=True)  # noqa: E731
+    keep = found
+    for i in range(new.shape[0]):
+        if keep.shape[0] == 0 or float((unit(keep) @ unit(new[i])).max()) < distinct_cos:
+            keep = torch.cat([keep, new[i:i + 1]])
+    return keep
+
+
+def _missing_part(basis: torch.Tensor, found: torch.Tensor) -> torch.Tensor:
+    """Orthonormal basis of the part of span(``basis``) that the rows of ``found`` leave empty."""
+    if found.shape[0] == 0:
+        return basis
+    return basis @ complement(torch.linalg.qr((found @ basis).T)[0])
+
+
+def find_roots(block: nn.Module, fc1_basis: torch.Tensor, fc2_basis: torch.Tensor, fc1_grad: torch.Tensor,
+               fc2_grad: torch.Tensor, count: int, starts: int, rounds: int, iterations: int,
+               generator: torch.Generator, tol: float = 1e-16, found: torch.Tensor | None = None) -> RootSearch:
+    """Up to ``count`` distinct roots of block 0's per-token MLP problem (module doc, step 1).
+
+    Each round knows the roots found so far (none at first). The m missing tokens' activations fill
+    the part E2 of fc2's span the found ones leave empty, so dL/dW_fc2 E2 = G_M (A_M E2) spans
+    their output gradients g_j (Gamma, m columns), and likewise dL/dW_fc1 E1 spans their fc1 output
+    gradients (W2^T g_j) * GELU'(W1 u_j + b1) (Gamma1). A missing token is therefore a root of
+
+        r(u) (:mod:`attacks.token_roots`)  and  P_{Gamma1 perp} ((W2^T Gamma c) * GELU'(W1 u + b1)) / ||.||
+
+    in (u, c), c in R^m; a token already found is not (its g is not in Gamma, and 4D - m equations
+    hold against m unknowns): the second block deflates exactly, where one deflation factor per root
+    found (Farrell et al.) stopped the starts converging at all. ``starts`` random (v, c) per round,
+    ``iterations`` Levenberg-Marquardt steps each, until ``count`` roots are found (``found``: roots
+    known before the first round)."""
+    mlp = cast(nn.Module, block.mlp)
+    norm, fc1, act = cast(nn.Module, block.norm2), cast(nn.Module, mlp.fc1), cast(nn.Module, mlp.act)
+    W2 = cast(nn.Module, mlp.fc2).weight.to(torch.float64)
+    D = fc1_basis.shape[0]
+    Q1, Q2 = complement(fc1_basis), complement(fc2_basis)
+    found = torch.zeros(0, D, dtype=torch.float64) if found is None else found.to(torch.float64)
+    per_round: list[int] = []
+    run = 0
+    for _ in range(rounds):
+        m = count - found.shape[0]
+        with torch.no_grad():
+            gam = torch.linalg.svd(fc2_grad @ _missing_part(fc2_basis, act(fc1(found))), full_matrices=False)[0][:, :m]
+            gam1 = torch.linalg.svd(fc1_grad @ _missing_part(fc1_basis, found), full_matrices=False)[0][:, :m]
+            lift, off = W2.T @ gam, complement(gam1)
+
+        def residual(vc: torch.Tensor, lift: torch.Tensor = lift, off: torch.Tensor = off) -> torch.Tensor:
+            v, c = vc[:D], vc[D:]
+            u = norm(v)
+            pre = fc1(u)
+            a = act(pre)
+            slope = torch.func.jvp(act, (pre,), (torch.ones_like(pre),))[1]  # the activation's derivative
+            g1 = (lift @ c) * slope
+            return torch.cat([(u @ Q1) / u.norm(), (a @ Q2) / a.norm(), (g1 @ off) / g1.norm()])
+
+        start = torch.cat([torch.randn(starts, D, generator=generator, dtype=torch.float64),
+                           torch.randn(starts, m, generator=generator, dtype=torch.float64)], 1)
+        with torch.no_grad():
+            w, _ = _batched_lm(residual, start, iterations)
+            u = norm(w[:, :D])
+            a = act(fc1(u))
+            raw = (u @ Q1).pow(2).sum(1) / u.pow(2).sum(1) + (a @ Q2).pow(2).sum(1) / a.pow(2).sum(1)
+        run += starts
+        before = found.shape[0]
+        good = (raw < tol).nonzero().flatten()
+        found = _dedupe(found, u[good[torch.argsort(raw[good])]])
+        per_round.append(found.shape[0] - before)
+        if found.shape[0] >= count:
+            break
+    return RootSearch(found, run, per_round)
+
+
+@dataclass
+class BatchFromRoots:
+    """Outcome of :func:`batch_from_roots`.
+
+    Attributes:
+        images: [B, C, H, W] model inputs.
+        position: [B T] each root's position (0: the class token).
+        image: [B T] each root's image.
+        position_residual: [B T] relative residual of each root at its position.
+        runner_up: [B T] its smallest residual at any other position.
+        membership_margin: the smallest |m - 0.5| of the indicators the assignment used.
+    """
+
+    images: torch.Tensor
+    position: torch.Tensor
+    image: torch.Tensor
+    position_residual: torch.Tensor
+    runner_up: torch.Tensor
+    membership_margin: float
+
+
+def _lstsq(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    """Least squares by SVD (gelsd: rank-revealing, the same answer on every LAPACK build)."""
+    return torch.linalg.lstsq(A, B, driver="gelsd").solution
+
+
+def batch_from_roots(vit: nn.Module, grads: Mapping[str, torch.Tensor], roots: torch.Tensor, batch: int
+                     ) -> BatchFromRoots:
+    """The batch, from all B T roots (fc1 inputs) of block 0's MLP and the update (module doc, steps 2-4).
+
+    Raises:
+        AttackFailure: a token fits no position, a position gets a wrong number of tokens, or the
+            class tokens are not B.
+    """
+    blk = cast(nn.Module, vit.blocks[0])
+    attn, mlp = cast(nn.Module, blk.attn), cast(nn.Module, blk.mlp)
+    name = {id(p): n for n, p in vit.named_parameters()}
+    g = lambda p: grads[name[id(p)]].to(torch.float64)  # noqa: E731
+    U = roots.to(torch.float64)
+    n, D = U.shape
+    W1, b1, W2 = mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight
+    gamma, beta = blk.norm2.weight, blk.norm2.bias
+    with torch.no_grad():
+        pre = U @ W1.T + b1
+    pre_r = pre.clone().requires_grad_(True)
+    with torch.enable_grad():
+        A = mlp.act(pre_r)
+        dact = torch.autograd.grad(A.sum(), pre_r)[0]
+    with torch.no_grad():
+        A = A.detach()
+        G2 = _lstsq(A.T, g(mlp.fc2.weight).T)  # [n, D]: each token's block-0 output gradient
+        gu = ((G2 @ W2) * dact) @ W1  # dL/du per token
+        nh = (U - beta) / gamma  # (h - mu) / sigma
+        gn = gu * gamma
+        w = gn - gn.mean(1, keepdim=True) - nh * (gn * nh).mean(1, keepdim=True)  # sigma * dL/dh via norm2
+        s = _lstsq(w.T, (g(attn.proj.bias) - G2.sum(0))[:, None])[:, 0]  # 1 / sigma per token
+        Dh = G2 + s[:, None] * w  # dL/dh per token
+        C = _lstsq(Dh.T, g(attn.proj.weight))  # [n, D] attention outputs (proj inputs)
+        base = nh / s[:, None] - (C @ attn.proj.weight.T + attn.proj.bias)  # z - mu * 1
+        # step 3: every token against every position, unknowns (mu, x)
+        We = vit.patch_embed.proj.weight.reshape(D, -1).to(torch.float64)
+        be = vit.patch_embed.proj.bias
+        P = vit.pos_embed[0].to(torch.float64)
+        cls = vit.cls_token[0, 0].to(torch.float64)
+        T = P.shape[0]
+        M = torch.cat([torch.ones(D, 1, dtype=torch.float64), -We], 1)
+        Qm = torch.linalg.qr(M)[0]
+        one = torch.ones(D, dtype=torch.float64) / D ** 0.5
+        scale = base.norm(dim=1)
+        res = torch.empty(n, T, dtype=torch.float64)
+        r0 = base - (cls + P[0])
+        res[:, 0] = (r0 - (r0 @ one)[:, None] * one).norm(dim=1) / scale
+        for p in range(1, T):
+            r = base - (P[p] + be)
+            res[:, p] = (r - (r @ Qm) @ Qm.T).norm(dim=1) / scale
+        best, pos = res.min(1)
+        runner_up = res.scatter(1, pos[:, None], float("inf")).min(1).values
+        bad = (best > POSITION_TOL).nonzero().flatten()
+        if bad.numel():
+            raise AttackFailure(f"{bad.numel()} of the {n} roots fit no position (best relative residual "
+                                f"{float(best.max()):.1e} > {POSITION_TOL:g}): not the client's tokens")
+        counts = torch.bincount(pos, minlength=T)
+        if int(counts.min()) != batch or int(counts.max()) != batch:
+            p_bad = int(((counts != batch).nonzero())[0])
+            raise AttackFailure(f"position {p_bad} holds {int(counts[p_bad])} roots where a batch of {batch} has "
+                                f"{batch}: roots missing or duplicated")
+        Z = torch.empty(n, D, dtype=torch.float64)
+        X = torch.zeros(n, We.shape[1], dtype=torch.float64)
+        for i in range(n):
+            p = int(pos[i])
+            if p == 0:
+                Z[i] = cls + P[0]
+            else:
+                sol = _lstsq(M, (P[p] + be - base[i])[:, None])[:, 0]
+                X[i], Z[i] = sol[1:], base[i] + sol[0]
+        # step 4: which tokens share each class token's image
+        heads = int(attn.num_heads)
+        hd = D // heads
+        qkv = attn.qkv(blk.norm1(Z)).reshape(n, 3, heads, hd)
+        q, k, v = attn.q_norm(qkv[:, 0]), attn.k_norm(qkv[:, 1]), qkv[:, 2]
+        cls_rows = (pos == 0).nonzero().flatten()
+        m = torch.zeros(batch, n, dtype=torch.float64)
+        for j, t in enumerate(cls_rows.tolist()):
+            logits = torch.einsum("hd,shd->hs", q[t], k) * float(attn.scale)
+            wgt = torch.exp(logits - logits.max(1, keepdim=True).values)
+            E = (wgt[:, :, None] * (v.transpose(0, 1) - C[t].reshape(heads, hd)[:, None, :]))
+            E = E.permute(0, 2, 1).reshape(heads * hd, n)
+            others = (pos != 0).nonzero().flatten()  # the class tokens' own columns are all equal
+            m[j, others] = _lstsq(E[:, others], -E[:, t:t + 1])[:, 0]
+            m[j, t] = 1.0
+        image = torch.empty(n, dtype=torch.long)
+        image[cls_rows] = torch.arange(batch)
+        margin = 0.5
+        for p in range(1, T):
+            idx = (pos == p).nonzero().flatten()
+            score = m[:, idx]  # [image, token]
+            rows, cols = linear_sum_assignment(-score.numpy())
+            image[idx[cols]] = torch.as_tensor(rows, dtype=torch.long)
+            margin = min(margin, float((score[rows, cols] - 0.5).abs().min()))
+        # assemble
+        C_in = vit.patch_embed.proj.weight.shape[1]
+        ps = int(vit.patch_embed.patch_size[0])
+        gh, gw = (int(s_) for s_ in vit.patch_embed.grid_size)
+        images = torch.zeros(batch, C_in, gh * ps, gw * ps, dtype=torch.float64)
+        for i in range(n):
+            p = int(pos[i])
+            if p:
+                r_, c_ = divmod(p - 1, gw)
+                images[image[i], :, r_ * ps:(r_ + 1) * ps, c_ * ps:(c_ + 1) * ps] = X[i].reshape(C_in, ps, ps)
+    return BatchFromRoots(images, pos, image, best, runner_up, margin)
+
+
+def check_model(vit: nn.Module, grads: Mapping[str, torch.Tensor], batch: int) -> None:
+    """Raise AttackFailure naming the first condition the model or update does not meet."""
+    blocks = getattr(vit, "blocks", None)
+    if blocks is None or len(blocks) == 0 or not hasattr(getattr(blocks[0], "attn", None), "proj"):
+        raise AttackFailure("block0_roots needs a timm-style ViT (blocks[0].attn.proj, blocks[0].mlp)")
+    blk = blocks[0]
+    if is_design_a(blk) or not isinstance(getattr(blk, "norm1", None), nn.LayerNorm):
+        raise AttackFailure("block0_roots needs a standard pre-norm block 0 (norm1 and the residual around "
+                            "attention, the model as trained); block 0 is APRIL's design A, whose closed forms "
+                            "(april_analytic, pe_closed_form) apply at B = 1")
+    if not isinstance(getattr(blk, "norm2", None), nn.LayerNorm) or blk.norm2.weight is None:
+        raise AttackFailure("block0_roots needs block 0's norm2 to be a LayerNorm with its affine weights")
+    if int(getattr(vit, "num_prefix_tokens", 0)) != 1 or getattr(vit, "cls_token", None) is None \
+            or getattr(vit, "pos_embed", None) is None:
+        raise AttackFailure("block0_roots needs one class token and a learned position embedding "
+                            "(the class tokens say which image each token belongs to)")
+    if getattr(vit, "unk_embed", None) is not None and float(grads.get("unk_embed", torch.zeros(1)).abs().max()) > 0:
+        raise AttackFailure("block0_roots does not model MJP's E_unk tokens (the update's E_unk gradient is "
+                            "non-zero: the client shuffled); mjp_adaptive and batch_match do")
+    D = int(vit.embed_dim)
+    T = int(vit.pos_embed.shape[1])
+    if batch * T > D:
+        raise AttackFailure(f"block0_roots needs B T <= D: {batch} images x {T} tokens = {batch * T} > width {D} "
+                            f"(the attention projection's update then no longer separates the tokens; "
+                            f"B <= {D // T} on this model)")
+    if blk.attn.qkv.bias is None or blk.mlp.fc1.bias is None or blk.attn.proj.bias is None:
+        raise AttackFailure("block0_roots needs biases on block 0's qkv, proj and fc1 (dL/db_proj fixes the "
+                            "LayerNorm scales)")
+
+
+@register_attack("block0_roots")
+class Block0Roots(Attack):
+    """The batch read off block 0 of a standard pre-norm ViT (module doc).
+
+    Args:
+        starts: root-finding starts per round.
+        rounds: rounds at most (stops when every token's root is found).
+        iterations: Levenberg-Marquardt iterations per start.
+        seed: seed of the starts.
+    """
+
+    name = "block0_roots"
+
+    class Options(AttackOptions):
+        starts: Int = option(16, ge=1, le=4096)
+        rounds: Int = option(40, ge=1, le=1000)
+        iterations: Int = option(60, ge=1, le=10_000)
+        seed: Int = 0
+
+    def __init__(self, **options: Any) -> None:
+        o = self._parse_options(options)
+        self.starts, self.rounds = o.starts, o.rounds
+        self.iterations, self.seed = o.iterations, o.seed
+
+    def _reconstruct(self, model: nn.Module, update: Update, meta: AttackMetadata) -> AttackResult:
+        t0, c0 = time.perf_counter(), time.process_time()
+        B = meta.num_images
+        if meta.update_type == "delta" and meta.local_steps > 1:
+            raise AttackFailure(f"block0_roots reads one gradient; a FedAvg delta of {meta.local_steps} local "
+                                "steps is not one (batch_match's unroll simulates them)")
+        grads, notes = update_to_gradients(update, meta)
+        vit = unwrap_vit(model)
+        check_model(vit, grads, B)
+        work = cast(nn.Module, copy.deepcopy(vit)).to("cpu", torch.float64).eval().requires_grad_(False)
+        T = int(work.pos_embed.shape[1])
+        spans = {sp.name: sp.basis for sp in input_spans(work, grads, B * T)}
+        fc1, fc2 = "blocks.0.mlp.fc1", "blocks.0.mlp.fc2"
+        if fc1 not in spans or fc2 not in spans or spans[fc1].shape[1] != B * T or spans[fc2].shape[1] != B * T:
+            got = {k: spans[k].shape[1] if k in spans else 0 for k in (fc1, fc2)}
+            raise AttackFailure(f"block 0's fc1/fc2 updates do not have rank B T = {B * T} (got {got}): "
+                                "tokens coincide or the update is not one plain gradient")
+        gen = torch.Generator().manual_seed(self.seed)
+        search = find_roots(work.blocks[0], spans[fc1], spans[fc2], grads[fc1 + ".weight"].to(torch.float64),
+                            grads[fc2 + ".weight"].to(torch.float64), B * T, self.starts, self.rounds,
+                            self.iterations, gen)
+        if search.roots.shape[0] != B * T:
+            raise AttackFailure(f"found {search.roots.shape[0]} of the {B * T} roots of block 0's MLP after "
+                                f"{len(search.per_round)} rounds of {self.starts} starts (new per round: "
+                                f"{search.per_round}); the batch is read off "
+                                "all of them (raise rounds or starts)")
+        out = batch_from_roots(work, grads, search.roots, B)
+        y, label_stats = batch_labels(model, grads, meta, self.seed)
+        notes.append(f"block 0's {B * T} MLP roots found in {search.starts} starts; positions, images and "
+                     "patches solved linearly")
+        stats = dict(roots_per_round=search.per_round, root_starts=search.starts,
+                     position_residual_max=float(out.position_residual.max()),
+                     position_runner_up_min=float(out.runner_up.min()), membership_margin=out.membership_margin,
+                     estimate_cpu_s=time.process_time() - c0, time_s=(time.perf_counter() - t0) / B,
+                     attack=self.name, notes=notes, **label_stats)
+        return AttackResult(meta.denormalize(out.images), [dict(stats) for _ in range(B)], labels=y)

@@ -1,0 +1,118 @@
+"""``block0_roots`` against ``batch_match`` on the same batch updates, side by side.
+
+    FEDMJP_DATA=... OMP_NUM_THREADS=1 python bench/block0_roots.py --batch-sizes 2 --updates 4
+
+Random batches of the first ``--pool`` CIFAR-10 validation images, the shipped CIFAR DeiT with its
+block 0 as trained (the standard pre-norm block: ``block0_roots`` needs it), float64 FedSGD
+updates, labels known. Per update: the roots found (of B T) and the starts they took, the mean
+PSNR after pairing of ``block0_roots``, of ``batch_match`` (``--match-iterations``, tv 1) and of a
+flat image of the normalisation mean colour, and each attack's wall time; then the medians per B
+and the ratio of the wall times. ``--images`` takes a folder of JPEGs or an archive instead."""
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import timm
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import attacks  # noqa: E402
+import fedmjp  # noqa: E402,F401  (registers the models)
+from benchmark.scoring import pair_reconstructions  # noqa: E402
+from fedmjp.checkpoint import load_checkpoint  # noqa: E402
+from fedmjp.data import load_images  # noqa: E402
+
+_logger = logging.getLogger("block0_roots")
+
+
+def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(10 * torch.log10(1 / ((a.double() - b.double()) ** 2).mean().clamp_min(1e-30)))
+
+
+def paired_psnr(rec: torch.Tensor, x: torch.Tensor) -> float:
+    order = pair_reconstructions(rec.float(), x.float())
+    return statistics.mean(psnr(rec[order[b]], x[b]) for b in range(x.shape[0]))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--images", default="$FEDMJP_DATA/cifar10.tar.gz")
+    p.add_argument("--batch-sizes", default="1,2")
+    p.add_argument("--updates", type=int, default=4)
+    p.add_argument("--pool", type=int, default=200)
+    p.add_argument("--starts", type=int, default=32, help="root-finding starts per round")
+    p.add_argument("--rounds", type=int, default=16)
+    p.add_argument("--match-iterations", type=int, default=200, help="batch_match's L-BFGS iterations (0: skip it)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    for flag in ("updates", "pool", "starts", "rounds"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: give at least 1")
+    try:
+        sizes = [int(b) for b in args.batch_sizes.split(",")]
+    except ValueError:
+        p.error(f"--batch-sizes {args.batch_sizes!r}: give comma-separated integers, e.g. 1,2")
+    if any(not 1 <= b <= args.pool for b in sizes):
+        p.error(f"--batch-sizes {args.batch_sizes}: each must be between 1 and --pool {args.pool}")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    torch.set_num_threads(1)
+    ims = load_images(args.images, 32, args.pool, 10)
+    torch.manual_seed(0)
+    model = timm.create_model("mjp_vit_cifar_patch4_32", variant="plain", first_block="standard", depth=4)
+    load_checkpoint(model, ROOT / "checkpoints" / "cifar_deit.safetensors")
+    model = model.eval().double()
+    for blk in model.blocks:
+        blk.attn.fused_attn = False
+    mean = torch.tensor(model.default_cfg["mean"]).double()
+    std = torch.tensor(model.default_cfg["std"]).double()
+    gen = torch.Generator().manual_seed(args.seed)
+    roots_attack = attacks.create_attack("block0_roots", starts=args.starts, rounds=args.rounds, seed=args.seed)
+    match = attacks.create_attack("batch_match", iterations=args.match_iterations, tv=1.0) if args.match_iterations else None
+    for B in sizes:
+        got: dict[str, list[float]] = {"block0_roots": [], "batch_match": [], "flat": []}
+        secs: dict[str, list[float]] = {"block0_roots": [], "batch_match": []}
+        for u in range(args.updates):
+            idx = torch.randperm(len(ims), generator=gen)[:B]
+            x, y = ims.images[idx].double(), ims.labels[idx]
+            upd = attacks.compute_update(model, (x - mean[:, None, None]) / std[:, None, None], y)
+            meta = {"num_images": B, "mean": mean.tolist(), "std": std.tolist(), "labels": y.tolist()}
+            flat = mean[None, :, None, None].expand_as(x)
+            got["flat"].append(paired_psnr(flat, x))
+            t0 = time.perf_counter()
+            res = roots_attack.reconstruct(model, upd, meta)
+            secs["block0_roots"].append(time.perf_counter() - t0)
+            if res.failed:
+                _logger.info("B=%d update %d: block0_roots failed: %s (%.0f s)", B, u, res.reason, secs["block0_roots"][-1])
+                got["block0_roots"].append(float("nan"))
+            else:
+                got["block0_roots"].append(paired_psnr(res.images, x))
+                s = res.stats[0]
+                _logger.info("B=%d update %d: block0_roots %.1f dB (roots per round %s, %d starts, position "
+                             "residual <= %.0e, runner-up >= %.2g), %.0f s", B, u, got["block0_roots"][-1],
+                             s["roots_per_round"], s["root_starts"], s["position_residual_max"],
+                             s["position_runner_up_min"], secs["block0_roots"][-1])
+            if match is not None:
+                t0 = time.perf_counter()
+                res = match.reconstruct(model, upd, meta)
+                secs["batch_match"].append(time.perf_counter() - t0)
+                got["batch_match"].append(float("nan") if res.failed else paired_psnr(res.images, x))
+                _logger.info("B=%d update %d: batch_match %.1f dB, flat image %.1f dB, %.0f s", B, u,
+                             got["batch_match"][-1], got["flat"][-1], secs["batch_match"][-1])
+        med = {k: statistics.median(v) if v else float("nan") for k, v in got.items()}
+        ok = sum(v == v for v in got["block0_roots"])
+        ratio = (statistics.mean(secs["block0_roots"]) / statistics.mean(secs["batch_match"])
+                 if secs["batch_match"] else float("nan"))
+        _logger.info("B=%d, %d updates: median PSNR block0_roots %.1f dB (%d/%d exact reads), batch_match %.1f dB, "
+                     "flat image %.1f dB; wall time block0_roots / batch_match %.2f", B, args.updates,
+                     med["block0_roots"], ok, args.updates, med["batch_match"], med["flat"], ratio)
+
+
+if __name__ == "__main__":
+    main()

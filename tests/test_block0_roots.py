@@ -1,0 +1,114 @@
+"""``block0_roots``: a batch read off block 0 of a standard pre-norm ViT through its MLP's roots.
+
+Real photographs (scikit-image's bundled ones) and the shipped CIFAR DeiT with block 0 as trained
+(no design-A surgery), float64 updates."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+
+import attacks
+import fedmjp  # noqa: F401  (registers the models)
+from attacks.block0_roots import batch_from_roots, find_roots
+from attacks.spans import input_spans
+from benchmark.scoring import pair_reconstructions
+from fedmjp.checkpoint import load_checkpoint
+from tests.helpers import MD, MEAN, STD, bundled_images
+
+CHECKPOINT = Path(__file__).resolve().parents[1] / "checkpoints" / "cifar_deit.safetensors"
+
+
+def _deit(first_block: str = "standard", variant: str = "plain") -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = timm.create_model("mjp_vit_cifar_patch4_32", variant=variant, first_block=first_block, depth=4)
+    if variant == "plain":
+        load_checkpoint(model, CHECKPOINT)
+    model = model.eval().double()
+    for blk in model.blocks:
+        blk.attn.fused_attn = False
+    return model
+
+
+def _update_and_tokens(model: torch.nn.Module, B: int, start: int = 0):
+    x = bundled_images(B, 32, start)
+    xn = (x - MEAN.double()[:, None, None]) / STD.double()[:, None, None]
+    seen = {}
+    hook = model.blocks[0].mlp.fc1.register_forward_hook(lambda m, a, o: seen.__setitem__("u", a[0].detach()))
+    update = attacks.compute_update(model, xn, torch.tensor([3, 5, 1][:B]))
+    hook.remove()
+    return x, xn, update, seen["u"].reshape(-1, seen["u"].shape[-1])
+
+
+@pytest.mark.parametrize("B", [1, 2])
+def test_the_batch_follows_exactly_from_the_true_roots_in_any_order(B: int) -> None:
+    """Given every token's fc1 input (shuffled: no position, no image), the linear steps return each
+    token's position, its image and the batch to the rounding floor (measured > 250 dB)."""
+    model = _deit()
+    x, xn, update, U = _update_and_tokens(model, B)
+    perm = torch.randperm(U.shape[0], generator=torch.Generator().manual_seed(B))
+    out = batch_from_roots(model, update, U[perm], B)
+    assert torch.equal(out.position, perm % 65)
+    order = pair_reconstructions(out.images.float(), xn.float())
+    for b in range(B):
+        assert float((out.images[order[b]] - xn[b]).abs().max()) < 1e-8
+    assert float(out.position_residual.max()) < 1e-10 < 1e-2 < float(out.runner_up.min())
+    same = out.image[:, None] == out.image[None]
+    truth = (perm // 65)[:, None] == (perm // 65)[None]
+    assert torch.equal(same, truth)
+    assert out.membership_margin > 0.4
+
+
+def test_a_token_of_another_batch_fits_no_position() -> None:
+    """A root that is not the client's token is refused by name, not placed."""
+    model = _deit()
+    _, _, update, U = _update_and_tokens(model, 1)
+    _, _, _, other = _update_and_tokens(model, 1, start=3)
+    with pytest.raises(attacks.AttackFailure, match="fit no position"):
+        batch_from_roots(model, update, torch.cat([U[:-1], other[5:6]]), 1)
+
+
+def test_each_round_finds_only_true_tokens_and_new_ones() -> None:
+    """Every root found is one of the client's tokens (cosine > 0.99999), and the second round, which
+    only the tokens not yet found satisfy, adds new ones."""
+    model = _deit()
+    _, _, update, U = _update_and_tokens(model, 1)
+    spans = {s.name: s.basis for s in input_spans(model, update, 65)}
+    with torch.no_grad():
+        got = find_roots(model.blocks[0], spans["blocks.0.mlp.fc1"], spans["blocks.0.mlp.fc2"],
+                         update["blocks.0.mlp.fc1.weight"], update["blocks.0.mlp.fc2.weight"], 65, starts=8,
+                         rounds=2, iterations=30, generator=torch.Generator().manual_seed(0))
+    unit = lambda t: t / t.norm(dim=-1, keepdim=True)  # noqa: E731
+    best = (unit(got.roots) @ unit(U).T).max(1).values
+    assert got.roots.shape[0] == sum(got.per_round) and float(best.min()) > 0.99999
+    assert got.per_round[0] >= 1 and got.per_round[1] >= 1
+
+
+@pytest.mark.parametrize("case, match", [
+    ("design_a", "standard pre-norm block 0"),
+    ("batch_3", r"B T <= D: 3 images x 65 tokens = 195 > width 192"),
+    ("mjp_shuffle", "E_unk"),
+    ("fedavg", "local steps"),
+])
+def test_conditions_it_cannot_meet_are_failed_rows_with_the_reason(case: str, match: str) -> None:
+    attack = attacks.create_attack("block0_roots", rounds=1, starts=1)
+    B = 3 if case == "batch_3" else 1
+    if case == "mjp_shuffle":
+        model = _deit(variant="mjp")
+        x = bundled_images(1, 32)
+        mask = torch.zeros(1, 64, dtype=torch.bool)
+        mask[0, :8] = True
+        update = attacks.compute_update(model, (x - MEAN.double()[:, None, None]) / STD.double()[:, None, None],
+                                        torch.tensor([1]), unk_mask=mask)
+    else:
+        model = _deit("april" if case == "design_a" else "standard")
+        _, _, update, _ = _update_and_tokens(model, B)
+    meta = dict(MD, num_images=B)
+    if case == "fedavg":
+        meta.update(update_type="delta", local_steps=2, lr=0.1)
+    res = attack.reconstruct(model, update, meta)
+    assert res.failed and res.error is None
+    assert re.search(match, res.reason), res.reason
