@@ -12,7 +12,9 @@ and attention projection do:
    large basins again and again. The search adds a second set of equations that only the tokens
    not yet found satisfy: their output gradients span what dL/dW_fc2 puts on the part of fc2's span
    the found tokens leave empty, and their fc1 output gradients likewise for fc1 (:func:`find_roots`),
-   so every converged start is a new token. Rounds stop when B T distinct roots are found.
+   so every converged start is a new token. Rounds stop when B T distinct roots are found. Not yet
+   enough: from scratch at B = 2 it finds 49 of 130 in 40 rounds on the pair measured
+   (docs/attacks.md, "`block0_roots`"), and the row fails with the roots found per round.
 2. **Per-token backward quantities, linear.** With every token's activation a_t known,
    dL/dW_fc2 = sum_t g_t a_t^T gives each token's output gradient g_t (B T <= 4D), and with it the
    gradient reaching norm2's input up to the LayerNorm's scale 1/sigma_t, which dL/db_proj =
