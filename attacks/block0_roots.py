@@ -39,6 +39,7 @@ FedAvg delta of several local steps.
 from __future__ import annotations
 
 import copy
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Mapping, cast
@@ -56,6 +57,8 @@ from .registry import register_attack
 from .spans import complement, input_spans
 from .token_roots import _batched_lm
 
+_logger = logging.getLogger(__name__)
+
 #: a token is placed where its position residual (relative) is below this; measured 6e-14 at the
 #: true position against >= 0.04 at every other one (shipped CIFAR DeiT, B = 1 and 2)
 POSITION_TOL = 1e-6
@@ -63,12 +66,13 @@ POSITION_TOL = 1e-6
 
 @dataclass
 class RootSearch:
-    """Outcome of :func:`find_roots`: the distinct roots [k, D] (fc1 inputs), the starts run and the
-    roots each round added."""
+    """Outcome of :func:`find_roots`: the distinct roots [k, D] (fc1 inputs), the starts run, the roots
+    each round added and how that round started (``"steered"`` or ``"missing"``)."""
 
     roots: torch.Tensor
     starts: int
     per_round: list[int]
+    modes: list[str]
 
 
 def _dedupe(found: torch.Tensor, new: torch.Tensor, distinct_cos: float = 0.99999) -> torch.Tensor:
@@ -87,62 +91,152 @@ def _missing_part(basis: torch.Tensor, found: torch.Tensor) -> torch.Tensor:
     return basis @ complement(torch.linalg.qr((found @ basis).T)[0])
 
 
+class _Problem:
+    """Block 0's per-token MLP problem: the LayerNorm, fc1, the activation and the span complements."""
+
+    def __init__(self, block: nn.Module, fc1_basis: torch.Tensor, fc2_basis: torch.Tensor) -> None:
+        mlp = cast(nn.Module, block.mlp)
+        self.norm = cast(nn.LayerNorm, block.norm2)
+        self.fc1, self.act = cast(nn.Module, mlp.fc1), cast(nn.Module, mlp.act)
+        self.W2 = cast(nn.Module, mlp.fc2).weight.to(torch.float64)
+        self.S1, self.Q1, self.Q2 = fc1_basis, complement(fc1_basis), complement(fc2_basis)
+
+    def parts(self, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The span residual's two parts (relative) at LayerNorm inputs v, any leading shape."""
+        u = self.norm(v)
+        a = self.act(self.fc1(u))
+        return (u @ self.Q1) / u.norm(dim=-1, keepdim=True), (a @ self.Q2) / a.norm(dim=-1, keepdim=True)
+
+    def residual(self, v: torch.Tensor) -> torch.Tensor:
+        return torch.cat(self.parts(v), -1)
+
+    def polish(self, roots: torch.Tensor, iterations: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Roots (fc1 inputs) refined to the rounding floor, and the squared residual left.
+
+        The search solves for the LayerNorm's input v, where a root is a ray, and LayerNorm's eps
+        ties the scale of its output to |v| only weakly: a start converges at ~1e-8 from its token
+        (the output's variance var/(var + eps), measured 1.3e-8 - 6e-8 relative on 56 of 126 roots),
+        and the missing-token equations built on those admit no missing token (measured: 0 of 64
+        starts converge given 126 such roots; 64 of 64 given the exact ones). Here the root is
+        solved where it is isolated, u = S1 alpha in fc1's span with GELU(W1 u + b1) in fc2's."""
+        S1 = self.S1
+
+        def residual(alpha: torch.Tensor) -> torch.Tensor:
+            a = self.act(self.fc1(S1 @ alpha))
+            return (a @ self.Q2) / a.norm()
+
+        alpha, value = _batched_lm(residual, roots @ S1, iterations)
+        return alpha @ S1.T, value
+
+
+def _steered_starts(problem: _Problem, fc2_basis: torch.Tensor, found: torch.Tensor, starts: int, steps: int,
+                    lr: float, generator: torch.Generator) -> torch.Tensor:
+    """Random LayerNorm inputs moved by Adam towards the part E2 of fc2's span the found tokens leave
+    empty (share of the activation in E2, minus the span residual). Random starts alone fall into
+    the few tokens with large basins again and again; these fall near the ones not yet found."""
+    D = problem.Q1.shape[0]
+    with torch.no_grad():
+        empty = _missing_part(fc2_basis, problem.act(problem.fc1(found)))
+    v = torch.randn(starts, D, generator=generator, dtype=torch.float64)
+    opt = torch.optim.Adam([v.requires_grad_(True)], lr=lr)
+    with torch.enable_grad():
+        for _ in range(steps):
+            a = problem.act(problem.fc1(problem.norm(v)))
+            share = (a @ empty).pow(2).sum(1) / a.pow(2).sum(1)
+            r1, r2 = problem.parts(v)
+            loss = (r1.pow(2).sum(1) + r2.pow(2).sum(1) - share).sum()
+            v.grad = torch.autograd.grad(loss, v)[0]  # v only: the block's weights take no gradient
+            opt.step()
+    return v.detach()
+
+
+def _missing_token_round(problem: _Problem, fc1_basis: torch.Tensor, fc2_basis: torch.Tensor,
+                         fc1_grad: torch.Tensor, fc2_grad: torch.Tensor, found: torch.Tensor, m: int,
+                         starts: int, iterations: int, generator: torch.Generator) -> torch.Tensor:
+    """LayerNorm inputs of starts run on the plain residual plus the equations only the m missing
+    tokens satisfy (:func:`find_roots`)."""
+    D = problem.Q1.shape[0]
+    gam = torch.linalg.svd(fc2_grad @ _missing_part(fc2_basis, problem.act(problem.fc1(found))),
+                           full_matrices=False)[0][:, :m]
+    gam1 = torch.linalg.svd(fc1_grad @ _missing_part(fc1_basis, found), full_matrices=False)[0][:, :m]
+    lift, off = problem.W2.T @ gam, complement(gam1)
+
+    def residual(vc: torch.Tensor) -> torch.Tensor:
+        v, c = vc[:D], vc[D:]
+        pre = problem.fc1(problem.norm(v))
+        slope = torch.func.jvp(problem.act, (pre,), (torch.ones_like(pre),))[1]  # the activation's derivative
+        g1 = (lift @ c) * slope
+        return torch.cat([problem.residual(v), (g1 @ off) / g1.norm()])
+
+    start = torch.cat([torch.randn(starts, D, generator=generator, dtype=torch.float64),
+                       torch.randn(starts, m, generator=generator, dtype=torch.float64)], 1)
+    return _batched_lm(residual, start, iterations)[0][:, :D]
+
+
 def find_roots(block: nn.Module, fc1_basis: torch.Tensor, fc2_basis: torch.Tensor, fc1_grad: torch.Tensor,
                fc2_grad: torch.Tensor, count: int, starts: int, rounds: int, iterations: int,
-               generator: torch.Generator, tol: float = 1e-16, found: torch.Tensor | None = None) -> RootSearch:
+               generator: torch.Generator, tol: float = 1e-16, found: torch.Tensor | None = None,
+               steer_steps: int = 100, steer_lr: float = 0.05, polish_iterations: int = 30,
+               steered: bool = True) -> RootSearch:
     """Up to ``count`` distinct roots of block 0's per-token MLP problem (module doc, step 1).
 
-    Each round knows the roots found so far (none at first). The m missing tokens' activations fill
-    the part E2 of fc2's span the found ones leave empty, so dL/dW_fc2 E2 = G_M (A_M E2) spans
-    their output gradients g_j (Gamma, m columns), and likewise dL/dW_fc1 E1 spans their fc1 output
-    gradients (W2^T g_j) * GELU'(W1 u_j + b1) (Gamma1). A missing token is therefore a root of
+    Each round knows the roots found so far (``found`` before the first) and runs ``starts`` starts
+    of ``iterations`` Levenberg-Marquardt steps; a start converged where the plain residual's square
+    is below ``tol``; each converged root is polished to the rounding floor (:meth:`_Problem.polish`)
+    before it joins. Two kinds of round:
 
-        r(u) (:mod:`attacks.token_roots`)  and  P_{Gamma1 perp} ((W2^T Gamma c) * GELU'(W1 u + b1)) / ||.||
+    * **steered** (while they add at least 2 roots a round): random starts moved by ``steer_steps``
+      Adam steps (``steer_lr``) into the part of fc2's span the found tokens leave empty
+      (:func:`_steered_starts`), then solved on the plain residual. Cheap; slows as the last tokens
+      with small basins remain.
+    * **missing**: the m missing tokens' activations fill the part E2 of fc2's span the found ones
+      leave empty, so dL/dW_fc2 E2 = G_M (A_M E2) spans their output gradients g_j (Gamma, m
+      columns), and likewise dL/dW_fc1 E1 spans their fc1 output gradients (W2^T g_j) *
+      GELU'(W1 u_j + b1) (Gamma1). A missing token is therefore a root of
 
-    in (u, c), c in R^m; a token already found is not (its g is not in Gamma, and 4D - m equations
-    hold against m unknowns): the second block deflates exactly, where one deflation factor per root
-    found (Farrell et al.) stopped the starts converging at all. ``starts`` random (v, c) per round,
-    ``iterations`` Levenberg-Marquardt steps each, until ``count`` roots are found (``found``: roots
-    known before the first round)."""
-    mlp = cast(nn.Module, block.mlp)
-    norm, fc1, act = cast(nn.Module, block.norm2), cast(nn.Module, mlp.fc1), cast(nn.Module, mlp.act)
-    W2 = cast(nn.Module, mlp.fc2).weight.to(torch.float64)
+          r(u)  and  P_{Gamma1 perp} ((W2^T Gamma c) * GELU'(W1 u + b1)) / ||.||
+
+      in (u, c), c in R^m; a token already found is not (its g is not in Gamma, and 4D - m equations
+      hold against m unknowns): the second block deflates exactly, where one deflation factor per
+      root found (Farrell et al.) stopped the starts converging at all. Costlier per start.
+
+    The search starts with steered rounds (missing ones at once where ``steered`` is False and some
+    roots are given) and stops when ``count`` roots are found or after ``rounds`` rounds."""
+    problem = _Problem(block, fc1_basis, fc2_basis)
     D = fc1_basis.shape[0]
-    Q1, Q2 = complement(fc1_basis), complement(fc2_basis)
     found = torch.zeros(0, D, dtype=torch.float64) if found is None else found.to(torch.float64)
     per_round: list[int] = []
-    run = 0
+    modes: list[str] = []
+    steering = steered
     for _ in range(rounds):
         m = count - found.shape[0]
+        if steering or found.shape[0] == 0:
+            v = _steered_starts(problem, fc2_basis, found, starts, steer_steps, steer_lr, generator)
+            with torch.no_grad():
+                v = _batched_lm(problem.residual, v, iterations)[0]
+            modes.append("steered")
+        else:
+            with torch.no_grad():
+                v = _missing_token_round(problem, fc1_basis, fc2_basis, fc1_grad, fc2_grad, found, m, starts,
+                                         iterations, generator)
+            modes.append("missing")
         with torch.no_grad():
-            gam = torch.linalg.svd(fc2_grad @ _missing_part(fc2_basis, act(fc1(found))), full_matrices=False)[0][:, :m]
-            gam1 = torch.linalg.svd(fc1_grad @ _missing_part(fc1_basis, found), full_matrices=False)[0][:, :m]
-            lift, off = W2.T @ gam, complement(gam1)
-
-        def residual(vc: torch.Tensor, lift: torch.Tensor = lift, off: torch.Tensor = off) -> torch.Tensor:
-            v, c = vc[:D], vc[D:]
-            u = norm(v)
-            pre = fc1(u)
-            a = act(pre)
-            slope = torch.func.jvp(act, (pre,), (torch.ones_like(pre),))[1]  # the activation's derivative
-            g1 = (lift @ c) * slope
-            return torch.cat([(u @ Q1) / u.norm(), (a @ Q2) / a.norm(), (g1 @ off) / g1.norm()])
-
-        start = torch.cat([torch.randn(starts, D, generator=generator, dtype=torch.float64),
-                           torch.randn(starts, m, generator=generator, dtype=torch.float64)], 1)
-        with torch.no_grad():
-            w, _ = _batched_lm(residual, start, iterations)
-            u = norm(w[:, :D])
-            a = act(fc1(u))
-            raw = (u @ Q1).pow(2).sum(1) / u.pow(2).sum(1) + (a @ Q2).pow(2).sum(1) / a.pow(2).sum(1)
-        run += starts
-        before = found.shape[0]
-        good = (raw < tol).nonzero().flatten()
-        found = _dedupe(found, u[good[torch.argsort(raw[good])]])
+            raw = problem.residual(v).pow(2).sum(-1)
+            good = (raw < tol).nonzero().flatten()
+            before = found.shape[0]
+            # the new tokens among the converged starts (one start each), then polished
+            fresh = _dedupe(found, problem.norm(v[good[torch.argsort(raw[good])]]))[before:]
+            if fresh.shape[0]:
+                roots, value = problem.polish(fresh, polish_iterations)
+                found = _dedupe(found, roots[torch.argsort(value)])
         per_round.append(found.shape[0] - before)
+        _logger.info("block0_roots: %s round %d: %d new roots, %d of %d found", modes[-1], len(per_round),
+                     per_round[-1], found.shape[0], count)
+        if modes[-1] == "steered" and per_round[-1] < 2:
+            steering = False
         if found.shape[0] >= count:
             break
-    return RootSearch(found, run, per_round)
+    return RootSearch(found, len(per_round) * starts, per_round, modes)
 
 
 @dataclass
@@ -307,6 +401,17 @@ def check_model(vit: nn.Module, grads: Mapping[str, torch.Tensor], batch: int) -
                             "LayerNorm scales)")
 
 
+def _runs(modes: list[str]) -> str:
+    """"steered x 8, missing x 3" for a list of round kinds."""
+    out: list[list] = []
+    for m in modes:
+        if out and out[-1][0] == m:
+            out[-1][1] += 1
+        else:
+            out.append([m, 1])
+    return ", ".join(f"{m} x {n}" for m, n in out)
+
+
 @register_attack("block0_roots")
 class Block0Roots(Attack):
     """The batch read off block 0 of a standard pre-norm ViT (module doc).
@@ -321,7 +426,7 @@ class Block0Roots(Attack):
     name = "block0_roots"
 
     class Options(AttackOptions):
-        starts: Int = option(16, ge=1, le=4096)
+        starts: Int = option(32, ge=1, le=4096)
         rounds: Int = option(40, ge=1, le=1000)
         iterations: Int = option(60, ge=1, le=10_000)
         seed: Int = 0
@@ -355,13 +460,13 @@ class Block0Roots(Attack):
         if search.roots.shape[0] != B * T:
             raise AttackFailure(f"found {search.roots.shape[0]} of the {B * T} roots of block 0's MLP after "
                                 f"{len(search.per_round)} rounds of {self.starts} starts (new per round: "
-                                f"{search.per_round}); the batch is read off "
+                                f"{search.per_round}, the rounds {_runs(search.modes)}); the batch is read off "
                                 "all of them (raise rounds or starts)")
         out = batch_from_roots(work, grads, search.roots, B)
         y, label_stats = batch_labels(model, grads, meta, self.seed)
         notes.append(f"block 0's {B * T} MLP roots found in {search.starts} starts; positions, images and "
                      "patches solved linearly")
-        stats = dict(roots_per_round=search.per_round, root_starts=search.starts,
+        stats = dict(roots_per_round=search.per_round, root_round_modes=search.modes, root_starts=search.starts,
                      position_residual_max=float(out.position_residual.max()),
                      position_runner_up_min=float(out.runner_up.min()), membership_margin=out.membership_margin,
                      estimate_cpu_s=time.process_time() - c0, time_s=(time.perf_counter() - t0) / B,

@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--updates", type=int, default=4)
     p.add_argument("--pool", type=int, default=200)
     p.add_argument("--starts", type=int, default=32, help="root-finding starts per round")
-    p.add_argument("--rounds", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--match-iterations", type=int, default=200, help="batch_match's L-BFGS iterations (0: skip it)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -105,11 +105,13 @@ def main(argv: list[str] | None = None) -> None:
                 got["batch_match"].append(float("nan") if res.failed else paired_psnr(res.images, x))
                 _logger.info("B=%d update %d: batch_match %.1f dB, flat image %.1f dB, %.0f s", B, u,
                              got["batch_match"][-1], got["flat"][-1], secs["batch_match"][-1])
-        med = {k: statistics.median(v) if v else float("nan") for k, v in got.items()}
+        # a failed read has no images: the medians are over the reads that returned some
+        med = {k: statistics.median([p for p in v if p == p]) if any(p == p for p in v) else float("nan")
+               for k, v in got.items()}
         ok = sum(v == v for v in got["block0_roots"])
         ratio = (statistics.mean(secs["block0_roots"]) / statistics.mean(secs["batch_match"])
                  if secs["batch_match"] else float("nan"))
-        _logger.info("B=%d, %d updates: median PSNR block0_roots %.1f dB (%d/%d exact reads), batch_match %.1f dB, "
+        _logger.info("B=%d, %d updates: median PSNR block0_roots %.1f dB (over %d/%d reads), batch_match %.1f dB, "
                      "flat image %.1f dB; wall time block0_roots / batch_match %.2f", B, args.updates,
                      med["block0_roots"], ok, args.updates, med["batch_match"], med["flat"], ratio)
 

@@ -13,7 +13,7 @@ import torch
 
 import attacks
 import fedmjp  # noqa: F401  (registers the models)
-from attacks.block0_roots import batch_from_roots, find_roots
+from attacks.block0_roots import _Problem, batch_from_roots, find_roots
 from attacks.spans import input_spans
 from benchmark.scoring import pair_reconstructions
 from fedmjp.checkpoint import load_checkpoint
@@ -85,6 +85,35 @@ def test_each_round_finds_only_true_tokens_and_new_ones() -> None:
     best = (unit(got.roots) @ unit(U).T).max(1).values
     assert got.roots.shape[0] == sum(got.per_round) and float(best.min()) > 0.99999
     assert got.per_round[0] >= 1 and got.per_round[1] >= 1
+
+
+def test_the_missing_token_round_finds_only_the_tokens_not_yet_found() -> None:
+    """Given all but 4 of the tokens, one round of the missing-token equations returns tokens that
+    are among the 4 (none of those given); a token as the search returns it (off by LayerNorm's eps)
+    is polished onto the token."""
+    model = _deit()
+    _, _, update, U = _update_and_tokens(model, 1)
+    spans = {s.name: s.basis for s in input_spans(model, update, 65)}
+    perm = torch.randperm(65, generator=torch.Generator().manual_seed(1))
+    given, missing = U[perm[4:]].clone(), U[perm[:4]]
+    with torch.no_grad():
+        got = find_roots(model.blocks[0], spans["blocks.0.mlp.fc1"], spans["blocks.0.mlp.fc2"],
+                         update["blocks.0.mlp.fc1.weight"], update["blocks.0.mlp.fc2.weight"], 65, starts=16,
+                         rounds=1, iterations=60, generator=torch.Generator().manual_seed(0), found=given,
+                         steered=False)
+    unit = lambda t: t / t.norm(dim=-1, keepdim=True)  # noqa: E731
+    new = got.roots[61:]
+    assert got.modes == ["missing"] and got.per_round[0] >= 1
+    assert float((unit(new) @ unit(missing).T).max(1).values.min()) > 0.99999
+    problem = _Problem(model.blocks[0], spans["blocks.0.mlp.fc1"], spans["blocks.0.mlp.fc2"])
+    norm2 = model.blocks[0].norm2
+    with torch.no_grad():
+        # as the search returns a token: norm2 of a point on its ray, where LayerNorm's eps moves it
+        off = norm2(0.1 * (missing - norm2.bias) / norm2.weight)
+        fixed, value = problem.polish(off, 30)
+    err = lambda u: (u - missing).norm(dim=1) / missing.norm(dim=1)  # noqa: E731
+    assert float(err(off).min()) > 1e-7 and float(value.max()) < 1e-24
+    assert float(err(fixed).max()) < 1e-10
 
 
 @pytest.mark.parametrize("case, match", [
