@@ -323,6 +323,9 @@ def test_presets_attack_a_batch_and_keep_batch_one_runs_unchanged() -> None:
         assert cfg.federation.batch_size == 1 and "batch_match" not in [a.name for a in attack_entries(cfg)]
         batched = validate(with_values(cfg, [(["federation", "batch_size"], 2)]))
         assert "batch_match" in [a.name for a in attack_entries(batched)], preset
+    cifar = validate(with_values(validate(load_config("configs/cifar.yaml")), [(["federation", "batch_size"], 2)]))
+    assert "block0_roots" in [a.name for a in attack_entries(cifar)]
+    assert {m.name: m.april for m in cifar.models}["DeiT-std"] is None
     only = validate(load_config("configs/default.yaml"))
     with pytest.raises(ConfigError, match="no attack runs at federation.batch_size 1"):
         validate(with_values(only, [(["attacks"], [{"name": "batch_match", "min_batch_size": 2}])]))

@@ -116,25 +116,55 @@ def test_the_missing_token_round_finds_only_the_tokens_not_yet_found() -> None:
     assert float(err(fixed).max()) < 1e-10
 
 
+@pytest.mark.parametrize("B", [1, 2])
+def test_mjp_tokens_with_e_unk_give_their_patches_and_the_shuffled_set(B: int) -> None:
+    """On the shipped DeiT+MJP (block 0 as trained), an MJP client's update: given the true roots in
+    random order, the tokens carrying E_unk are told apart from every position, so each image's
+    shuffled set comes out exact, every other patch in its place to the rounding floor, and the
+    shuffled patches as a set (each the patch of one E_unk token)."""
+    torch.manual_seed(0)
+    model = timm.create_model("mjp_vit_cifar_patch4_32", variant="mjp", first_block="standard", depth=4)
+    load_checkpoint(model, CHECKPOINT.with_name("cifar_deit_mjp.safetensors"))
+    model = model.eval().double()
+    for blk in model.blocks:
+        blk.attn.fused_attn = False
+    gen = torch.Generator().manual_seed(B)
+    mask = torch.zeros(B, 64, dtype=torch.bool)
+    for b in range(B):
+        mask[b, torch.randperm(64, generator=gen)[:17]] = True
+    x = bundled_images(B, 32, 2)  # the shuffle is the client's: the attacker sees x~, any order in S
+    xn = (x - MEAN.double()[:, None, None]) / STD.double()[:, None, None]
+    seen = {}
+    hook = model.blocks[0].mlp.fc1.register_forward_hook(lambda m, a, o: seen.__setitem__("u", a[0].detach()))
+    update = attacks.compute_update(model, xn, torch.tensor([3, 5][:B]), unk_mask=mask)
+    hook.remove()
+    U = seen["u"].reshape(-1, 192)
+    out = batch_from_roots(model, update, U[torch.randperm(U.shape[0], generator=gen)], B)
+    order = [int(out.image[out.position == 0][b]) for b in range(B)]  # images come in class-token order
+    got = out.images
+    truth_patches = xn.unfold(2, 4, 4).unfold(3, 4, 4).permute(0, 2, 3, 1, 4, 5).reshape(B, 64, 48)
+    got_patches = got.unfold(2, 4, 4).unfold(3, 4, 4).permute(0, 2, 3, 1, 4, 5).reshape(B, 64, 48)
+    pair = pair_reconstructions(got.float(), xn.float())
+    for b in range(B):
+        g = pair[b]
+        assert torch.equal(out.shuffled[g], mask[b])
+        assert float((got_patches[g][~mask[b]] - truth_patches[b][~mask[b]]).abs().max()) < 1e-8
+        dist = torch.cdist(got_patches[g][mask[b]], truth_patches[b][mask[b]])
+        assert float(dist.min(1).values.max()) < 1e-8  # each shuffled patch is one of the image's
+    assert sorted(order) == list(range(B)) and out.membership_margin > 0.4
+    assert int((out.position == 65).sum()) == int(mask.sum())
+
+
 @pytest.mark.parametrize("case, match", [
     ("design_a", "standard pre-norm block 0"),
     ("batch_3", r"B T <= D: 3 images x 65 tokens = 195 > width 192"),
-    ("mjp_shuffle", "E_unk"),
     ("fedavg", "local steps"),
 ])
 def test_conditions_it_cannot_meet_are_failed_rows_with_the_reason(case: str, match: str) -> None:
     attack = attacks.create_attack("block0_roots", rounds=1, starts=1)
     B = 3 if case == "batch_3" else 1
-    if case == "mjp_shuffle":
-        model = _deit(variant="mjp")
-        x = bundled_images(1, 32)
-        mask = torch.zeros(1, 64, dtype=torch.bool)
-        mask[0, :8] = True
-        update = attacks.compute_update(model, (x - MEAN.double()[:, None, None]) / STD.double()[:, None, None],
-                                        torch.tensor([1]), unk_mask=mask)
-    else:
-        model = _deit("april" if case == "design_a" else "standard")
-        _, _, update, _ = _update_and_tokens(model, B)
+    model = _deit("april" if case == "design_a" else "standard")
+    _, _, update, _ = _update_and_tokens(model, B)
     meta = dict(MD, num_images=B)
     if case == "fedavg":
         meta.update(update_type="delta", local_steps=2, lr=0.1)
