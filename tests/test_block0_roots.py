@@ -155,6 +155,37 @@ def test_mjp_tokens_with_e_unk_give_their_patches_and_the_shuffled_set(B: int) -
     assert int((out.position == 65).sum()) == int(mask.sum())
 
 
+def test_the_attack_on_an_mjp_update_returns_x_tilde_and_the_jigsaw_arrangement(monkeypatch) -> None:
+    """The attack's own path on an MJP client's update, the search replaced by the true roots (the
+    search is tested above): ``images`` is x~ with every unshuffled patch exact, ``unshuffled`` the
+    jigsaw solver's arrangement of the exact shuffled patches, the shuffled count in the stats."""
+    import attacks.block0_roots as b0
+
+    torch.manual_seed(0)
+    model = timm.create_model("mjp_vit_cifar_patch4_32", variant="mjp", first_block="standard", depth=4)
+    load_checkpoint(model, CHECKPOINT.with_name("cifar_deit_mjp.safetensors"))
+    model = model.eval().double()
+    mask = torch.zeros(1, 64, dtype=torch.bool)
+    mask[0, [9, 10, 17, 18, 30, 44]] = True
+    x = bundled_images(1, 32, 2)
+    seen = {}
+    hook = model.blocks[0].mlp.fc1.register_forward_hook(lambda m, a, o: seen.__setitem__("u", a[0].detach()))
+    update = attacks.compute_update(model, (x - MEAN.double()[:, None, None]) / STD.double()[:, None, None],
+                                    torch.tensor([3]), unk_mask=mask)
+    hook.remove()
+    roots = seen["u"].reshape(-1, 192).flip(0)
+    monkeypatch.setattr(b0, "find_roots", lambda *a, **k: b0.RootSearch(roots, 0, [65], ["steered"]))
+    res = attacks.create_attack("block0_roots").reconstruct(model, update, dict(MD, num_images=1))
+    assert not res.failed, res.reason
+    keep = ~mask[0].reshape(8, 8).repeat_interleave(4, 0).repeat_interleave(4, 1)
+    assert float((res.images[0] - x[0].float()).abs()[:, keep].max()) < 1e-5
+    assert res.unshuffled is not None and res.stats[0]["shuffled_positions"] == 6
+    patches = lambda t: t[0].unfold(1, 4, 4).unfold(2, 4, 4).permute(1, 2, 0, 3, 4).reshape(64, 48)  # noqa: E731
+    got, truth = patches(res.unshuffled), patches(x.float())
+    assert float(torch.cdist(got[mask[0]], truth[mask[0]]).min(1).values.max()) < 1e-4
+    assert any("E_unk" in n for n in res.stats[0]["notes"])
+
+
 @pytest.mark.parametrize("case, match", [
     ("design_a", "standard pre-norm block 0"),
     ("batch_3", r"B T <= D: 3 images x 65 tokens = 195 > width 192"),
