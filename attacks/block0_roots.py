@@ -44,6 +44,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from itertools import groupby
 from dataclasses import dataclass
 from typing import Any, Mapping, cast
 
@@ -105,14 +106,17 @@ class _Problem:
         self.W2 = cast(nn.Module, mlp.fc2).weight.to(torch.float64)
         self.S1, self.Q1, self.Q2 = fc1_basis, complement(fc1_basis), complement(fc2_basis)
 
-    def parts(self, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The span residual's two parts (relative) at LayerNorm inputs v, any leading shape."""
+    def tokens(self, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fc1 inputs u and activations a at LayerNorm inputs v, any leading shape."""
         u = self.norm(v)
-        a = self.act(self.fc1(u))
+        return u, self.act(self.fc1(u))
+
+    def parts(self, u: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The span residual's two parts (relative) at fc1 inputs u with activations a."""
         return (u @ self.Q1) / u.norm(dim=-1, keepdim=True), (a @ self.Q2) / a.norm(dim=-1, keepdim=True)
 
     def residual(self, v: torch.Tensor) -> torch.Tensor:
-        return torch.cat(self.parts(v), -1)
+        return torch.cat(self.parts(*self.tokens(v)), -1)
 
     def polish(self, roots: torch.Tensor, iterations: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Roots (fc1 inputs) refined to the rounding floor, and the squared residual left.
@@ -145,9 +149,9 @@ def _steered_starts(problem: _Problem, fc2_basis: torch.Tensor, found: torch.Ten
     opt = torch.optim.Adam([v.requires_grad_(True)], lr=lr)
     with torch.enable_grad():
         for _ in range(steps):
-            a = problem.act(problem.fc1(problem.norm(v)))
+            u, a = problem.tokens(v)
             share = (a @ empty).pow(2).sum(1) / a.pow(2).sum(1)
-            r1, r2 = problem.parts(v)
+            r1, r2 = problem.parts(u, a)
             loss = (r1.pow(2).sum(1) + r2.pow(2).sum(1) - share).sum()
             v.grad = torch.autograd.grad(loss, v)[0]  # v only: the block's weights take no gradient
             opt.step()
@@ -331,10 +335,11 @@ def batch_from_roots(vit: nn.Module, grads: Mapping[str, torch.Tensor], roots: t
             raise AttackFailure(f"{bad.numel()} of the {n} roots fit no position (best relative residual "
                                 f"{float(best.max()):.1e} > {POSITION_TOL:g}): not the client's tokens")
         counts = torch.bincount(pos, minlength=P.shape[0])[:T]
-        # every position holds one token per image, but for MJP's shuffled ones (E_unk instead)
-        bad_p = ((counts != batch) if unk is None else (counts > batch)) | (torch.arange(T) == 0) & (counts != batch)
-        if bool(bad_p.any()):
-            p_bad = int(bad_p.nonzero()[0])
+        # one token per image at every position, but where MJP's shuffle put E_unk instead
+        ok = (counts == batch) if unk is None else (counts <= batch)
+        ok[0] = counts[0] == batch  # the class tokens
+        if not bool(ok.all()):
+            p_bad = int((~ok).nonzero()[0])
             raise AttackFailure(f"position {p_bad} holds {int(counts[p_bad])} roots where a batch of {batch} has "
                                 f"{batch}: roots missing or duplicated")
         Z = torch.empty(n, D, dtype=torch.float64)
@@ -431,13 +436,7 @@ def check_model(vit: nn.Module, grads: Mapping[str, torch.Tensor], batch: int) -
 
 def _runs(modes: list[str]) -> str:
     """"steered x 8, missing x 3" for a list of round kinds."""
-    out: list[list] = []
-    for m in modes:
-        if out and out[-1][0] == m:
-            out[-1][1] += 1
-        else:
-            out.append([m, 1])
-    return ", ".join(f"{m} x {n}" for m, n in out)
+    return ", ".join(f"{m} x {len(list(g))}" for m, g in groupby(modes))
 
 
 @register_attack("block0_roots")
