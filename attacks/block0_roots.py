@@ -60,7 +60,7 @@ from .first_layer import is_design_a, unwrap_vit
 from .jigsaw_solver import unshuffle_image
 from .registry import register_attack
 from .spans import complement, input_spans
-from .token_roots import _batched_lm
+from .token_roots import MLPSpans, span_part, span_value, gauss_newton_lm
 
 _logger = logging.getLogger(__name__)
 
@@ -96,48 +96,7 @@ def _missing_part(basis: torch.Tensor, found: torch.Tensor) -> torch.Tensor:
     return basis @ complement(torch.linalg.qr((found @ basis).T)[0])
 
 
-class _Problem:
-    """Block 0's per-token MLP problem: the LayerNorm, fc1, the activation and the span complements."""
-
-    def __init__(self, block: nn.Module, fc1_basis: torch.Tensor, fc2_basis: torch.Tensor) -> None:
-        mlp = cast(nn.Module, block.mlp)
-        self.norm = cast(nn.LayerNorm, block.norm2)
-        self.fc1, self.act = cast(nn.Module, mlp.fc1), cast(nn.Module, mlp.act)
-        self.W2 = cast(nn.Module, mlp.fc2).weight.to(torch.float64)
-        self.S1, self.Q1, self.Q2 = fc1_basis, complement(fc1_basis), complement(fc2_basis)
-
-    def tokens(self, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """fc1 inputs u and activations a at LayerNorm inputs v, any leading shape."""
-        u = self.norm(v)
-        return u, self.act(self.fc1(u))
-
-    def parts(self, u: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The span residual's two parts (relative) at fc1 inputs u with activations a."""
-        return (u @ self.Q1) / u.norm(dim=-1, keepdim=True), (a @ self.Q2) / a.norm(dim=-1, keepdim=True)
-
-    def residual(self, v: torch.Tensor) -> torch.Tensor:
-        return torch.cat(self.parts(*self.tokens(v)), -1)
-
-    def polish(self, roots: torch.Tensor, iterations: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Roots (fc1 inputs) refined to the rounding floor, and the squared residual left.
-
-        The search solves for the LayerNorm's input v, where a root is a ray, and LayerNorm's eps
-        ties the scale of its output to |v| only weakly: a start converges at ~1e-8 from its token
-        (the output's variance var/(var + eps), measured 1.3e-8 - 6e-8 relative on 56 of 126 roots),
-        and the missing-token equations built on those admit no missing token (measured: 0 of 64
-        starts converge given 126 such roots; 64 of 64 given the exact ones). Here the root is
-        solved where it is isolated, u = S1 alpha in fc1's span with GELU(W1 u + b1) in fc2's."""
-        S1 = self.S1
-
-        def residual(alpha: torch.Tensor) -> torch.Tensor:
-            a = self.act(self.fc1(S1 @ alpha))
-            return (a @ self.Q2) / a.norm()
-
-        alpha, value = _batched_lm(residual, roots @ S1, iterations)
-        return alpha @ S1.T, value
-
-
-def _steered_starts(problem: _Problem, fc2_basis: torch.Tensor, found: torch.Tensor, starts: int, steps: int,
+def _steered_starts(problem: MLPSpans, fc2_basis: torch.Tensor, found: torch.Tensor, starts: int, steps: int,
                     lr: float, generator: torch.Generator) -> torch.Tensor:
     """Random LayerNorm inputs moved by Adam towards the part E2 of fc2's span the found tokens leave
     empty (share of the activation in E2, minus the span residual). Random starts alone fall into
@@ -158,27 +117,38 @@ def _steered_starts(problem: _Problem, fc2_basis: torch.Tensor, found: torch.Ten
     return v.detach()
 
 
-def _missing_token_round(problem: _Problem, fc1_basis: torch.Tensor, fc2_basis: torch.Tensor,
+def _missing_token_round(problem: MLPSpans, fc1_basis: torch.Tensor, fc2_basis: torch.Tensor,
                          fc1_grad: torch.Tensor, fc2_grad: torch.Tensor, found: torch.Tensor, m: int,
                          starts: int, iterations: int, generator: torch.Generator) -> torch.Tensor:
-    """LayerNorm inputs of starts run on the plain residual plus the equations only the m missing
-    tokens satisfy (:func:`find_roots`)."""
-    D = problem.Q1.shape[0]
+    """Coordinates in fc1's span of starts run on the plain residual plus the equations only the m
+    missing tokens satisfy (:func:`find_roots`), in (alpha, c): exact Gauss-Newton terms."""
+    D, r1 = problem.Q1.shape[0], problem.M.shape[1]
     gam = torch.linalg.svd(fc2_grad @ _missing_part(fc2_basis, problem.act(problem.fc1(found))),
                            full_matrices=False)[0][:, :m]
     gam1 = torch.linalg.svd(fc1_grad @ _missing_part(fc1_basis, found), full_matrices=False)[0][:, :m]
-    lift, off = problem.W2.T @ gam, complement(gam1)
+    lift = problem.W2.T @ gam  # [4D, m]: fc1's output gradient of a missing token is (lift c) * GELU'
 
-    def residual(vc: torch.Tensor) -> torch.Tensor:
-        v, c = vc[:D], vc[D:]
-        pre = problem.fc1(problem.norm(v))
-        slope = torch.func.jvp(problem.act, (pre,), (torch.ones_like(pre),))[1]  # the activation's derivative
-        g1 = (lift @ c) * slope
-        return torch.cat([problem.residual(v), (g1 @ off) / g1.norm()])
+    def split(theta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        pre = theta[:, :r1] @ problem.M.T + problem.b1
+        return pre, problem.act(pre), theta[:, r1:] @ lift.T
 
-    start = torch.cat([torch.randn(starts, D, generator=generator, dtype=torch.float64),
-                       torch.randn(starts, m, generator=generator, dtype=torch.float64)], 1)
-    return _batched_lm(residual, start, iterations)[0][:, :D]
+    def value(theta: torch.Tensor) -> torch.Tensor:
+        pre, a, q = split(theta)
+        (s,) = problem.slopes(pre)
+        return span_value(a, problem.S2) + span_value(q * s, gam1)
+
+    def system(theta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        pre, a, q = split(theta)
+        s, s2 = problem.slopes(pre, order=2)
+        zero = torch.zeros(theta.shape[0], a.shape[1], m, dtype=theta.dtype)
+        r_a, G_a, g_a = span_part(a, torch.cat([s[:, :, None] * problem.M, zero], 2), problem.S2)
+        Y = torch.cat([(q * s2)[:, :, None] * problem.M, s[:, :, None] * lift], 2)
+        r_g, G_g, g_g = span_part(q * s, Y, gam1)
+        return r_a.pow(2).sum(-1) + r_g.pow(2).sum(-1), G_a + G_g, g_a + g_g
+
+    v = torch.randn(starts, D, generator=generator, dtype=torch.float64)
+    start = torch.cat([problem.coordinates(v), torch.randn(starts, m, generator=generator, dtype=torch.float64)], 1)
+    return gauss_newton_lm(system, value, start, iterations)[0][:, :r1]
 
 
 def find_roots(block: nn.Module, fc1_basis: torch.Tensor, fc2_basis: torch.Tensor, fc1_grad: torch.Tensor,
@@ -189,9 +159,10 @@ def find_roots(block: nn.Module, fc1_basis: torch.Tensor, fc2_basis: torch.Tenso
     """Up to ``count`` distinct roots of block 0's per-token MLP problem (module doc, step 1).
 
     Each round knows the roots found so far (``found`` before the first) and runs ``starts`` starts
-    of ``iterations`` Levenberg-Marquardt steps; a start converged where the plain residual's square
-    is below ``tol``; each converged root is polished to the rounding floor (:meth:`_Problem.polish`)
-    before it joins. Two kinds of round:
+    of at most ``iterations`` Levenberg-Marquardt steps in fc1's span (u = S1 alpha, where a root is
+    isolated: :class:`attacks.token_roots.MLPSpans`); a start converged where the plain residual's
+    square is below ``tol``; each new root is polished (``polish_iterations`` more steps) before it
+    joins. Two kinds of round:
 
     * **steered** (while they add at least 2 roots a round): random starts moved by ``steer_steps``
       Adam steps (``steer_lr``) into the part of fc2's span the found tokens leave empty
@@ -204,13 +175,13 @@ def find_roots(block: nn.Module, fc1_basis: torch.Tensor, fc2_basis: torch.Tenso
 
           r(u)  and  P_{Gamma1 perp} ((W2^T Gamma c) * GELU'(W1 u + b1)) / ||.||
 
-      in (u, c), c in R^m; a token already found is not (its g is not in Gamma, and 4D - m equations
+      in (alpha, c), c in R^m; a token already found is not (its g is not in Gamma, and 4D - m equations
       hold against m unknowns): the second block deflates exactly, where one deflation factor per
       root found (Farrell et al.) stopped the starts converging at all. Costlier per start.
 
     The search starts with steered rounds (missing ones at once where ``steered`` is False and some
     roots are given) and stops when ``count`` roots are found or after ``rounds`` rounds."""
-    problem = _Problem(block, fc1_basis, fc2_basis)
+    problem = MLPSpans(block, fc1_basis, fc2_basis)
     D = fc1_basis.shape[0]
     found = torch.zeros(0, D, dtype=torch.float64) if found is None else found.to(torch.float64)
     per_round: list[int] = []
@@ -221,22 +192,22 @@ def find_roots(block: nn.Module, fc1_basis: torch.Tensor, fc2_basis: torch.Tenso
         if steering or found.shape[0] == 0:
             v = _steered_starts(problem, fc2_basis, found, starts, steer_steps, steer_lr, generator)
             with torch.no_grad():
-                v = _batched_lm(problem.residual, v, iterations)[0]
+                alpha = problem.solve(problem.coordinates(v), iterations)[0]
             modes.append("steered")
         else:
             with torch.no_grad():
-                v = _missing_token_round(problem, fc1_basis, fc2_basis, fc1_grad, fc2_grad, found, m, starts,
+                alpha = _missing_token_round(problem, fc1_basis, fc2_basis, fc1_grad, fc2_grad, found, m, starts,
                                          iterations, generator)
             modes.append("missing")
         with torch.no_grad():
-            raw = problem.residual(v).pow(2).sum(-1)
+            raw = problem.value(alpha)
             good = (raw < tol).nonzero().flatten()
             before = found.shape[0]
             # the new tokens among the converged starts (one start each), then polished
-            fresh = _dedupe(found, problem.norm(v[good[torch.argsort(raw[good])]]))[before:]
+            fresh = _dedupe(found, alpha[good[torch.argsort(raw[good])]] @ fc1_basis.T)[before:]
             if fresh.shape[0]:
-                roots, value = problem.polish(fresh, polish_iterations)
-                found = _dedupe(found, roots[torch.argsort(value)])
+                roots, value = problem.solve(fresh @ fc1_basis, polish_iterations, settled=0.0)
+                found = _dedupe(found, roots[torch.argsort(value)] @ fc1_basis.T)
         per_round.append(found.shape[0] - before)
         _logger.info("block0_roots: %s round %d: %d new roots, %d of %d found", modes[-1], len(per_round),
                      per_round[-1], found.shape[0], count)
