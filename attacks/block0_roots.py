@@ -11,9 +11,10 @@ and attention projection do:
    problem of its own (:mod:`attacks.token_roots`). Random starts alone find the few tokens with
    large basins again and again. The search (:func:`find_roots`) steers its starts into the part of
    fc2's span the found tokens leave empty while that pays, then adds equations only the tokens not
-   yet found satisfy (their output gradients span what dL/dW_fc2 puts on that empty part), on roots
-   polished to the rounding floor. Measured at B = 2 (shipped CIFAR DeiT, three pairs of bundled
-   photographs): all 130 roots in 11 rounds of 32 starts, 259-445 s on one core.
+   yet found satisfy (their output gradients span what dL/dW_fc2 puts on that empty part). Every
+   start is solved in fc1's span (u = S1 alpha, where a root is isolated) with exact Gauss-Newton
+   terms. Measured at B = 2 (shipped CIFAR DeiT as trained): all 130 roots in 11-15 rounds of 32
+   starts, 26-58 s on one core (three pairs of bundled photographs, four CIFAR-10 batches).
 2. **Per-token backward quantities, linear.** With every token's activation a_t known,
    dL/dW_fc2 = sum_t g_t a_t^T gives each token's output gradient g_t (B T <= 4D), and with it the
    gradient reaching norm2's input up to the LayerNorm's scale 1/sigma_t, which dL/db_proj =
