@@ -7,7 +7,14 @@ block 0 as trained (the standard pre-norm block: ``block0_roots`` needs it), flo
 updates, labels known. Per update: the roots found (of B T) and the starts they took, the mean
 PSNR after pairing of ``block0_roots``, of ``batch_match`` (``--match-iterations``, tv 1) and of a
 flat image of the normalisation mean colour, and each attack's wall time; then the medians per B
-and the ratio of the wall times. ``--images`` takes a folder of JPEGs or an archive instead."""
+and the ratio of the wall times. ``--images`` takes a folder of JPEGs or an archive instead.
+
+``--membership B`` asks instead what B T > D leaves (docs/design.md, "What survives batching"):
+given every true fc1 input of a batch of B (the roots, which fc2's span still defines to
+B T <= 4D), block 0's fc1 inputs of candidate images are fitted to them (float64 L-BFGS from
+random images, ``--fit-iterations`` steps of 5) with each root at its true image and position,
+and with the roots assigned by the fit itself (one optimal assignment over all B T tokens,
+recomputed every step); it prints the PSNR after pairing of both."""
 from __future__ import annotations
 
 import argparse
@@ -41,6 +48,50 @@ def paired_psnr(rec: torch.Tensor, x: torch.Tensor) -> float:
     return statistics.mean(psnr(rec[order[b]], x[b]) for b in range(x.shape[0]))
 
 
+def fc1_inputs(model: torch.nn.Module, xn: torch.Tensor) -> torch.Tensor:
+    """Block 0's fc1 inputs [B T, D] of model inputs xn (the standard pre-norm block)."""
+    z = model.norm_pre(model._pos_embed(model.patch_embed(xn)))
+    blk = model.blocks[0]
+    return blk.norm2(z + blk.ls1(blk.attn(blk.norm1(z)))).reshape(-1, z.shape[-1])
+
+
+def membership(model: torch.nn.Module, x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, steps: int,
+               gen: torch.Generator) -> dict[str, float]:
+    """``--membership``: the fit to the true roots, assigned by the truth and by the fit itself."""
+    from scipy.optimize import linear_sum_assignment
+
+    m, s = mean[:, None, None], std[:, None, None]
+    with torch.no_grad():
+        U = fc1_inputs(model, (x - m) / s)
+    start = 0.5 * torch.randn(x.shape, generator=gen, dtype=torch.float64)
+    out = {}
+    for how in ("true", "self-assigned"):
+        X = start.clone().requires_grad_(True)
+        opt = torch.optim.LBFGS([X], lr=1, max_iter=5, history_size=50, line_search_fn="strong_wolfe")
+
+        def cost() -> torch.Tensor:
+            opt.zero_grad()
+            u = fc1_inputs(model, X)
+            target = U
+            if how != "true":
+                col = linear_sum_assignment(torch.cdist(u.detach(), U).pow(2).numpy())[1]
+                target = U[torch.as_tensor(col)]
+            c = (u - target).pow(2).sum(1).mean()
+            c.backward()
+            return c
+
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            opt.step(cost)
+        with torch.no_grad():
+            out[how] = paired_psnr((X * s + m).clamp(0, 1), x)
+        _logger.info("membership, B = %d (%d tokens, width %d): roots at their %s image and position: %.1f dB "
+                     "after %d L-BFGS steps, %.0f s", x.shape[0], U.shape[0], U.shape[1],
+                     "true" if how == "true" else "own (optimal assignment)", out[how], steps,
+                     time.perf_counter() - t0)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--images", default="$FEDMJP_DATA/cifar10.tar.gz")
@@ -51,8 +102,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--match-iterations", type=int, default=200, help="batch_match's L-BFGS iterations (0: skip it)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--membership", type=int, default=0, help="batch size B of the membership test (0: off)")
+    p.add_argument("--fit-iterations", type=int, default=40, help="--membership: L-BFGS steps")
     args = p.parse_args(argv)
-    for flag in ("updates", "pool", "starts", "rounds"):
+    if not 0 <= args.membership <= args.pool:
+        p.error(f"--membership {args.membership}: give a batch size between 1 and --pool {args.pool} (0: off)")
+    for flag in ("updates", "pool", "starts", "rounds", "fit_iterations"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: give at least 1")
     try:
@@ -73,6 +128,10 @@ def main(argv: list[str] | None = None) -> None:
     mean = torch.tensor(model.default_cfg["mean"]).double()
     std = torch.tensor(model.default_cfg["std"]).double()
     gen = torch.Generator().manual_seed(args.seed)
+    if args.membership:
+        x = ims.images[torch.randperm(len(ims), generator=gen)[:args.membership]].double()
+        membership(model, x, mean, std, args.fit_iterations, gen)
+        return
     roots_attack = attacks.create_attack("block0_roots", starts=args.starts, rounds=args.rounds, seed=args.seed)
     match = attacks.create_attack("batch_match", iterations=args.match_iterations, tv=1.0) if args.match_iterations else None
     for B in sizes:
