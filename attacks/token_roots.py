@@ -126,9 +126,6 @@ class MLPSpans:
         """The residual's two parts (relative) at fc1 inputs u with activations a."""
         return (u @ self.Q1) / u.norm(dim=-1, keepdim=True), (a @ self.Q2) / a.norm(dim=-1, keepdim=True)
 
-    def residual(self, v: torch.Tensor) -> torch.Tensor:
-        return torch.cat(self.parts(*self.tokens(v)), -1)
-
     def coordinates(self, v: torch.Tensor) -> torch.Tensor:
         """Starts at LayerNorm inputs v [K, D] as coordinates alpha in fc1's span."""
         return self.norm(v) @ self.S1
