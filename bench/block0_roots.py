@@ -14,7 +14,16 @@ given every true fc1 input of a batch of B (the roots, which fc2's span still de
 B T <= 4D), block 0's fc1 inputs of candidate images are fitted to them (float64 L-BFGS from
 random images, ``--fit-iterations`` steps of 5) with each root at its true image and position,
 and with the roots assigned by the fit itself (one optimal assignment over all B T tokens,
-recomputed every step); it prints the PSNR after pairing of both."""
+recomputed every step); it prints the PSNR after pairing of both.
+
+``--design-a N`` reads instead N photographs (32 px, ``--images``) off the shipped DeiT+MJP with
+APRIL's design-A block 0 (batch 1, float64, 17 of 64 positions shuffled, a mask per image from
+``--seed``): the image given is x~ itself. Per image: whether the read succeeded (else its reason),
+the roots' rounds, the attention solve's residual, the PSNR of x~'s unshuffled region and of the
+shuffled set (the patches paired by an optimal assignment: the update does not fix their order),
+and the wall time; then how many were read exactly (both >= 90 dB).
+
+    OMP_NUM_THREADS=1 python bench/block0_roots.py --images embedded --design-a 3"""
 from __future__ import annotations
 
 import argparse
@@ -92,6 +101,35 @@ def membership(model: torch.nn.Module, x: torch.Tensor, mean: torch.Tensor, std:
     return out
 
 
+def design_a(x: torch.Tensor, mask: torch.Tensor, attack, mean: torch.Tensor, std: torch.Tensor) -> dict:
+    """``--design-a``: one read of x [1, C, 32, 32] (x~, pixels in [0, 1]) with ``mask`` [1, 64] shuffled
+    off the shipped DeiT+MJP with the design-A block 0; the row the bench prints, as a dict."""
+    from scipy.optimize import linear_sum_assignment
+
+    torch.manual_seed(0)
+    model = timm.create_model("mjp_vit_cifar_patch4_32", variant="mjp", first_block="april", depth=4)
+    load_checkpoint(model, ROOT / "checkpoints" / "cifar_deit_mjp.safetensors")
+    model = model.eval().double()
+    upd = attacks.compute_update(model, (x - mean[:, None, None]) / std[:, None, None], torch.tensor([3]),
+                                 unk_mask=mask)
+    meta = {"num_images": 1, "mean": mean.tolist(), "std": std.tolist(), "labels": [3]}
+    t0 = time.perf_counter()
+    res = attack.reconstruct(model, upd, meta)
+    row: dict = {"time_s": time.perf_counter() - t0, "failed": res.failed, "reason": res.reason}
+    if res.failed:
+        return row
+    patches = lambda im: im.double().reshape(3, 8, 4, 8, 4).permute(1, 3, 0, 2, 4).reshape(64, 48)  # noqa: E731
+    got, true = patches(res.images[0]), patches(x[0])
+    S = mask[0]
+    err = ((got[S][:, None] - true[S][None]) ** 2).mean(-1)
+    rows, cols = linear_sum_assignment(err.numpy())
+    to_db = lambda m: float(10 * torch.log10(1 / torch.as_tensor(m).clamp_min(1e-30)))  # noqa: E731
+    s = res.stats[0]
+    row.update(unshuffled_db=to_db(((got[~S] - true[~S]) ** 2).mean()), shuffled_db=to_db(err[rows, cols].mean()),
+               roots_per_round=s["roots_per_round"], attention_residual=s.get("attention_residual"))
+    return row
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--images", default="$FEDMJP_DATA/cifar10.tar.gz")
@@ -104,7 +142,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--membership", type=int, default=0, help="batch size B of the membership test (0: off)")
     p.add_argument("--fit-iterations", type=int, default=40, help="--membership: L-BFGS steps")
+    p.add_argument("--design-a", type=int, default=0, help="photographs to read off design A at B = 1 (0: off)")
+    p.add_argument("--attention-iterations", type=int, default=40, help="--design-a: the attention solve's "
+                   "iterations per start")
+    p.add_argument("--attention-starts", type=int, default=2, help="--design-a: its random starts")
     args = p.parse_args(argv)
+    if not 0 <= args.design_a <= args.pool:
+        p.error(f"--design-a {args.design_a}: give a number of photographs between 1 and --pool {args.pool} (0: off)")
+    for flag in ("attention_iterations", "attention_starts"):
+        if not 1 <= getattr(args, flag) <= (1000 if flag == "attention_iterations" else 64):
+            p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: give 1 to "
+                    f"{1000 if flag == 'attention_iterations' else 64}")
     if not 0 <= args.membership <= args.pool:
         p.error(f"--membership {args.membership}: give a batch size between 1 and --pool {args.pool} (0: off)")
     for flag in ("updates", "pool", "starts", "rounds", "fit_iterations"):
@@ -114,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
         sizes = [int(b) for b in args.batch_sizes.split(",")]
     except ValueError:
         p.error(f"--batch-sizes {args.batch_sizes!r}: give comma-separated integers, e.g. 1,2")
-    if any(not 1 <= b <= args.pool for b in sizes):
+    if not (args.design_a or args.membership) and any(not 1 <= b <= args.pool for b in sizes):
         p.error(f"--batch-sizes {args.batch_sizes}: each must be between 1 and --pool {args.pool}")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(1)
@@ -128,6 +176,24 @@ def main(argv: list[str] | None = None) -> None:
     mean = torch.tensor(model.default_cfg["mean"]).double()
     std = torch.tensor(model.default_cfg["std"]).double()
     gen = torch.Generator().manual_seed(args.seed)
+    if args.design_a:
+        attack = attacks.create_attack("block0_roots", starts=args.starts, rounds=args.rounds, seed=args.seed,
+                                       attention_iterations=args.attention_iterations,
+                                       attention_starts=args.attention_starts)
+        exact = 0
+        for i in range(args.design_a):
+            mask = torch.zeros(1, 64, dtype=torch.bool)
+            mask[0, torch.randperm(64, generator=gen)[:17]] = True
+            row = design_a(ims.images[i:i + 1].double(), mask, attack, mean, std)
+            if row["failed"]:
+                _logger.info("design A, image %d: failed: %s (%.0f s)", i, row["reason"], row["time_s"])
+                continue
+            exact += row["unshuffled_db"] >= 90 and row["shuffled_db"] >= 90
+            _logger.info("design A, image %d: x~ unshuffled %.1f dB, shuffled set %.1f dB (roots per round %s, "
+                         "attention residual %.1e), %.0f s", i, row["unshuffled_db"], row["shuffled_db"],
+                         row["roots_per_round"], row["attention_residual"], row["time_s"])
+        _logger.info("design A: %d of %d images read exactly (both parts >= 90 dB)", exact, args.design_a)
+        return
     if args.membership:
         x = ims.images[torch.randperm(len(ims), generator=gen)[:args.membership]].double()
         membership(model, x, mean, std, args.fit_iterations, gen)
