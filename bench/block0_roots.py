@@ -16,12 +16,13 @@ random images, ``--fit-iterations`` steps of 5) with each root at its true image
 and with the roots assigned by the fit itself (one optimal assignment over all B T tokens,
 recomputed every step); it prints the PSNR after pairing of both.
 
-``--design-a N`` reads instead N photographs (32 px, ``--images``) off the shipped DeiT+MJP with
-APRIL's design-A block 0 (batch 1, float64, 17 of 64 positions shuffled, a mask per image from
-``--seed``): the image given is x~ itself. Per image: whether the read succeeded (else its reason),
-the roots' rounds, the attention solve's residual, the PSNR of x~'s unshuffled region and of the
-shuffled set (the patches paired by an optimal assignment: the update does not fix their order),
-and the wall time; then how many were read exactly (both >= 90 dB).
+``--design-a N`` reads instead N photographs (32 px, ``--images``, from index ``--first``) off the
+shipped DeiT+MJP with APRIL's design-A block 0 (batch 1, float64, 17 of 64 positions shuffled, a
+mask per image drawn from ``--seed`` and its index): the image given is x~ itself. Per image:
+whether the read succeeded (else its reason), the roots' rounds, the attention solve's residual,
+the PSNR of x~'s unshuffled region and of the shuffled set (the patches paired by an optimal
+assignment: the update does not fix their order), and the wall time; then how many were read
+exactly (both >= 90 dB).
 
     OMP_NUM_THREADS=1 python bench/block0_roots.py --images embedded --design-a 3"""
 from __future__ import annotations
@@ -146,9 +147,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--attention-iterations", type=int, default=40, help="--design-a: the attention solve's "
                    "iterations per start")
     p.add_argument("--attention-starts", type=int, default=2, help="--design-a: its random starts")
+    p.add_argument("--first", type=int, default=0, help="--design-a: the index of the first photograph")
     args = p.parse_args(argv)
-    if not 0 <= args.design_a <= args.pool:
-        p.error(f"--design-a {args.design_a}: give a number of photographs between 1 and --pool {args.pool} (0: off)")
+    if args.first < 0 or not 0 <= args.design_a <= args.pool - args.first:
+        p.error(f"--design-a {args.design_a} from --first {args.first}: give photographs that --pool {args.pool} "
+                "holds (0: off)")
     for flag in ("attention_iterations", "attention_starts"):
         if not 1 <= getattr(args, flag) <= (1000 if flag == "attention_iterations" else 64):
             p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: give 1 to "
@@ -181,9 +184,9 @@ def main(argv: list[str] | None = None) -> None:
                                        attention_iterations=args.attention_iterations,
                                        attention_starts=args.attention_starts)
         exact = 0
-        for i in range(args.design_a):
-            mask = torch.zeros(1, 64, dtype=torch.bool)
-            mask[0, torch.randperm(64, generator=gen)[:17]] = True
+        for i in range(args.first, args.first + args.design_a):
+            mask = torch.zeros(1, 64, dtype=torch.bool)  # each image's own draw: the same with any --first
+            mask[0, torch.randperm(64, generator=torch.Generator().manual_seed(1000 * args.seed + i))[:17]] = True
             row = design_a(ims.images[i:i + 1].double(), mask, attack, mean, std)
             if row["failed"]:
                 _logger.info("design A, image %d: failed: %s (%.0f s)", i, row["reason"], row["time_s"])

@@ -171,7 +171,8 @@ def test_block0_roots_design_a_mode_prints_a_row_per_photograph(caplog: pytest.L
     assert re.search(r"design A, image 0: failed: design A: the attention solve ended at a squared residual of "
                      r"\S+ after 1 starts of 1 iterations", caplog.text), caplog.text
     assert "design A: 0 of 1 images read exactly" in caplog.text
-    for bad in (["--design-a", "2"], ["--design-a", "1", "--attention-starts", "0"],
+    for bad in (["--design-a", "2"], ["--design-a", "1", "--first", "1"],
+                ["--design-a", "1", "--attention-starts", "0"],
                 ["--design-a", "1", "--attention-iterations", "1001"]):
         with pytest.raises(SystemExit):
             bench.main(["--images", "embedded", "--pool", "1", *bad])

@@ -278,43 +278,80 @@ def test_the_attention_jacobian_is_forward_mode_s() -> None:
     assert float((J - ref).abs().max() / ref.abs().max()) < 1e-12
 
 
-def test_design_a_attention_outputs_give_the_embeddings_and_x_tilde(monkeypatch) -> None:
-    """APRIL's design A (shipped DeiT+MJP with the surgery, a real photograph, 6 positions shuffled):
-    every token's attention output (as step 2 returns it from the roots) determines its embedding,
-    and from 2 % off the attention solve converges to it (a start still converging when its
-    iterations run out gets as many again); the embeddings then give x~'s unshuffled
-    patches exactly and the shuffled set. From a random start the same solve took 28 iterations (329 s
-    on one core, docs/attacks.md)."""
-    import attacks.block0_roots as b0
-    from attacks.block0_roots import attention_tokens
-
+def _design_a_tokens(photo: int = 2):
+    """(model, update, Z, C, dC, fc1 inputs, mask, x) of a design-A DeiT+MJP update of a bundled photograph, 17 of
+    64 shuffled, the tokens in a random order (as the roots come)."""
     model = _design_a_mjp()
     attn = model.blocks[0].attn
     mask = torch.zeros(1, 64, dtype=torch.bool)
-    mask[0, [9, 10, 17, 18, 30, 44]] = True
-    x = bundled_images(1, 32, 2)
+    mask[0, torch.randperm(64, generator=torch.Generator().manual_seed(photo))[:17]] = True
+    x = bundled_images(1, 32, photo)
     seen = {}
-    hooks = [attn.proj.register_forward_hook(lambda m, a, o: seen.__setitem__("c", a[0][0].detach())),
+
+    def keep_c(m, a, o):
+        seen["c"] = a[0][0].detach()
+        a[0].register_hook(lambda g: seen.__setitem__("dc", g[0].detach()))
+
+    hooks = [attn.proj.register_forward_hook(keep_c),
              attn.register_forward_hook(lambda m, a, o: seen.__setitem__("z", a[0][0].detach())),
              model.blocks[0].mlp.fc1.register_forward_hook(lambda m, a, o: seen.__setitem__("u", a[0][0].detach()))]
     update = attacks.compute_update(model, (x - MEAN.double()[:, None, None]) / STD.double()[:, None, None],
                                     torch.tensor([3]), unk_mask=mask)
     for h in hooks:
         h.remove()
-    perm = torch.randperm(65, generator=torch.Generator().manual_seed(3))
-    C, Z = seen["c"][perm], seen["z"][perm]
-    basis = torch.linalg.svd(update["blocks.0.attn.qkv.weight"], full_matrices=False)[2][:65].T
-    noisy = Z + 0.02 * Z.norm(dim=1, keepdim=True) / 192 ** 0.5 * torch.randn(Z.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    perm = torch.randperm(65, generator=torch.Generator().manual_seed(7))
+    return model, update, seen["z"][perm], seen["c"][perm], seen["dc"][perm], seen["u"][perm], mask, x
+
+
+def test_the_value_update_gives_each_heads_mixes_up_to_its_free_directions() -> None:
+    """Y^h = A^h Z from dL/dW_v^h = dC^h^T Y^h and C^h = Y^h W_v^h^T + b_v^h (real photograph, trained
+    weights): the truth's mixes differ from Y0 only along N L M^T (one direction per head here, n - d =
+    1), and the mixes' closed-form Jacobian is forward mode's."""
+    from attacks.block0_roots import _mix_jacobian, _mixes, _value_mixes
+
+    model, update, Z, C, dC = _design_a_tokens()[:5]
+    attn = model.blocks[0].attn
+    G = update["blocks.0.attn.qkv.weight"]
+    basis = torch.linalg.svd(G, full_matrices=False)[2][:65].T
     with torch.no_grad():
-        # 3 iterations end at 4.6e-14, below _CONVERGING: the start gets 3 more and ends at 5e-25
-        got, value, used = attention_tokens(attn, C, basis, 3, 1, torch.Generator().manual_seed(0), start=noisy,
-                                             damping=1e-9)
+        Y0, Ns, Ms = _value_mixes(attn, C, dC, G, basis)
+        Y = _mixes(attn, Z @ basis, basis)
+    for h in range(3):
+        assert Ns[h].shape == (65, 1) and Ms[h].shape == (65, 1)
+        pattern = Ns[h] @ Ms[h].T
+        lam = float((Y[h] - Y0[h]).flatten() @ pattern.flatten() / pattern.pow(2).sum())
+        assert float((Y[h] - Y0[h] - lam * pattern).norm() / Y[h].norm()) < 1e-9
+    beta = 0.3 * torch.randn(65, 65, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    with torch.no_grad():
+        J = _mix_jacobian(attn, beta, basis)[1]
+        ref = torch.func.jacfwd(lambda b: _mixes(attn, b, basis).flatten())(beta)
+    assert float((J.reshape(ref.shape) - ref).abs().max() / ref.abs().max()) < 1e-12
+
+
+def test_design_a_attention_outputs_give_the_embeddings_and_x_tilde(monkeypatch) -> None:
+    """APRIL's design A (shipped DeiT+MJP with the surgery, a real photograph, 17 of 64 shuffled):
+    every token's attention output and its gradient (as step 2 returns them from the roots)
+    determine its embedding: from 10 % off the attention solve (the mixes, then c) converges to it;
+    the embeddings then give x~'s unshuffled patches exactly and the shuffled set. From random starts
+    the same solve took 17-19 iterations on this photograph (docs/attacks.md)."""
+    import attacks.block0_roots as b0
+    from attacks.block0_roots import attention_tokens
+
+    model, update, Z, C, dC, U, mask, x = _design_a_tokens()
+    attn = model.blocks[0].attn
+    G = update["blocks.0.attn.qkv.weight"]
+    basis = torch.linalg.svd(G, full_matrices=False)[2][:65].T
+    noisy = Z + 0.1 * Z.norm(dim=1, keepdim=True) / 192 ** 0.5 * torch.randn(
+        Z.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    with torch.no_grad():
+        got, value, used = attention_tokens(attn, C, basis, 8, 1, torch.Generator().manual_seed(0), dC, G,
+                                            start=noisy, damping=1e-6)
     assert used == 1 and value < 1e-18
     assert float((got - Z).norm() / Z.norm()) < 1e-7
     # the rest of the read, the solve's answer standing in for its random starts
     monkeypatch.setattr(b0, "attention_tokens", lambda *a, **k: (got, value, 1))
     with torch.no_grad():
-        out = b0.batch_from_roots(model, update, seen["u"][perm], 1)
+        out = b0.batch_from_roots(model, update, U, 1)
     keep = ~mask[0].reshape(8, 8).repeat_interleave(4, 0).repeat_interleave(4, 1)
     img = out.images[0] * STD.double()[:, None, None] + MEAN.double()[:, None, None]
     assert float((img - x[0]).abs()[:, keep].max()) < 1e-6
