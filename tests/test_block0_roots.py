@@ -356,3 +356,26 @@ def test_design_a_attention_outputs_give_the_embeddings_and_x_tilde(monkeypatch)
     img = out.images[0] * STD.double()[:, None, None] + MEAN.double()[:, None, None]
     assert float((img - x[0]).abs()[:, keep].max()) < 1e-6
     assert torch.equal(out.shuffled, mask) and out.attention_residual == value
+
+
+def test_design_a_places_tokens_the_attention_solve_returns_at_its_floor(monkeypatch) -> None:
+    """Step 2's error in c grows through the attention solve: measured position residuals of 1.2e-5
+    for the true tokens of one photograph (any other position >= 0.04). Embeddings 1e-5 off (relative)
+    are still placed, x~ coming back to 1e-3; embeddings 1e-2 off (a wrong solve) are not."""
+    import attacks.block0_roots as b0
+
+    model, update, Z, C, dC, U, mask, x = _design_a_tokens()
+    noise = torch.randn(Z.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    near = Z + 1e-5 * Z.norm(dim=1, keepdim=True) / 192 ** 0.5 * noise
+    monkeypatch.setattr(b0, "attention_tokens", lambda *a, **k: (near, 1e-16, 1))
+    with torch.no_grad():
+        out = b0.batch_from_roots(model, update, U, 1)
+    keep = ~mask[0].reshape(8, 8).repeat_interleave(4, 0).repeat_interleave(4, 1)
+    img = out.images[0] * STD.double()[:, None, None] + MEAN.double()[:, None, None]
+    assert float(out.position_residual.max()) > 1e-6 and float(out.runner_up.min()) > 1e-2
+    assert float((img - x[0]).abs()[:, keep].max()) < 1e-3 and torch.equal(out.shuffled, mask)
+    off = Z + 1e-2 * Z.norm(dim=1, keepdim=True) / 192 ** 0.5 * noise
+    monkeypatch.setattr(b0, "attention_tokens", lambda *a, **k: (off, 1e-16, 1))
+    with pytest.raises(attacks.AttackFailure, match="fit no position"):
+        with torch.no_grad():
+            b0.batch_from_roots(model, update, U, 1)
