@@ -80,6 +80,9 @@ POSITION_TOL = 1e-6
 #: (squared residual 1.5e-16 on one photograph) grows through the attention's inverse to 1.2e-5 in
 #: the true tokens' position residuals, still 3,000 times below any other position's (>= 0.04)
 DESIGN_A_POSITION_TOL = 1e-3
+#: the design-A attention solve is dense in T^2 unknowns (Jacobian 3 T^4 doubles: 0.4 GB at T = 65,
+#: 2.5 GB at T = 100); larger token counts are refused before any work
+DESIGN_A_MAX_UNKNOWNS = 10_000
 #: rms of a random start of the design-A attention solve (model units; the position embedding's is ~0.13)
 _START_RMS = 0.5
 #: a start of the attention solve below this squared residual at its last iteration gets as many again:
@@ -681,6 +684,10 @@ def check_model(vit: nn.Module, grads: Mapping[str, torch.Tensor], batch: int) -
         raise AttackFailure(f"block0_roots needs B T <= D: {batch} images x {T} tokens = {batch * T} > width {D} "
                             f"(the attention projection's update then no longer separates the tokens; "
                             f"B <= {D // T} on this model)")
+    if is_design_a(blk) and T * T > DESIGN_A_MAX_UNKNOWNS:
+        raise AttackFailure(f"block0_roots reads design A through a dense solve in T^2 = {T * T} unknowns "
+                            f"({T} tokens); it takes at most {DESIGN_A_MAX_UNKNOWNS} (T <= "
+                            f"{int(DESIGN_A_MAX_UNKNOWNS ** 0.5)}: its Jacobian grows as 3 T^4 doubles)")
     if blk.attn.qkv.bias is None or blk.mlp.fc1.bias is None or blk.attn.proj.bias is None:
         raise AttackFailure("block0_roots needs biases on block 0's qkv, proj and fc1 (dL/db_proj fixes the "
                             "LayerNorm scales)")

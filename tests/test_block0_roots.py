@@ -208,12 +208,20 @@ def test_a_b2_update_of_the_model_as_trained_is_read_from_scratch() -> None:
     ("design_a", "design-A block 0 at B = 1 only"),
     ("batch_3", r"B T <= D: 3 images x 65 tokens = 195 > width 192"),
     ("fedavg", "local steps"),
+    ("design_a_large", r"dense solve in T\^2 = 21025 unknowns \(145 tokens\); it takes at most 10000"),
 ])
 def test_conditions_it_cannot_meet_are_failed_rows_with_the_reason(case: str, match: str) -> None:
     attack = attacks.create_attack("block0_roots", rounds=1, starts=1)
     B = {"batch_3": 3, "design_a": 2}.get(case, 1)
-    model = _deit("april" if case == "design_a" else "standard")
-    _, _, update, _ = _update_and_tokens(model, B)
+    if case == "design_a_large":  # 48 px: 145 tokens, B T <= D holds, the dense solve would not fit
+        torch.manual_seed(0)
+        model = timm.create_model("mjp_vit_cifar_patch4_32", variant="plain", first_block="april", depth=1,
+                                  img_size=48).double()
+        xn = torch.randn(1, 3, 48, 48, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        update = attacks.compute_update(model, xn, torch.tensor([3]))
+    else:
+        model = _deit("april" if case == "design_a" else "standard")
+        _, _, update, _ = _update_and_tokens(model, B)
     meta = dict(MD, num_images=B)
     if case == "fedavg":
         meta.update(update_type="delta", local_steps=2, lr=0.1)
