@@ -330,10 +330,10 @@ def _value_mixes(attn: nn.Module, C: torch.Tensor, dC: torch.Tensor, qkv_grad: t
     Head h's value weights' gradient is dL/dW_v^h = sum_s dv_s z_s^T with dv_s = sum_t A_ts dc_t, that
     is dC^h^T Y^h; and its attention outputs are C^h = Y^h W_v^h^T + b_v^h (A's rows sum to 1). With
     every token's c_t and dL/dc_t known (step 2) both are linear in Y^h: the first fixes it up to
-    N_h L M_h^T (N_h: the n - d dimensional null space of dC^h^T; M_h: that of W_v^h on the basis,
-    L free), the second then fixes all of L but an (n - d) x (n - d) part (1 x 1 on the CIFAR
-    geometry: n = 65 tokens, d = 64). Returns (Y0 [h, n, k], N_h, M_h) with Y^h = Y0^h + N_h L_h M_h^T.
-    Measured with the truth's attention weights: Z from Y^1..3 to 1e-8."""
+    N_h W^T (N_h [n, n - d]: the null space of dC^h^T; W free), the second fixes W but its part that
+    W_v^h on the basis does not see (M_h [k, k - d]). Returns (Y0 [h, n, k], N_h, M_h) with
+    Y^h = Y0^h + N_h L_h M_h^T, L_h free [(n - d), (k - d)]: 1 x 1 on the CIFAR geometry (n = k = 65
+    tokens, head width d = 64). Measured with the truth's attention weights: Z from Y^1..3 to 1e-8."""
     n, D = C.shape
     heads = int(attn.num_heads)
     d = D // heads
@@ -357,8 +357,19 @@ def _value_mixes(attn: nn.Module, C: torch.Tensor, dC: torch.Tensor, qkv_grad: t
     return torch.stack(Y0), Ns, Ms
 
 
-def _mix_jacobian(attn: nn.Module, beta: torch.Tensor, basis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Y [h, n, k], d Y / d beta [h n k, n k]) for Y^h = A^h(Z) beta, Z = beta basis^T: the closed form of
+def _mixes(attn: nn.Module, beta: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    """Y^h = A^h(Z) beta for Z = beta basis^T, [h, n, k] (:func:`_value_mixes`)."""
+    n, k = beta.shape
+    heads = int(attn.num_heads)
+    D = basis.shape[0]
+    d = D // heads
+    qkv = attn.qkv(beta @ basis.T).reshape(n, 3, heads, d).permute(1, 2, 0, 3)
+    A = ((qkv[0] * float(attn.scale)) @ qkv[1].transpose(-2, -1)).softmax(-1)
+    return A @ beta
+
+
+def _mix_jacobian(attn: nn.Module, beta: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    """d Y / d beta [h n k, n k] for the mixes Y^h = A^h(Z) beta (:func:`_mixes`): the closed form of
     :func:`_attention_jacobian` with each token's coordinates as its value."""
     n, k = beta.shape
     heads = int(attn.num_heads)
@@ -369,7 +380,7 @@ def _mix_jacobian(attn: nn.Module, beta: torch.Tensor, basis: torch.Tensor) -> t
     sc = float(attn.scale)
     eye = torch.eye(k, dtype=torch.float64)
     idx = torch.arange(n)
-    Ys, Js = [], []
+    Js = []
     for h in range(heads):
         Wq, Wk = W[h * d:(h + 1) * d] @ basis, W[D + h * d:D + (h + 1) * d] @ basis
         q = beta @ Wq.T + b[h * d:(h + 1) * d]
@@ -380,9 +391,8 @@ def _mix_jacobian(attn: nn.Module, beta: torch.Tensor, basis: torch.Tensor) -> t
         J = torch.einsum("tr,ij->tirj", A, eye)
         J += sc * torch.einsum("tr,tri,tj->tirj", A, diff, q @ Wk)
         J[idx, :, idx, :] += sc * torch.einsum("rs,rsi,sj->rij", A, diff, kk @ Wq)
-        Ys.append(Y)
         Js.append(J.reshape(n * k, n * k))
-    return torch.stack(Ys), torch.cat(Js)
+    return torch.cat(Js)
 
 
 def _dense_lm(residual: Callable[[torch.Tensor], torch.Tensor], jacobian: Callable[[torch.Tensor], torch.Tensor],
@@ -391,8 +401,8 @@ def _dense_lm(residual: Callable[[torch.Tensor], torch.Tensor], jacobian: Callab
     divided by 3 on success and multiplied by 4 on refusal (no cap on refusals; span_lm's Nielsen
     schedule stopped the same attention start at 5.5e-7 where this reaches 1.2e-22). Stops below
     ``stop``, when no step helps, or at its floor (below ``_CONVERGING``, a step that gains less than
-    half); one still converging (below ``_CONVERGING``) when its
-    ``iterations`` run out gets as many again. Returns (x, squared residual)."""
+    half); one below ``_CONVERGING`` when its ``iterations`` run out gets as many again. Returns
+    (x, squared residual)."""
     r = residual(x)
     value, mu = float(r.pow(2).sum()), damping
     eye = torch.eye(x.numel(), dtype=torch.float64)
@@ -472,7 +482,7 @@ def attention_tokens(attn: nn.Module, C: torch.Tensor, basis: torch.Tensor, iter
         return ((_mixes(attn, beta, basis) - Y0) / ysc[:, None, None]).flatten() + cols @ lam
 
     def mix_jacobian(x: torch.Tensor) -> torch.Tensor:
-        J = _mix_jacobian(attn, mix_split(x)[0], basis)[1].reshape(len(ysc), n * k, n * k) / ysc[:, None, None]
+        J = _mix_jacobian(attn, mix_split(x)[0], basis).reshape(len(ysc), n * k, n * k) / ysc[:, None, None]
         return torch.cat([J.reshape(-1, n * k), cols], 1)
 
     best, best_value = torch.zeros(n, k, dtype=torch.float64), float("inf")
@@ -495,17 +505,6 @@ def attention_tokens(attn: nn.Module, C: torch.Tensor, basis: torch.Tensor, iter
         if best_value < tol:
             return best @ basis.T, best_value, s + 1
     return best @ basis.T, best_value, starts
-
-
-def _mixes(attn: nn.Module, beta: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
-    """Y^h = A^h(Z) beta for Z = beta basis^T, [h, n, k] (:func:`_value_mixes`)."""
-    n, k = beta.shape
-    heads = int(attn.num_heads)
-    D = basis.shape[0]
-    d = D // heads
-    qkv = attn.qkv(beta @ basis.T).reshape(n, 3, heads, d).permute(1, 2, 0, 3)
-    A = ((qkv[0] * float(attn.scale)) @ qkv[1].transpose(-2, -1)).softmax(-1)
-    return A @ beta
 
 
 def batch_from_roots(vit: nn.Module, grads: Mapping[str, torch.Tensor], roots: torch.Tensor, batch: int,
@@ -546,7 +545,8 @@ def batch_from_roots(vit: nn.Module, grads: Mapping[str, torch.Tensor], roots: t
         Dh = G2 + s[:, None] * w  # dL/dh per token
         C = _lstsq(Dh.T, g(attn.proj.weight))  # [n, D] attention outputs (proj inputs)
         attention_residual = None
-        if is_design_a(blk):  # no residual around attention: the embeddings from the attention solve
+        design_a = is_design_a(blk)
+        if design_a:  # no residual around attention: the embeddings from the attention solve
             if batch != 1:
                 raise AttackFailure(f"design A: the attention solve reads one image's tokens, not {batch}")
             basis = torch.linalg.svd(g(attn.qkv.weight), full_matrices=False)[2][:n].T
@@ -581,7 +581,7 @@ def batch_from_roots(vit: nn.Module, grads: Mapping[str, torch.Tensor], roots: t
             res[:, p] = (r - (r @ Qm) @ Qm.T).norm(dim=1) / scale
         best, pos = res.min(1)
         runner_up = res.scatter(1, pos[:, None], float("inf")).min(1).values
-        tol = POSITION_TOL if attention_residual is None else DESIGN_A_POSITION_TOL
+        tol = DESIGN_A_POSITION_TOL if design_a else POSITION_TOL
         bad = (best > tol).nonzero().flatten()
         if bad.numel():
             raise AttackFailure(f"{bad.numel()} of the {n} roots fit no position (best relative residual "

@@ -102,15 +102,20 @@ def membership(model: torch.nn.Module, x: torch.Tensor, mean: torch.Tensor, std:
     return out
 
 
-def design_a(x: torch.Tensor, mask: torch.Tensor, attack, mean: torch.Tensor, std: torch.Tensor) -> dict:
-    """``--design-a``: one read of x [1, C, 32, 32] (x~, pixels in [0, 1]) with ``mask`` [1, 64] shuffled
-    off the shipped DeiT+MJP with the design-A block 0; the row the bench prints, as a dict."""
-    from scipy.optimize import linear_sum_assignment
-
+def design_a_model() -> torch.nn.Module:
+    """The shipped DeiT+MJP with the design-A block 0, float64 (``--design-a``)."""
     torch.manual_seed(0)
     model = timm.create_model("mjp_vit_cifar_patch4_32", variant="mjp", first_block="april", depth=4)
     load_checkpoint(model, ROOT / "checkpoints" / "cifar_deit_mjp.safetensors")
-    model = model.eval().double()
+    return model.eval().double()
+
+
+def design_a(model: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor, attack, mean: torch.Tensor,
+             std: torch.Tensor) -> dict:
+    """``--design-a``: one read of x [1, C, 32, 32] (x~, pixels in [0, 1]) with ``mask`` [1, 64] shuffled
+    off ``model`` (:func:`design_a_model`); the row the bench prints, as a dict."""
+    from scipy.optimize import linear_sum_assignment
+
     upd = attacks.compute_update(model, (x - mean[:, None, None]) / std[:, None, None], torch.tensor([3]),
                                  unk_mask=mask)
     meta = {"num_images": 1, "mean": mean.tolist(), "std": std.tolist(), "labels": [3]}
@@ -152,10 +157,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.first < 0 or not 0 <= args.design_a <= args.pool - args.first:
         p.error(f"--design-a {args.design_a} from --first {args.first}: give photographs that --pool {args.pool} "
                 "holds (0: off)")
-    for flag in ("attention_iterations", "attention_starts"):
-        if not 1 <= getattr(args, flag) <= (1000 if flag == "attention_iterations" else 64):
-            p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: give 1 to "
-                    f"{1000 if flag == 'attention_iterations' else 64}")
+    try:  # the attack's own option checks (ranges of starts, rounds, attention_*)
+        roots_attack = attacks.create_attack("block0_roots", starts=args.starts, rounds=args.rounds, seed=args.seed,
+                                             attention_iterations=args.attention_iterations,
+                                             attention_starts=args.attention_starts)
+    except ValueError as e:
+        p.error(str(e))
     if not 0 <= args.membership <= args.pool:
         p.error(f"--membership {args.membership}: give a batch size between 1 and --pool {args.pool} (0: off)")
     for flag in ("updates", "pool", "starts", "rounds", "fit_iterations"):
@@ -180,14 +187,12 @@ def main(argv: list[str] | None = None) -> None:
     std = torch.tensor(model.default_cfg["std"]).double()
     gen = torch.Generator().manual_seed(args.seed)
     if args.design_a:
-        attack = attacks.create_attack("block0_roots", starts=args.starts, rounds=args.rounds, seed=args.seed,
-                                       attention_iterations=args.attention_iterations,
-                                       attention_starts=args.attention_starts)
+        model_a = design_a_model()
         exact = 0
         for i in range(args.first, args.first + args.design_a):
             mask = torch.zeros(1, 64, dtype=torch.bool)  # each image's own draw: the same with any --first
             mask[0, torch.randperm(64, generator=torch.Generator().manual_seed(1000 * args.seed + i))[:17]] = True
-            row = design_a(ims.images[i:i + 1].double(), mask, attack, mean, std)
+            row = design_a(model_a, ims.images[i:i + 1].double(), mask, roots_attack, mean, std)
             if row["failed"]:
                 _logger.info("design A, image %d: failed: %s (%.0f s)", i, row["reason"], row["time_s"])
                 continue
@@ -201,7 +206,6 @@ def main(argv: list[str] | None = None) -> None:
         x = ims.images[torch.randperm(len(ims), generator=gen)[:args.membership]].double()
         membership(model, x, mean, std, args.fit_iterations, gen)
         return
-    roots_attack = attacks.create_attack("block0_roots", starts=args.starts, rounds=args.rounds, seed=args.seed)
     match = attacks.create_attack("batch_match", iterations=args.match_iterations, tv=1.0) if args.match_iterations else None
     for B in sizes:
         got: dict[str, list[float]] = {"block0_roots": [], "batch_match": [], "flat": []}
