@@ -54,7 +54,7 @@ class GraphedStep:
                 self.graphs.clear()
                 return self._eager(key, x)
             self.graphs = {key: entry}  # the running set changes rarely; one graph is kept
-        static_x, graph, out = entry
+        static_x, graph, out, _inputs = entry
         static_x.detach().copy_(x)
         graph.replay()
         self.replays += 1
@@ -76,4 +76,8 @@ class GraphedStep:
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             out = self._run(key, static_x, match, y)
         self.recorded += 1
-        return static_x, graph, out
+        # the graph reads these tensors at their recorded addresses on every replay: the entry keeps
+        # them alive. Dropped with _record's frame, their memory went back to the allocator and was
+        # reused, so a replay read other data as the labels (an H200, 2026-11-28: the cross-entropy's
+        # gather raised a device-side assert, which ends every later CUDA call of the process)
+        return static_x, graph, out, (match, y)

@@ -81,6 +81,22 @@ class PartTimeout(Exception):
     """A part ran past its budget."""
 
 
+class PartLost(Exception):
+    """A part that needs this process's CUDA context after an earlier part lost it."""
+
+
+#: Parts that need no CUDA context of this process: they run their own processes, or none on the device.
+OWN_PROCESS_PARTS = {"env", "pytest_cuda", "projection", "preset_default", "preset_cifar"}
+
+
+def context_lost(err: BaseException) -> bool:
+    """A CUDA error after which every later CUDA call of this process fails (a device-side assert,
+    an illegal address): the remaining in-process parts are not run, not reported as their own errors."""
+    text = f"{type(err).__name__}: {err}"
+    return type(err).__name__ == "AcceleratorError" or any(
+        s in text for s in ("device-side assert", "illegal memory access", "unspecified launch failure"))
+
+
 class PartSkipped(Exception):
     """A part cannot run here (its data is missing); recorded as ``skipped`` with the reason."""
 
@@ -94,6 +110,8 @@ class Context:
     out: Path
     data: Optional[Path]
     results: dict[str, Any] = field(default_factory=dict)
+    #: the part in which this process's CUDA context was lost (later in-process parts are not run)
+    lost: Optional[str] = None
     #: what a part has measured so far (kept in the report when the part then fails or runs over)
     partial: dict[str, dict] = field(default_factory=dict)
 
@@ -266,6 +284,10 @@ def part_env(ctx: Context) -> dict:
     try:
         out["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                                        text=True, timeout=10).stdout.strip() or None
+        # tracked files that differ from that commit: the figures are not that commit's
+        changed = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=ROOT, capture_output=True, timeout=10)
+        if out["commit"] and changed.returncode == 1:
+            out["commit"] += " with local changes"
     except (OSError, subprocess.SubprocessError):
         out["commit"] = None
     out["checks"] = {"device resolved": ctx.device.type in ("cpu", "cuda")}
@@ -588,7 +610,14 @@ def _benchmark_run(ctx: Context, device: str, args: list[str], out: Path, second
     cmd = [sys.executable, str(ROOT / "run_benchmark.py"), *args, "--device", device, "--no-progress",
            "--output", str(out)]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=seconds)
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=seconds)
+    except subprocess.TimeoutExpired as err:  # where the run was when stopped: the end of its log
+        tail = err.stderr or err.stdout or ""
+        tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
+        raise subprocess.TimeoutExpired(err.cmd, err.timeout, output=None,
+                                        stderr=f"{device} run stopped after {seconds:.0f} s; its log ends: "
+                                               f"{tail[-400:]}") from None
     dt = time.perf_counter() - t0
     if proc.returncode != 0:
         raise RuntimeError(f"run_benchmark.py exit status {proc.returncode}: {(proc.stderr or proc.stdout)[-600:]}")
@@ -607,8 +636,10 @@ def _preset(ctx: Context, seconds: float, name: str, args: list[str]) -> dict:
 
     for sub in ("device", "cpu"):
         shutil.rmtree(out / sub, ignore_errors=True)
+    ctx.partial[f"preset_{name}"] = dict(args=" ".join(args))
     t_dev, dev_rows = _benchmark_run(ctx, str(ctx.device), args, out / "device", seconds)
     res: dict[str, Any] = dict(s_device=round(t_dev, 1), rows=len(dev_rows), args=" ".join(args))
+    ctx.partial[f"preset_{name}"].update(res)  # kept if the CPU reference then runs over
     if not ctx.cuda:
         res["cpu_reference"] = "the device is the CPU"
         return {**res, "checks": {"rows scored": bool(dev_rows)}}
@@ -772,6 +803,9 @@ def run_parts(ctx: Context, only: Optional[set[str]], scale: float, command: str
         record["parts"][name] = entry
         t0 = time.perf_counter()
         try:
+            if ctx.lost and name not in OWN_PROCESS_PARTS:
+                raise PartLost(f"not run: this process's CUDA context was lost in part {ctx.lost}; "
+                               f"rerun with --only {name}")
             with budget(limit):
                 result = fn(ctx, limit) if fn.__code__.co_argcount == 2 else fn(ctx)
             ctx.results[name] = result
@@ -779,11 +813,17 @@ def run_parts(ctx: Context, only: Optional[set[str]], scale: float, command: str
             entry.update(status="check failed" if failed else "ok", result=result)
         except PartSkipped as err:
             entry.update(status="skipped", error=str(err))
-        except (PartTimeout, subprocess.TimeoutExpired) as err:
+        except PartLost as err:
+            entry.update(status="not run", error=str(err))
+        except subprocess.TimeoutExpired as err:
+            entry.update(status="timeout", error=f"TimeoutExpired: {err.stderr or err}")
+        except PartTimeout as err:
             entry.update(status="timeout", error=f"{type(err).__name__}: {err}")
         except Exception as err:  # noqa: BLE001  (one failing part must not lose the others)
             entry.update(status="error", error=f"{type(err).__name__}: {err}",
                          traceback=traceback.format_exc(limit=6)[-2000:])
+            if ctx.cuda and context_lost(err):
+                ctx.lost = f"{name}: {type(err).__name__}: {str(err).splitlines()[0][:160]}"
         if entry["status"] in ("timeout", "error") and ctx.partial.get(name):
             entry["result"] = dict(ctx.partial[name], checks={})  # the figures measured before it stopped
         entry["seconds"] = round(time.perf_counter() - t0, 2)

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from test_bench_scripts import load_bench
 
@@ -65,3 +66,36 @@ def test_bad_arguments_are_one_line_errors(tmp_path: Path, capsys, argv, message
     assert bench.main([*argv, "--quick", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and message in err and "\n" not in err
+
+
+def test_a_lost_cuda_context_stops_the_in_process_parts_not_the_others(tmp_path: Path, monkeypatch) -> None:
+    """After a device-side assert every CUDA call of the process fails: the parts after it that run in
+    this process are 'not run' with the part that lost it named, the parts with their own processes run."""
+    bench = load_bench("gpu_check")
+    ran = []
+
+    def asserting(ctx):
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+    def in_process(ctx):
+        ran.append("in_process")
+        return {"checks": {}}
+
+    def own_process(ctx):
+        ran.append("env")
+        return {"checks": {}}
+
+    monkeypatch.setattr(bench, "PARTS", [("closed_forms", 10, asserting), ("metrics", 10, in_process),
+                                         ("env", 10, own_process)])
+    record = bench.run_parts(bench.Context(device=torch.device("cpu"), quick=True, out=tmp_path, data=None),
+                             None, 1.0, "test")
+    assert ran == ["in_process", "env"]  # on the CPU a CUDA error loses nothing
+    ran.clear()
+    monkeypatch.setattr(bench.Context, "cuda", property(lambda self: True))
+    monkeypatch.setattr(bench.Context, "sync", lambda self: None)
+    record = bench.run_parts(bench.Context(device=torch.device("cpu"), quick=True, out=tmp_path, data=None),
+                             None, 1.0, "test")
+    parts = record["parts"]
+    assert parts["closed_forms"]["status"] == "error"
+    assert parts["metrics"]["status"] == "not run" and "closed_forms" in parts["metrics"]["error"]
+    assert ran == ["env"] and parts["env"]["status"] == "ok"
