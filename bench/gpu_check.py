@@ -385,7 +385,7 @@ def part_mjp_adaptive(ctx: Context, seconds: float) -> dict:
 def part_ig_closed_start(ctx: Context, seconds: float) -> dict:
     t_part = time.perf_counter()
     dev = str(ctx.device)
-    base = dict(restarts=1, start_attacks=["pe_closed_form"])
+    base = dict(restarts=1, start_attacks=["pe_closed_form"], cuda_graph=False)  # eager steps unless set
     small = make_case(ctx, 32, "plain", torch.float64, quantize=8)
     small.model_dev, small.model_cpu = small.model_dev.float(), small.model_cpu.float()
     ref = compare_attack(ctx, small, "ig_closed_start", {**base, "iterations": 3 if ctx.quick else 10, "device": "cpu"},
@@ -773,7 +773,7 @@ def write_report(ctx: Context, record: dict) -> None:
         text = "; ".join(f"{k} {v}" for k, v in list(figures.items())[:8])
         lines.append(f"| {name} | {part['status']} | {part['seconds']} | {part['budget_s']} | "
                      f"{len(checks) - len(bad)}/{len(checks)}{' failed: ' + ', '.join(bad) if bad else ''} | "
-                     f"{(part.get('error') or text)[:400].replace('|', '/')} |")
+                     f"{' '.join((part.get('error') or text).split())[:400].replace('|', '/')} |")  # one line a row
     rows = record["parts"].get("closed_forms", {}).get("result", {}).get("rows", [])
     if rows:
         lines += ["", "| attack | update | s device | s CPU | PSNR device | PSNR CPU | device vs CPU | victim grad diff |",

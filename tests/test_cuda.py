@@ -228,8 +228,10 @@ def test_ig_closed_start_cuda_graph_replays_the_eager_steps():
     model, x, update, meta = _case(defence=dict(name="quantize", bits=8))
     opts = dict(iterations=8, converge_window=8, restarts=1, start_attacks=["pe_closed_form"], device="cuda")
     gpu_model, gpu_update = _on_cuda(model, update)
-    eager = attacks.create_attack("ig_closed_start", **opts).reconstruct(gpu_model, gpu_update, meta)
-    graphed = attacks.create_attack("ig_closed_start", cuda_graph=True, **opts).reconstruct(gpu_model, gpu_update, meta)
+    eager = attacks.create_attack("ig_closed_start", cuda_graph=False, **opts).reconstruct(gpu_model, gpu_update, meta)
+    default = attacks.create_attack("ig_closed_start", **opts)
+    assert default.cuda_graph  # on by default on a CUDA device
+    graphed = default.reconstruct(gpu_model, gpu_update, meta)
     assert not eager.failed and not graphed.failed, (eager.reason, graphed.reason)
     assert graphed.stats[0]["steps_run_as"].startswith("CUDA graph: 1 recorded"), graphed.stats[0]["steps_run_as"]
     assert graphed.stats[0]["iterations"] == eager.stats[0]["iterations"]

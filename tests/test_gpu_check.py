@@ -41,7 +41,7 @@ def test_a_failing_or_overlong_part_is_recorded_and_the_next_part_runs(tmp_path:
     bench = load_bench("gpu_check")
 
     def broken(ctx):
-        raise RuntimeError("boom")
+        raise RuntimeError("boom\nsecond line of the message")
 
     def slow(ctx, seconds):
         time.sleep(5)
@@ -51,6 +51,8 @@ def test_a_failing_or_overlong_part_is_recorded_and_the_next_part_runs(tmp_path:
     code = bench.main(["--device", "cpu", "--quick", "--out", str(tmp_path), "--budget-scale", "1"])
     parts = json.loads((tmp_path / "gpu_check.json").read_text())["parts"]
     assert parts["broken"]["status"] == "error" and "boom" in parts["broken"]["error"]
+    table = (tmp_path / "gpu_check.md").read_text().splitlines()
+    assert any(ln.startswith("| broken |") and "second line" in ln for ln in table)  # one row, one line
     assert parts["slow"]["status"] == "timeout" and parts["slow"]["seconds"] < 4
     assert parts["env"]["status"] == "ok" and parts["env"]["result"]["device"] == "cpu"
     assert code == 1
