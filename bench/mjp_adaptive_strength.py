@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
             x_t = model.shuffle_images(x, plan)
             update = attacks.compute_update(model, normalize(x_t, MEAN, STD), torch.tensor([(args.first + i) % 10]),
                                             unk_mask=plan.mask)
-            oracle, _ = oracle_c(x, x_t, plan.mask[0], 4, prediction=args.jigsaw_prediction)
+            oracle, _ = oracle_c(x, x_t, plan.mask[0], 4, prediction="prediction" if args.jigsaw_prediction else None)
             oracles.append(oracle)
             line = [f"[{label}] {name:12s} |S|={int(plan.mask.sum()):2d} oracle (c) {oracle:5.1f}"]
             if args.roots:
