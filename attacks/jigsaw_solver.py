@@ -76,8 +76,6 @@ def default_inpaint(patch_size: int) -> float:
 
 def _cost_name(cost: "bool | str") -> str:
     name = {False: "l2", True: "prediction"}.get(cost, cost) if isinstance(cost, bool) else cost
-    if name is None:
-        raise ValueError("jigsaw cost None: resolve it with default_cost(patch_size) first")
     if name not in COSTS:
         raise ValueError(f"jigsaw cost must be one of {COSTS}, got {cost!r}")
     return name
@@ -403,11 +401,11 @@ def solve_jigsaw(patches: torch.Tensor, grid: tuple[int, int], free: torch.Tenso
     K = len(free_idx)
     if patches.shape[0] != K:
         raise ValueError(f"{patches.shape[0]} candidate patches for {K} free positions")
+    cost = default_cost(patches.shape[-1]) if prediction is None else prediction
     if K == 0:
         return np.zeros(0, dtype=np.int64), dict(cost_assignment=0.0, cost_final=0.0, swaps=0, reassignments=0,
-                                                 kicks_accepted=0, cost=_cost_name(prediction or "l2"))
+                                                 kicks_accepted=0, cost=_cost_name(cost))
     w = default_inpaint(patches.shape[-1]) if inpaint is None else float(inpaint)
-    cost = default_cost(patches.shape[-1]) if prediction is None else prediction
     unary, pair, links = _costs(patches, grid, free_idx, known, cost, w)
     # Linear surrogate for the assignment: a free-free boundary costs the candidate's mean distance
     # to its three most compatible partners (the partner is unknown at this stage).

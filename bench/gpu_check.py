@@ -636,10 +636,10 @@ def _preset(ctx: Context, seconds: float, name: str, args: list[str]) -> dict:
 
     for sub in ("device", "cpu"):
         shutil.rmtree(out / sub, ignore_errors=True)
-    ctx.partial[f"preset_{name}"] = dict(args=" ".join(args))
+    res: dict[str, Any] = dict(args=" ".join(args))
+    ctx.partial[f"preset_{name}"] = res  # what is measured below is kept if a run then runs over
     t_dev, dev_rows = _benchmark_run(ctx, str(ctx.device), args, out / "device", seconds)
-    res: dict[str, Any] = dict(s_device=round(t_dev, 1), rows=len(dev_rows), args=" ".join(args))
-    ctx.partial[f"preset_{name}"].update(res)  # kept if the CPU reference then runs over
+    res.update(s_device=round(t_dev, 1), rows=len(dev_rows))
     if not ctx.cuda:
         res["cpu_reference"] = "the device is the CPU"
         return {**res, "checks": {"rows scored": bool(dev_rows)}}

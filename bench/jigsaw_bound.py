@@ -48,9 +48,9 @@ def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def case(x: torch.Tensor, patch: int, gamma: float, seed: int) -> dict:
-    """The true patches of x [1, C, H, W] at MJP's shuffled positions S, in a seeded random order:
-    ``candidates[k]`` belongs at the ``truth_slot[k]``-th position of S; ``order_true[j]`` is the
-    candidate of the j-th position (the solver's output format)."""
+    """The true patches of x [1, C, H, W] at MJP's shuffled positions S, in a seeded random order
+    (``candidates``); ``order_true[j]`` is the candidate that belongs at the j-th position of S (the
+    solver's output format)."""
     grid = (x.shape[-2] // patch, x.shape[-1] // patch)
     S = make_plan(1, grid, gamma, seed).mask[0]
     pix = patchify(x, patch)[0]
@@ -159,7 +159,7 @@ def bound(argv: list[str] | None = None) -> dict:
         print(f"| {cost} | {fmt([r['psnr'] for r in rows])} | {right}/{total} ({100 * right / max(total, 1):.0f} %) | "
               f"{count['exact']}/{n} | {count['search']}/{n} | {count['model']}/{n} | "
               f"{statistics.median(r['seconds'] for r in rows):.2f} |")
-    chance_right = sum(1 for c in cases) and statistics.mean(1 / max(c["idx"].numel(), 1) for c in cases)
+    chance_right = statistics.mean(1 / max(c["idx"].numel(), 1) for c in cases)  # a random order's share
     print(f"| (true patches, random order) | {fmt([b['chance'] for b in base])} | ~{100 * chance_right:.0f} % | | | | |")
     print(f"| (harmonic fill of S, no patches) | {fmt([b['fill'] for b in base])} | | | | | |")
     print("\nsearch-limited: the true arrangement costs less than the one found; model-limited: the one found "
