@@ -83,8 +83,13 @@ LM_JACOBIANS = 0
 #: Forward multiply-adds one default Jacobian may spend (unknowns x forward cost): the 32 px depth-4
 #: model's 1,024 unknowns x ~1.2e8 with room; DeiT-S at 224 px is ~1e5 times over it.
 LM_BUDGET = 5e11
-#: Bytes of the dense float64 Jacobian the default allows (~1.5 GB at 32 px, depth 4, |S| = 17).
+#: Bytes of the dense float64 Jacobian the default allows (~1.5 GB at 32 px, depth 4, |S| = 17);
+#: above it ``lm_solver: auto`` runs the matrix-free solver.
 LM_MEMORY = 3e9
+#: ``lm_solver`` values: ``dense`` (exact Jacobian, Cholesky), ``matrix_free`` (sketch-preconditioned
+#: CG on Jacobian products, :func:`attacks.span_lm.matrix_free_lm`), ``auto`` (dense where it fits
+#: :data:`LM_MEMORY`).
+LM_SOLVERS = ("auto", "dense", "matrix_free")
 
 
 # ------------------------------------------------------------------------------------ attack
@@ -105,10 +110,15 @@ class MJPAdaptive(Attack):
         probe_iterations: L-BFGS iterations of every start before one is kept.
         tv_prior: refine the quadratic prior's unshuffled coefficients under a total-variation prior.
         lm_jacobians: the final stage of ``span``: Levenberg-Marquardt on the span residual's vector
-            form (:mod:`attacks.span_lm`), at most this many exact Jacobians (0: off). None: with the
-            default span fit (``span_iterations`` None), up to :data:`LM_JACOBIANS` where the dense
-            Jacobian fits :data:`LM_BUDGET` and :data:`LM_MEMORY` (the 32 px models: ~50 CPU-s per
-            Jacobian at depth 4), else off with a note.
+            form (:mod:`attacks.span_lm`), at most this many Gauss-Newton iterations (0: off). None:
+            with the default span fit (``span_iterations`` None), up to :data:`LM_JACOBIANS` where the
+            dense Jacobian fits :data:`LM_BUDGET` and :data:`LM_MEMORY` (the 32 px models: ~50 CPU-s
+            per Jacobian at depth 4), else off with a note.
+        lm_solver: how each of those iterations solves for its step: ``dense`` (the exact Jacobian,
+            Cholesky), ``matrix_free`` (conjugate gradients on Jacobian-vector products,
+            preconditioned by a row sketch: :func:`attacks.span_lm.matrix_free_lm`; the route at
+            224 px, where the dense Jacobian would take terabytes) or ``auto`` (dense where it fits
+            :data:`LM_MEMORY`, else matrix-free).
         joint_prior: the prior also inpaints the shuffled patches inside their affine hull (else
             they start as random points of the hull).
         rounds: alternating rounds (shuffled block, then all parameters) of ``match``.
@@ -151,6 +161,7 @@ class MJPAdaptive(Attack):
         joint_prior: bool = False
         tv_prior: bool = True
         lm_jacobians: Optional[Int] = option(None, ge=0)
+        lm_solver: Literal[LM_SOLVERS] = "auto"
         fallback_iterations: Int = 200
         seed: Int = 0
         reuse: bool = True
@@ -165,7 +176,7 @@ class MJPAdaptive(Attack):
         self.prior_weight, self.unshuffle, self.rcond = o.prior_weight, o.unshuffle, o.rcond
         self.dal_weight, self.fallback_iterations, self.seed = o.dal_weight, o.fallback_iterations, o.seed
         self.joint_prior, self.tv_prior = o.joint_prior, o.tv_prior
-        self.lm_jacobians = o.lm_jacobians
+        self.lm_jacobians, self.lm_solver = o.lm_jacobians, o.lm_solver
         self.device, self.min_device_cost = resolve_device(o.device), o.min_device_cost
         self.shares_estimates = self.reuse  # puts its x~ in the update's store (ig_closed_start reads it)
 
@@ -184,6 +195,7 @@ class MJPAdaptive(Attack):
                     prior_weight=self.prior_weight, span_iterations=self.span_iterations, starts=self.starts,
                     probe_iterations=self.probe_iterations, rcond=self.rcond, dal_weight=self.dal_weight,
                     joint_prior=self.joint_prior, tv_prior=self.tv_prior, lm_jacobians=self.lm_jacobians,
+                    lm_solver=self.lm_solver,
                     fallback_iterations=self.fallback_iterations, seed=self.seed,
                     budget=(SPAN_ITERATIONS, SPAN_BUDGET, SPAN_MIN_ITERATIONS, LM_JACOBIANS, LM_BUDGET, LM_MEMORY))  # the default's iterations
 
@@ -342,8 +354,12 @@ class MJPAdaptive(Attack):
 
             with torch.no_grad():
                 before = float(objective(b[None], a[None])[0])
-            b, a, lm_out = span_lm(residual, red, b, a, grid, C, p, max_jacobians=lm)
-            out.update(lm_objective_first=before, lm_jacobians=lm_out.jacobians, lm_evaluations=lm_out.evaluations)
+            solver = self._lm_solver(T, red, residual.spans)
+            b, a, lm_out = span_lm(residual, red, b, a, grid, C, p, max_jacobians=lm, solver=solver)
+            out.update(lm_objective_first=before, lm_jacobians=lm_out.jacobians, lm_evaluations=lm_out.evaluations,
+                       lm_solver=solver)
+            if solver == "matrix_free":
+                out.update(lm_cg_iterations=sum(lm_out.cg_iterations), lm_sketch_rows=lm_out.sketch_rows)
         with torch.no_grad():
             per_layer = residual.per_layer(assemble(red, b, a, grid, C, p))[0]
         last = float(per_layer.mean())
@@ -354,14 +370,28 @@ class MJPAdaptive(Attack):
                    span_worst_layer=spans[int(torch.argmax(per_layer))].name)
         return b, a, out
 
+    @staticmethod
+    def _lm_size(T: int, red: Reduction, spans: list[InputSpan]) -> tuple[int, int]:
+        """(rows, unknowns) of the span residual's Jacobian."""
+        k = red.null_basis.shape[1]
+        unknowns = red.x_unshuffled.shape[0] * k + int(red.shuffled.sum()) * k
+        rows = sum((T if sp.rows is None else sp.rows) * (sp.basis.shape[0] - sp.basis.shape[1]) for sp in spans)
+        return rows, unknowns
+
+    def _lm_solver(self, T: int, red: Reduction, spans: list[InputSpan]) -> str:
+        """``dense`` or ``matrix_free``: the option, or under ``auto`` dense where its Jacobian fits :data:`LM_MEMORY`."""
+        if self.lm_solver != "auto":
+            return self.lm_solver
+        rows, unknowns = self._lm_size(T, red, spans)
+        return "dense" if 8.0 * rows * unknowns <= LM_MEMORY else "matrix_free"
+
     def _lm_jacobians(self, vit: nn.Module, T: int, red: Reduction, spans: list[InputSpan]) -> int | str:
         """Jacobians the final Levenberg-Marquardt stage gets, or a note saying why it is skipped."""
         if self.lm_jacobians is not None:
             return self.lm_jacobians
         if self.span_iterations is not None:  # a shortened (or lengthened) fit asked for by name
             return "Levenberg-Marquardt stage off: span_iterations is set; set lm_jacobians to run it"
-        unknowns = red.x_unshuffled.shape[0] * red.null_basis.shape[1] + int(red.shuffled.sum()) * red.null_basis.shape[1]
-        rows = sum((T if sp.rows is None else sp.rows) * (sp.basis.shape[0] - sp.basis.shape[1]) for sp in spans)
+        rows, unknowns = self._lm_size(T, red, spans)
         if unknowns * forward_cost(vit, T) > LM_BUDGET or 8.0 * rows * unknowns > LM_MEMORY:
             return (f"Levenberg-Marquardt stage skipped: a {rows} x {unknowns} Jacobian exceeds the default "
                     "budget; set lm_jacobians to run it")

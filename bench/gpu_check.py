@@ -27,6 +27,9 @@ part, so a run stopped by a timeout still leaves the parts it finished):
   preset on its two shipped checkpoints, ``ig_closed_start`` capped); the same run on the CPU, its
   per-row PSNR compared. ``--quick``: two rows, two images on two clients, every attacker at its
   cheapest options, the CIFAR preset on the bundled images where the archive is missing.
+- ``span_lm``: the span fit's matrix-free Levenberg-Marquardt stage (:func:`attacks.span_lm.matrix_free_lm`)
+  at 224 px from the truth plus 0.05 noise (seeded DeiT-S weights): residual and x~'s PSNR per
+  iteration, seconds, CG iterations; the 32 px reference on the device and the CPU, same residual.
 - ``projection``: the paper preset (configs/paper.yaml: 999 images, settings a/b/c) per attacker on
   one device from the measured per-image figures, and the plan for several GPUs.
 
@@ -380,6 +383,69 @@ def part_mjp_adaptive(ctx: Context, seconds: float) -> dict:
                 computes_on=where_it_computes("mjp_adaptive", opts),
                 checks={"mjp_adaptive 32 px: device = CPU": ref["agrees"],
                         "span fit ran": st.get("span_note") is None})
+
+
+def _span_lm_run(ctx: Context, size: int, device: torch.device, options: dict, partial: Optional[dict] = None) -> dict:
+    """Matrix-free Levenberg-Marquardt on the span residual of a design-A MJP update (float64), from
+    the truth's reduced parameters plus 0.05 x their spread of seeded noise: residual and x~'s PSNR
+    before and after, per-iteration seconds and CG iterations. ``partial`` gets the figures after
+    every iteration (a part stopped by its budget keeps them)."""
+    from attacks.first_layer import check_conditions, gradient_of_Z
+    from attacks.mjp_maths import mjp_reduction
+    from attacks.span_lm import SpanVector, matrix_free_lm, truth_coordinates
+    from attacks.spans import SpanResidual, input_spans
+
+    case = make_case(ctx, size, "mjp", torch.float64)
+    model = case.model_cpu
+    S, grads, _ = attacks.create_attack("mjp_adaptive").read_update(model, dict(case.update_cpu))
+    red = mjp_reduction(model, gradient_of_Z(model, grads, check_conditions(model)),
+                        grads["blocks.0.attn.qkv.weight"], S).to(device)
+    grid = tuple(int(g) for g in model.patch_embed.grid_size)
+    p = int(model.patch_embed.patch_size[0])
+    residual = SpanResidual(model, input_spans(model, grads, S.numel() + 1), red.shuffled, device)
+    vec = SpanVector(residual, red, grid, 3, p)
+    xin = normalize(case.truth.double(), MEAN, STD).to(device)
+    theta = vec.pack(*truth_coordinates(red, xin, p))
+    gen = torch.Generator().manual_seed(0)
+    th0 = theta + 0.05 * float(theta.std()) * torch.randn(theta.shape, generator=gen, dtype=theta.dtype).to(device)
+    std = torch.tensor(STD, dtype=torch.float64, device=device)[:, None, None]
+
+    def db(t: torch.Tensor) -> float:
+        return round(float(-10 * torch.log10(((vec.image(t) - xin) * std).pow(2).mean())), 2)
+
+    out: dict[str, Any] = dict(size=size, unknowns=theta.numel(), rows=int(vec(theta).numel()),
+                               shuffled=int(red.shuffled.sum()), options=options, psnr_start=db(th0), iterations=[])
+    ctx.sync()
+    t_last = [time.perf_counter()]
+
+    def record(i: int, t: torch.Tensor, value: float) -> None:
+        ctx.sync()
+        now = time.perf_counter()
+        out["iterations"].append(dict(residual=float(f"{value:.3e}"), psnr=db(t), s=round(now - t_last[0], 2)))
+        t_last[0] = now
+        if partial is not None:
+            partial.update(out)
+
+    res = matrix_free_lm(vec, th0, callback=record, **options)
+    out.update(residual_start=res.value_first, residual=res.value, psnr=db(res.theta),
+               cg_iterations=res.cg_iterations, sketch_rows=res.sketch_rows)
+    return out
+
+
+def part_span_lm(ctx: Context, seconds: float) -> dict:
+    """The matrix-free second-order stage (attacks.span_lm.matrix_free_lm) where the dense Jacobian
+    cannot go: at ``ctx.size`` on the device; reference: one iteration at 32 px on the device and the
+    CPU, the same residual."""
+    small = dict(max_iterations=1, sketch_rows=64, cg_iterations=20 if ctx.quick else 100)
+    ref_dev = _span_lm_run(ctx, 32, ctx.device, small)
+    ref_cpu = _span_lm_run(ctx, 32, torch.device("cpu"), small)
+    agree = abs(ref_dev["residual"] - ref_cpu["residual"]) <= 1e-6 * max(abs(ref_cpu["residual"]), 1e-300)
+    opts = small if ctx.quick else dict(max_iterations=3, cg_iterations=300)
+    partial = ctx.partial.setdefault("span_lm", {})
+    partial["reference_32px"] = dict(residual_device=ref_dev["residual"], residual_cpu=ref_cpu["residual"])
+    big = _span_lm_run(ctx, ctx.size, ctx.device, opts, partial)
+    return dict(reference_32px=partial["reference_32px"], **big,
+                checks={"span_lm 32 px: device = CPU": agree, "residual falls": big["residual"] < big["residual_start"]})
 
 
 def part_ig_closed_start(ctx: Context, seconds: float) -> dict:
@@ -754,6 +820,8 @@ PARTS: list[tuple[str, float, Callable[..., dict]]] = [
     # (2026-11-26) the default preset's device run alone took 29 s, over the 40 s then given to both
     ("preset_default", 70, part_preset_default),
     ("preset_cifar", 100, part_preset_cifar),
+    # last: at 224 px a sketch of ~1.2e4 vector-Jacobian products and ~3 x 300 CG steps, not yet timed on a GPU
+    ("span_lm", 240, part_span_lm),
 ]
 
 
@@ -789,6 +857,12 @@ def write_report(ctx: Context, record: dict) -> None:
         lines += ["", "Paper preset projection (hours on one device): "
                   + ", ".join(f"{k} {v}" for k, v in proj["hours_one_device"].items())
                   + f"; all attackers by GPUs: {proj['hours_all_attackers_by_gpus']}"]
+    span = record["parts"].get("span_lm", {}).get("result", {})
+    if span.get("iterations"):
+        lines += ["", f"span_lm at {span['size']} px ({span['unknowns']} unknowns, {span['rows']} rows, sketch "
+                  f"{span.get('sketch_rows')}): x~ {span['psnr_start']} dB -> " + ", ".join(
+                      f"{it['psnr']} dB ({it['residual']:.1e}, {it['s']} s)" for it in span["iterations"])
+                  + f"; CG iterations {span.get('cg_iterations')}"]
     (ctx.out / "gpu_check.md").write_text("\n".join(lines) + "\n")
 
 

@@ -56,7 +56,8 @@ from attacks.jigsaw_solver import oracle_c  # noqa: E402
 from attacks.mjp_maths import lbfgs  # noqa: E402
 from attacks.mjp_maths import assemble, mjp_reduction  # noqa: E402
 from attacks.spans import SpanResidual, input_spans  # noqa: E402
-from attacks.span_lm import SpanVector, identifiability, span_lm, truth_coordinates  # noqa: E402
+from attacks.span_lm import (MatrixFreeResult, SketchPreconditioner, SpanVector, damped_cg, identifiability,  # noqa: E402
+                             row_sketch, span_lm, truth_coordinates)
 from fedmjp.checkpoint import load_checkpoint  # noqa: E402
 from fedmjp.factory import normalize  # noqa: E402
 from metrics.regions import region_scores  # noqa: E402
@@ -159,9 +160,12 @@ def basin(model: torch.nn.Module, update: dict, xin: torch.Tensor, eps_list: lis
         na = torch.randn(a_t.shape, generator=gen, dtype=torch.float64) * float(a_t.std()) * eps * (part != "b")
         b0, a0 = (b_t + nb)[None], (a_t + na)[None]
         t0 = time.process_time()
-        if solver == "lm":
-            b1, a1, out = span_lm(residual, red, b0[0], a0[0], grid, C, p, max_jacobians=jacobians)
+        if solver in ("lm", "matrix_free"):
+            b1, a1, out = span_lm(residual, red, b0[0], a0[0], grid, C, p, max_jacobians=jacobians,
+                                  solver="dense" if solver == "lm" else solver)
             b1, a1, n = b1[None], a1[None], f"{out.jacobians} Jacobians"
+            if isinstance(out, MatrixFreeResult):
+                n = f"{out.jacobians} iterations, {sum(out.cg_iterations)} CG, sketch {out.sketch_rows}"
         else:
             b1, a1, it = lbfgs(lambda vb, va: objective(vb, va).sum(), b0.clone(), a0.clone(), iterations)
             n = f"{it} it"
@@ -169,6 +173,43 @@ def basin(model: torch.nn.Module, update: dict, xin: torch.Tensor, eps_list: lis
             lines.append(f"eps {eps:g} ({solver}): residual {float(objective(b0, a0)[0]):.1e} -> "
                          f"{float(objective(b1, a1)[0]):.1e}, distance {dist(b0, a0):.3f} -> {dist(b1, a1):.1e}, "
                          f"x~ {psnr(b0, a0):.1f} -> {psnr(b1, a1):.1f} dB ({n}, {time.process_time() - t0:.0f} CPU s)")
+    return lines
+
+
+def gn_step(model: torch.nn.Module, update: dict, xin: torch.Tensor, fractions: list[float], mu_rel: float,
+            seed: int, eps: float = 0.05, max_cg: int = 3000, tol: float = 1e-10) -> list[str]:
+    """One damped Gauss-Newton step of the span residual at the truth + ``eps`` noise, dense against
+    matrix-free: the dense step (exact Jacobian, Cholesky) and, per sketch size (a fraction of the
+    unknowns; 0: plain CG), the CG iterations to ``tol``, the step's distance from the dense one and
+    the seconds (sketch + CG; process time)."""
+    from torch.func import vjp
+
+    S, red, residual, grid, C, p = span_problem(model, update, xin)
+    vec = SpanVector(residual, red, grid, C, p)
+    theta = vec.pack(*truth_coordinates(red, xin, p))
+    gen = torch.Generator().manual_seed(seed)
+    th0 = theta + eps * float(theta.std()) * torch.randn(theta.shape, generator=gen, dtype=theta.dtype)
+    n = theta.numel()
+    t0 = time.process_time()
+    r, J = vec.jacobian(th0)
+    G, g = J.T @ J, J.T @ r
+    del J
+    mu = mu_rel * float(G.diagonal().max())
+    h_dense = -torch.linalg.solve(G + mu * torch.eye(n, dtype=G.dtype), g)
+    lines = [f"{n} unknowns, {r.numel()} rows, mu {mu_rel:g} max diag: dense step {time.process_time() - t0:.1f} s"]
+    r2, pullback = vjp(vec, th0)
+    _, push = vjp(lambda u: pullback(u)[0], torch.zeros_like(r2))
+    for frac in fractions:
+        m = int(round(frac * n))
+        t0 = time.process_time()
+        pre = (SketchPreconditioner(row_sketch(pullback, r.numel(), m, torch.Generator().manual_seed(seed + 1), 64,
+                                               r.dtype, r.device)) if m else None)
+        t_sketch = time.process_time() - t0
+        st = damped_cg(lambda v: push(v)[0], lambda u: pullback(u)[0], g, mu,
+                       (lambda v: pre.apply(v, mu)) if pre is not None else None, max_cg, tol)
+        err = float((st.h - h_dense).norm() / h_dense.norm())
+        lines.append(f"sketch m = {m:5d} ({frac:g} n): CG {st.iterations:5d} iterations to {st.relative_residual:.0e}, "
+                     f"step error {err:.1e}, {t_sketch:.1f} + {time.process_time() - t0 - t_sketch:.1f} s")
     return lines
 
 
@@ -263,7 +304,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--basin", default=None, help="comma-separated noise scales: run the basin test instead")
     p.add_argument("--basin-iterations", type=int, default=400)
     p.add_argument("--basin-part", choices=("both", "a", "b"), default="both")
-    p.add_argument("--basin-solver", choices=("lm", "lbfgs"), default="lm")
+    p.add_argument("--basin-solver", choices=("lm", "matrix_free", "lbfgs"), default="lm",
+                   help="lm: dense Levenberg-Marquardt; matrix_free: its sketch-preconditioned CG form")
+    p.add_argument("--gn-step", default=None, metavar="FRACTIONS",
+                   help="comma-separated sketch sizes as fractions of the unknowns (0: plain CG): run the "
+                        "Gauss-Newton step test instead")
+    p.add_argument("--gn-mu", type=float, default=1e-8, help="damping of --gn-step, relative to max diag(J^T J)")
     p.add_argument("--basin-jacobians", type=int, default=6, help="Levenberg-Marquardt iterations of --basin-solver lm")
     p.add_argument("--identifiability", action="store_true",
                    help="with --basin: the span Jacobian's rank and condition number at the truth first")
@@ -276,6 +322,13 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.roots is not None and not 2 <= args.roots <= 100_000:
         p.error(f"--roots {args.roots}: give 2 to 100000 starts")
+    if args.gn_step is not None:
+        try:
+            fractions = [float(f) for f in args.gn_step.split(",")]
+        except ValueError:
+            p.error(f"--gn-step {args.gn_step!r}: give comma-separated numbers, e.g. 0,0.25,0.5")
+        if not all(0 <= f <= 4 for f in fractions):
+            p.error(f"--gn-step {args.gn_step}: each sketch size is a fraction of the unknowns from 0 to 4")
     if args.roots_jacobians < 1:
         p.error(f"--roots-jacobians {args.roots_jacobians}: give at least 1")
     images = load_images(args.images, args.first + args.num_images, 32)[args.first:]
@@ -307,6 +360,11 @@ def main(argv: list[str] | None = None) -> None:
                 out = roots(model, update, normalize(x_t, MEAN, STD), plan.mask, args.roots, args.roots_jacobians, i)
                 print("  ".join(line) + "\n    " + "\n    ".join(out), flush=True)
                 continue
+            if args.gn_step:
+                out = gn_step(model, update, normalize(x_t, MEAN, STD), [float(f) for f in args.gn_step.split(",")],
+                              args.gn_mu, i)
+                print("  ".join(line + out[:1]) + "\n    " + "\n    ".join(out[1:]), flush=True)
+                continue
             if args.basin:
                 eps = [float(e) for e in args.basin.split(",")]
                 out = basin(model, update, normalize(x_t, MEAN, STD), eps, args.basin_iterations, args.basin_part, i,
@@ -326,7 +384,7 @@ def main(argv: list[str] | None = None) -> None:
                 if args.residual and n == "span":
                     line.append(_residuals(model, update, plan.mask[0], x_t, res))
             print("  ".join(line), flush=True)
-        for n in names if not (args.basin or args.roots) else []:
+        for n in names if not (args.basin or args.roots or args.gn_step) else []:
             cols = list(zip(*table[n]))
             print(f"[{label}] median {n:6s} {statistics.median(cols[0]):5.1f} / {statistics.median(cols[1]):5.1f} / "
                   f"{statistics.median(cols[2]):5.1f} dB (oracle (c) {statistics.median(oracles):5.1f}), "

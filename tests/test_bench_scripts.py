@@ -137,6 +137,21 @@ def test_mjp_adaptive_strength_roots_mode_runs(capsys: pytest.CaptureFixture[str
     assert "fit to the roots at their assigned positions" in out and "fit to the roots at their oracle positions" in out
 
 
+def test_mjp_adaptive_strength_gn_step_and_matrix_free_basin_run(capsys: pytest.CaptureFixture[str]) -> None:
+    """bench/mjp_adaptive_strength.py --gn-step (dense against sketch-preconditioned CG) and the basin
+    test with --basin-solver matrix_free, on one fresh depth-1 model; a bad sketch size is refused."""
+    bench = load_bench("mjp_adaptive_strength")
+    bench.main(["--num-images", "1", "--weights", "fresh", "--depth", "1", "--gn-step", "0.5"])
+    out = capsys.readouterr().out
+    assert "dense step" in out and "sketch m =   512 (0.5 n)" in out
+    bench.main(["--num-images", "1", "--weights", "fresh", "--depth", "1", "--basin", "0.05",
+                "--basin-solver", "matrix_free", "--basin-jacobians", "1"])
+    assert "eps 0.05 (matrix_free)" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench.main(["--num-images", "1", "--weights", "fresh", "--depth", "1", "--gn-step", "0,9"])
+    assert "from 0 to 4" in capsys.readouterr().err
+
+
 def test_block0_roots_membership_mode_tells_the_assignments_apart() -> None:
     """bench/block0_roots.py --membership on its smallest batch (B = 2, bundled photographs, 10 fit
     steps): the fit to the roots at their true image and position is far ahead of the one that

@@ -34,7 +34,9 @@ def test_quick_cpu_run_records_every_part_ok(tmp_path: Path) -> None:
     assert parts["preset_default"]["rows"] > 0 and parts["preset_cifar"]["rows"] > 0
     assert parts["projection"]["updates"] == 5 * 2 * 999
     assert all(v is not None for v in parts["projection"]["s_per_image"].values())
+    assert parts["span_lm"]["checks"]["span_lm 32 px: device = CPU"] and len(parts["span_lm"]["iterations"]) == 1
     assert "| closed_forms | ok |" in (tmp_path / "gpu_check.md").read_text()
+    assert "span_lm at 32 px" in (tmp_path / "gpu_check.md").read_text()
 
 
 def test_a_failing_or_overlong_part_is_recorded_and_the_next_part_runs(tmp_path: Path, monkeypatch) -> None:
