@@ -19,9 +19,9 @@ Where that dense Jacobian does not fit (DeiT-S at 224 px: ~4.5e6 rows x ~8.5e4 u
 (J^T J + mu I) h = -J^T r by conjugate gradients on Jacobian-vector products (forward mode) and
 vector-Jacobian products (reverse mode), preconditioned by a low-rank model of J^T J read off a
 Gaussian row sketch Omega J (m vector-Jacobian products; :class:`SketchPreconditioner`). The
-preconditioner matters: measured at 32 px on the trained checkpoint (docs/attacks.md), J^T J + mu I
-has condition number ~4e8 (1,024 unknowns), a sketch of m = n/8 rows brings it to ~9e4 and m = n/2
-to ~1.5e3, where the per-patch block-Jacobi preconditioner reaches only ~1.6e7.
+preconditioner matters: measured at 32 px on the trained checkpoint's first two blocks (1,024
+unknowns; docs/attacks.md), J^T J + mu I has condition number ~4e8, a sketch of m = n/8 rows brings
+it to ~9e4 and m = n/2 to ~1.5e3, where the per-patch block-Jacobi preconditioner reaches only ~1.6e7.
 """
 from __future__ import annotations
 
