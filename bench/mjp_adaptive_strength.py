@@ -57,7 +57,7 @@ from attacks.mjp_maths import lbfgs  # noqa: E402
 from attacks.mjp_maths import assemble, mjp_reduction  # noqa: E402
 from attacks.spans import SpanResidual, input_spans  # noqa: E402
 from attacks.span_lm import (MatrixFreeResult, SketchPreconditioner, SpanVector, damped_cg, identifiability,  # noqa: E402
-                             row_sketch, span_lm, truth_coordinates)
+                             linearise, row_sketch, span_lm, truth_coordinates)
 from fedmjp.checkpoint import load_checkpoint  # noqa: E402
 from fedmjp.factory import normalize  # noqa: E402
 from metrics.regions import region_scores  # noqa: E402
@@ -182,8 +182,6 @@ def gn_step(model: torch.nn.Module, update: dict, xin: torch.Tensor, fractions: 
     matrix-free: the dense step (exact Jacobian, Cholesky) and, per sketch size (a fraction of the
     unknowns; 0: plain CG), the CG iterations to ``tol``, the step's distance from the dense one and
     the seconds (sketch + CG; process time)."""
-    from torch.func import vjp
-
     S, red, residual, grid, C, p = span_problem(model, update, xin)
     vec = SpanVector(residual, red, grid, C, p)
     theta = vec.pack(*truth_coordinates(red, xin, p))
@@ -197,15 +195,14 @@ def gn_step(model: torch.nn.Module, update: dict, xin: torch.Tensor, fractions: 
     mu = mu_rel * float(G.diagonal().max())
     h_dense = -torch.linalg.solve(G + mu * torch.eye(n, dtype=G.dtype), g)
     lines = [f"{n} unknowns, {r.numel()} rows, mu {mu_rel:g} max diag: dense step {time.process_time() - t0:.1f} s"]
-    r2, pullback = vjp(vec, th0)
-    _, push = vjp(lambda u: pullback(u)[0], torch.zeros_like(r2))
+    _, jv, jtu, pullback = linearise(vec, th0)
     for frac in fractions:
         m = int(round(frac * n))
         t0 = time.process_time()
         pre = (SketchPreconditioner(row_sketch(pullback, r.numel(), m, torch.Generator().manual_seed(seed + 1), 64,
                                                r.dtype, r.device)) if m else None)
         t_sketch = time.process_time() - t0
-        st = damped_cg(lambda v: push(v)[0], lambda u: pullback(u)[0], g, mu,
+        st = damped_cg(jv, jtu, g, mu,
                        (lambda v: pre.apply(v, mu)) if pre is not None else None, max_cg, tol)
         err = float((st.h - h_dense).norm() / h_dense.norm())
         lines.append(f"sketch m = {m:5d} ({frac:g} n): CG {st.iterations:5d} iterations to {st.relative_residual:.0e}, "

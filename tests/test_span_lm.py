@@ -14,8 +14,8 @@ import fedmjp  # noqa: F401  (registers the mjp_* models)
 from attacks.first_layer import check_conditions, gradient_of_Z
 from attacks.mjp_maths import mjp_reduction
 from attacks.spans import SpanResidual, input_spans
-from attacks.span_lm import (SketchPreconditioner, SpanVector, damped_cg, levenberg_marquardt, matrix_free_lm, row_sketch,
-                             span_lm, truth_coordinates)
+from attacks.span_lm import (SketchPreconditioner, SpanVector, damped_cg, levenberg_marquardt, linearise, matrix_free_lm,
+                             row_sketch, span_lm, truth_coordinates)
 from fedmjp.checkpoint import load_checkpoint
 from helpers import MD, STD, folder_image, normalize
 
@@ -179,28 +179,19 @@ def test_matrix_free_step_equals_the_dense_step_and_the_sketch_pays(small_case):
     dense Levenberg-Marquardt step (J^T J + mu I) h = -J^T r to 1e-5 in fewer than 200 iterations
     (measured 136 with m = n/2, mu 1e-6 of max diag), where plain CG is still far from it after 200
     (measured: 988 to converge)."""
-    from torch.func import vjp
-
     vec, theta, _, _, _ = small_case
     gen = torch.Generator().manual_seed(0)
     th0 = theta + 0.05 * float(theta.std()) * torch.randn(theta.shape, generator=gen, dtype=theta.dtype)
     r, J = vec.jacobian(th0)
     G, g = J.T @ J, J.T @ r
-    r2, pullback = vjp(vec, th0)
-    _, push = vjp(lambda u: pullback(u)[0], torch.zeros_like(r2))
+    r2, jv, jtu, pullback = linearise(vec, th0)
     v = torch.randn(theta.numel(), generator=gen, dtype=theta.dtype)
-    assert torch.allclose(pullback(r2)[0], g, rtol=0, atol=1e-12 * float(g.norm()))
-    assert torch.allclose(push(v)[0], J @ v, rtol=0, atol=1e-12 * float((J @ v).norm()))
+    assert torch.allclose(jtu(r2), g, rtol=0, atol=1e-12 * float(g.norm()))
+    assert torch.allclose(jv(v), J @ v, rtol=0, atol=1e-12 * float((J @ v).norm()))
     mu = 1e-6 * float(G.diagonal().max())
     h_true = -torch.linalg.solve(G + mu * torch.eye(G.shape[0], dtype=G.dtype), g)
     pre = SketchPreconditioner(row_sketch(pullback, r.numel(), theta.numel() // 2, torch.Generator().manual_seed(1),
                                           64, r.dtype, r.device))
-
-    def jv(x):
-        return push(x)[0]
-
-    def jtu(u):
-        return pullback(u)[0]
 
     with_sketch = damped_cg(jv, jtu, g, mu, lambda x: pre.apply(x, mu), 200, 1e-10)
     plain = damped_cg(jv, jtu, g, mu, None, 200, 1e-10)
