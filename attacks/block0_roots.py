@@ -105,6 +105,14 @@ class RootSearch:
     modes: list[str]
 
 
+#: a missing-token round also keeps a point whose plain squared residual is below this (not ``tol``)
+#: where two of its starts or more land on it. Where two tokens nearly coincide the update's own
+#: float64 rounding sets the floor: on one bundled photograph (design A) two tokens 9.9e-6 apart in
+#: 1 - cos sit in the fc1/fc2 updates' weakest singular directions (9e-15 of the largest, rounding
+#: 5e-16), their true fc1 inputs leave 1.4e-16 and 7e-17 (other tokens 1e-28 to 1e-25), and all 32
+#: starts of a missing round met at 1.30e-16, 2.2e-9 in 1 - cos from the missing token
+FLOOR_TOL = 1e-14
+
 #: two roots closer than this (1 - cosine) are one token. A converged start sits ~2e-8 (relative) off
 #: its token, two of them on one token ~1e-15 apart in 1 - cos; distinct tokens of design A's block 0
 #: came as close as 7.5e-7 (a bundled photograph with 41 pairs above the 1e-5 this was before)
@@ -118,6 +126,17 @@ def _dedupe(found: torch.Tensor, new: torch.Tensor, distinct_cos: float = 1 - DI
         if keep.shape[0] == 0 or float((unit(keep) @ unit(new[i])).max()) < distinct_cos:
             keep = torch.cat([keep, new[i:i + 1]])
     return keep
+
+
+def _agreed(points: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
+    """Indices of the ``candidate`` rows of ``points`` [K, D] that another candidate lands on too
+    (within :data:`DISTINCT` in 1 - cos): an attractor of several starts, not one start's stall."""
+    idx = candidate.nonzero().flatten()
+    if idx.numel() < 2:
+        return idx[:0]
+    unit = points[idx] / points[idx].norm(dim=-1, keepdim=True)
+    near = (unit @ unit.T > 1 - DISTINCT).sum(1) > 1  # itself and at least one other
+    return idx[near]
 
 
 def _missing_part(basis: torch.Tensor, found: torch.Tensor) -> torch.Tensor:
@@ -184,7 +203,8 @@ def _missing_token_round(problem: MLPSpans, fc1_basis: torch.Tensor, fc2_basis: 
 
 def find_roots(block: nn.Module, fc1_basis: torch.Tensor, fc2_basis: torch.Tensor, fc1_grad: torch.Tensor,
                fc2_grad: torch.Tensor, count: int, starts: int, rounds: int, iterations: int,
-               generator: torch.Generator, tol: float = 1e-16, found: torch.Tensor | None = None,
+               generator: torch.Generator, tol: float = 1e-16, floor_tol: float = FLOOR_TOL,
+               found: torch.Tensor | None = None,
                steer_steps: int = 100, steer_lr: float = 0.05, polish_iterations: int = 30,
                steered: bool = True) -> RootSearch:
     """Up to ``count`` distinct roots of block 0's per-token MLP problem (module doc, step 1).
@@ -211,6 +231,9 @@ def find_roots(block: nn.Module, fc1_basis: torch.Tensor, fc2_basis: torch.Tenso
       root found (Farrell et al.) stopped the starts converging at all. Costlier per start. Where the
       tokens crowd (design A: fc1 inputs within 1.5-3.4 % of each other) the added equations end a
       start ~1e-7 off its root, so every start then takes ``polish_iterations`` plain steps.
+      Where two tokens nearly coincide, the update's rounding leaves their roots above ``tol``: a
+      missing round also keeps a point below ``floor_tol`` that two of its starts or more reach
+      (:data:`FLOOR_TOL`).
 
     The search starts with steered rounds (missing ones at once where ``steered`` is False and some
     roots are given) and stops when ``count`` roots are found or after ``rounds`` rounds."""
@@ -239,6 +262,8 @@ def find_roots(block: nn.Module, fc1_basis: torch.Tensor, fc2_basis: torch.Tenso
         with torch.no_grad():
             raw = problem.value(alpha)
             good = (raw < tol).nonzero().flatten()
+            if modes[-1] == "missing":
+                good = torch.cat([good, _agreed(alpha @ fc1_basis.T, (raw >= tol) & (raw < floor_tol))])
             before = found.shape[0]
             # the new tokens among the converged starts (one start each), then polished
             fresh = _dedupe(found, alpha[good[torch.argsort(raw[good])]] @ fc1_basis.T)[before:]
