@@ -109,7 +109,7 @@ class RootSearch:
 #: where two of its starts or more land on it. Where two tokens nearly coincide the update's own
 #: float64 rounding sets the floor: on one bundled photograph (design A) two tokens 9.9e-6 apart in
 #: 1 - cos sit in the fc1/fc2 updates' weakest singular directions (9e-15 of the largest, rounding
-#: 5e-16), their true fc1 inputs leave 1.4e-16 and 7e-17 (other tokens 1e-28 to 1e-25), and all 32
+#: 5e-16), their true fc1 inputs leave 1.4e-16 and 7e-17 (that photograph's median token ~2.5e-19), and all 32
 #: starts of a missing round met at 1.30e-16, 2.2e-9 in 1 - cos from the missing token
 FLOOR_TOL = 1e-14
 

@@ -230,6 +230,20 @@ def test_conditions_it_cannot_meet_are_failed_rows_with_the_reason(case: str, ma
     assert re.search(match, res.reason), res.reason
 
 
+def _design_a_fc1_inputs(x: torch.Tensor, mask_seed: int):
+    """(model, update, fc1 inputs [65, D] in token order) of the design-A DeiT+MJP's update of x [1, 3, 32, 32],
+    17 of 64 positions shuffled by ``mask_seed`` (as bench/block0_roots.py --design-a draws them)."""
+    model = _design_a_mjp()
+    mask = torch.zeros(1, 64, dtype=torch.bool)
+    mask[0, torch.randperm(64, generator=torch.Generator().manual_seed(mask_seed))[:17]] = True
+    seen = {}
+    hook = model.blocks[0].mlp.fc1.register_forward_hook(lambda m, a, o: seen.__setitem__("u", a[0][0].detach()))
+    update = attacks.compute_update(model, (x - MEAN.double()[:, None, None]) / STD.double()[:, None, None],
+                                    torch.tensor([3]), unk_mask=mask)
+    hook.remove()
+    return model, update, seen["u"]
+
+
 def test_the_missing_token_round_finishes_on_tightly_clustered_design_a_tokens() -> None:
     """On design A (no residual around attention) block 0's tokens are all alike: fc1 inputs within
     1.5-3.4 % of each other (shipped DeiT+MJP with the surgery, photograph 1, 17 shuffled). The
@@ -238,16 +252,7 @@ def test_the_missing_token_round_finishes_on_tightly_clustered_design_a_tokens()
     residual ~1e-15, above the search's 1e-16), and without the plain polish after it the search
     stalled at 58-60 of 65 in 30 rounds. Given all but the 5 it missed (as the search returns roots),
     one round of 16 starts now returns some of them and nothing else."""
-    model = _design_a_mjp()
-    x = bundled_images(1, 32, 1)
-    mask = torch.zeros(1, 64, dtype=torch.bool)
-    mask[0, torch.randperm(64, generator=torch.Generator().manual_seed(1))[:17]] = True
-    seen = {}
-    hook = model.blocks[0].mlp.fc1.register_forward_hook(lambda m, a, o: seen.__setitem__("u", a[0][0].detach()))
-    update = attacks.compute_update(model, (x - MEAN.double()[:, None, None]) / STD.double()[:, None, None],
-                                    torch.tensor([3]), unk_mask=mask)
-    hook.remove()
-    U = seen["u"]
+    model, update, U = _design_a_fc1_inputs(bundled_images(1, 32, 1), 1)
     unit = lambda t: t / t.norm(dim=-1, keepdim=True)  # noqa: E731
     crowded = torch.tensor([1, 6, 25, 48, 61])  # the search's last five before the polish (token order)
     keep = torch.ones(65, dtype=torch.bool)
@@ -277,16 +282,8 @@ def test_a_missing_round_keeps_a_twin_token_at_the_updates_rounding_floor(floor_
     starts agreeing), and not without it (floor_tol = tol)."""
     from fedmjp.data import load_images
 
-    model = _design_a_mjp()
-    x = load_images("embedded", 32, 4, 10).images[3:4].double()  # as bench/block0_roots.py --design-a reads it
-    mask = torch.zeros(1, 64, dtype=torch.bool)
-    mask[0, torch.randperm(64, generator=torch.Generator().manual_seed(3))[:17]] = True
-    seen = {}
-    hook = model.blocks[0].mlp.fc1.register_forward_hook(lambda m, a, o: seen.__setitem__("u", a[0][0].detach()))
-    update = attacks.compute_update(model, (x - MEAN.double()[:, None, None]) / STD.double()[:, None, None],
-                                    torch.tensor([3]), unk_mask=mask)
-    hook.remove()
-    U = seen["u"]
+    # photograph 3 as bench/block0_roots.py --design-a reads it
+    model, update, U = _design_a_fc1_inputs(load_images("embedded", 32, 4, 10).images[3:4].double(), 3)
     unit = lambda t: t / t.norm(dim=-1, keepdim=True)  # noqa: E731
     apart = 1 - unit(U) @ unit(U).T
     apart.fill_diagonal_(1)
