@@ -90,7 +90,9 @@ _START_RMS = 0.5
 _CONVERGING = 1e-8
 #: the attention solve keeps a start whose squared relative residual in c is below this. Its floor is
 #: step 2's accuracy (2.9e-16 on one bundled photograph, 1e-22 on another); a wrong start stopped at
-#: >= 1e-5; step 3's position test (DESIGN_A_POSITION_TOL) then checks every token on its own
+#: >= 1e-5; step 3's position test (DESIGN_A_POSITION_TOL) then checks every token on its own. On
+#: bundled photograph 3 step 2's floor is 2.8e-7 (its roots' floor, amplified) and the starts stop at
+#: 2.4e-6 on a wrong point: no fixed value here tells them apart (docs/attacks.md, `block0_roots`)
 ATTENTION_TOL = 1e-12
 
 
@@ -582,7 +584,9 @@ def batch_from_roots(vit: nn.Module, grads: Mapping[str, torch.Tensor], roots: t
             if attention_residual > ATTENTION_TOL:
                 raise AttackFailure(f"design A: the attention solve ended at a squared residual of "
                                     f"{attention_residual:.1e} after {attention_starts} starts of "
-                                    f"{attention_iterations} iterations (raise attention_starts)")
+                                    f"{attention_iterations} iterations (raise attention_starts; where every "
+                                    "start stops near the same residual, step 2's error in c is what stops it, "
+                                    "not the starts: docs/attacks.md, `block0_roots`)")
         else:
             base = nh / s[:, None] - (C @ attn.proj.weight.T + attn.proj.bias)  # z - mu * 1
         # step 3: every token against every position, unknowns (mu, x)
