@@ -91,8 +91,8 @@ _CONVERGING = 1e-8
 #: the attention solve keeps a start whose squared relative residual in c is below this. Its floor is
 #: step 2's accuracy (2.9e-16 on one bundled photograph, 1e-22 on another); a wrong start stopped at
 #: >= 1e-5; step 3's position test (DESIGN_A_POSITION_TOL) then checks every token on its own. On
-#: bundled photograph 3 step 2's floor is 2.8e-7 (its roots' floor, amplified) and the starts stop at
-#: 2.4e-6 on a wrong point: no fixed value here tells them apart (docs/attacks.md, `block0_roots`)
+#: bundled photograph 3 step 2's floor is 2.8e-7 (its roots' floor, amplified) and no start gets there:
+#: they stop at 2.4e-6 on a wrong point (docs/attacks.md, `block0_roots`)
 ATTENTION_TOL = 1e-12
 
 
