@@ -45,8 +45,12 @@ r with Z indexed by the roots themselves determines the embeddings; with every t
 too, each head's value update gives its mixes A^h Z linearly (:func:`_value_mixes`), a far better
 posed system for the same unknowns (:func:`attention_tokens`: dense Levenberg-Marquardt from random
 starts in the qkv update's row space, then a polish on c); step 3 then places them and checks
-every token. Refused, with the reason: design A at B > 1 (the solve needs each token's image), B T > D, a
-FedAvg delta of several local steps.
+every token. Where the roots' floor, amplified through step 2, leaves c too noisy for any start to
+reach the truth, the point the starts stop at still places most tokens: the position-structured
+solve (:func:`structured_tokens`) assigns positions, fits each token's patch at its position and
+assigns again until the assignment repeats, and is kept where it fits c to within step 2's own
+noise (:func:`outputs_from_roots`). Refused, with the reason: design A at B > 1 (the solve needs
+each token's image), B T > D, a FedAvg delta of several local steps.
 """
 from __future__ import annotations
 
@@ -91,9 +95,12 @@ _CONVERGING = 1e-8
 #: the attention solve keeps a start whose squared relative residual in c is below this. Its floor is
 #: step 2's accuracy (2.9e-16 on one bundled photograph, 1e-22 on another); a wrong start stopped at
 #: >= 1e-5; step 3's position test (DESIGN_A_POSITION_TOL) then checks every token on its own. On
-#: bundled photograph 3 step 2's floor is 2.8e-7 (its roots' floor, amplified) and no start gets there:
-#: they stop at 2.4e-6 on a wrong point (docs/attacks.md, `block0_roots`)
+#: bundled photograph 3 step 2's floor is 2.8e-7 (its roots' floor, amplified) and the starts stop at
+#: 2.4e-6 on a wrong point: no fixed value here tells them apart (docs/attacks.md, `block0_roots`)
 ATTENTION_TOL = 1e-12
+#: design A: rounds of the position-structured solve where no start reaches ATTENTION_TOL (bundled
+#: photograph 3: its assignment repeated in the third; each round 1-5 CPU-minutes at T = 65)
+STRUCTURED_ROUNDS = 4
 
 
 @dataclass
@@ -296,7 +303,11 @@ class BatchFromRoots:
         shuffled: [B, T - 1] bool, the patch positions whose token carried MJP's E_unk (position T
             in ``position``): their patches are placed in them in an order the update does not fix.
         attention_residual: design A only: the squared relative residual the attention solve
-            (:func:`attention_tokens`) ended at (None on the standard block).
+            (:func:`attention_tokens`, or :func:`structured_tokens` where its starts failed) ended at
+            (None on the standard block).
+        attention_floor: design A, where the structured solve ran: the noise in c it was held to
+            (:func:`outputs_from_roots`); None elsewhere.
+        structured_rounds: design A: the structured solve's rounds (0: the free solve's start kept).
     """
 
     images: torch.Tensor
@@ -307,6 +318,8 @@ class BatchFromRoots:
     membership_margin: float
     shuffled: torch.Tensor
     attention_residual: float | None = None
+    attention_floor: float | None = None
+    structured_rounds: int = 0
 
 
 def _lstsq(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
@@ -534,18 +547,163 @@ def attention_tokens(attn: nn.Module, C: torch.Tensor, basis: torch.Tensor, iter
     return best @ basis.T, best_value, starts
 
 
+def _token_offsets(vit: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(W_e [D, C p^2], each candidate position's offset [T (+1 with MJP's E_unk), D] with the class
+    token's row cls + P_0 and every other row P_p + b_e, M [D, 1 + C p^2] the (mu, x) unknowns of
+    step 3, its orthonormal basis), detached in float64."""
+    D = int(vit.pos_embed.shape[-1])
+    f64 = lambda t: t.detach().to(torch.float64)  # noqa: E731
+    We = f64(vit.patch_embed.proj.weight).reshape(D, -1)
+    be = f64(vit.patch_embed.proj.bias)
+    P = f64(vit.pos_embed[0])
+    unk = getattr(vit, "unk_embed", None)
+    if unk is not None:  # MJP: a shuffled token's "position" is E_unk (index T here)
+        P = torch.cat([P, f64(unk).reshape(1, D)])
+    off = P + be
+    off[0] = f64(vit.cls_token[0, 0]) + P[0]
+    M = torch.cat([torch.ones(D, 1, dtype=torch.float64), -We], 1)
+    return We, off, M, torch.linalg.qr(M)[0]
+
+
+def _position_residuals(base: torch.Tensor, off: torch.Tensor, Qm: torch.Tensor) -> torch.Tensor:
+    """[n, positions] each token's relative residual at each position (step 3): the class token's
+    up to a multiple of the ones vector, every other up to (mu, x)."""
+    D = base.shape[1]
+    one = torch.ones(D, dtype=torch.float64) / D ** 0.5
+    scale = base.norm(dim=1)
+    res = torch.empty(base.shape[0], off.shape[0], dtype=torch.float64)
+    r0 = base - off[0]
+    res[:, 0] = (r0 - (r0 @ one)[:, None] * one).norm(dim=1) / scale
+    for p in range(1, off.shape[0]):
+        r = base - off[p]
+        res[:, p] = (r - (r @ Qm) @ Qm.T).norm(dim=1) / scale
+    return res
+
+
+def _assign_positions(res: torch.Tensor, T: int) -> torch.Tensor:
+    """Design A: one position per token [n] by an optimal assignment on the residuals ``res``
+    [n, T (+1 with E_unk)]: one class token, each patch position at most once, E_unk any number."""
+    n = res.shape[0]
+    cols = torch.arange(T)
+    if res.shape[1] > T:  # E_unk (index T) as often as there are tokens
+        cols = torch.cat([cols, torch.full((n,), T)])
+    rows, picked = linear_sum_assignment(res[:, cols].numpy())
+    pos = torch.empty(n, dtype=torch.long)
+    pos[torch.as_tensor(rows, dtype=torch.long)] = cols[torch.as_tensor(picked, dtype=torch.long)]
+    return pos
+
+
+def outputs_from_roots(attn: nn.Module, C: torch.Tensor, nh: torch.Tensor) -> torch.Tensor:
+    """Design A: step 2's attention outputs C [n, D] read again through the roots themselves.
+
+    Without the residual around attention, block 0's norm2 input is h_t = W_proj c_t + b_proj, and
+    a root (fc1 input) gives h_t up to its LayerNorm's scale and shift: h_t = sigma_t nh_t + mu_t 1
+    (``nh`` = (u - beta) / gamma). So c_t lies on a plane of two unknowns, W_proj^-1 (sigma_t nh_t +
+    mu_t 1 - b_proj); the point of that plane nearest step 2's c_t is a second reading of it that
+    rests on the root alone. Measured on bundled photograph 3 (design A): 5.3e-7 off the true c
+    (median, relative) against step 2's 7.4e-6; their disagreement (2.2e-7 in the attention solve's
+    squared residual) is close to the truth's own residual against step 2's c (2.8e-7): the
+    attacker's own measure of c's noise, which :func:`structured_tokens` is judged against."""
+    Wp, bp = attn.proj.weight.to(torch.float64), attn.proj.bias.to(torch.float64)
+    ones = torch.ones(Wp.shape[0], 1, dtype=torch.float64)
+    a = torch.linalg.solve(Wp, nh.T).T  # [n, D]: W_proj^-1 nh_t
+    o = torch.linalg.solve(Wp, ones)[:, 0]
+    c0 = -torch.linalg.solve(Wp, bp[:, None])[:, 0]
+    out = torch.empty_like(C)
+    for t in range(C.shape[0]):
+        plane = torch.stack([a[t], o], 1)
+        out[t] = c0 + plane @ _lstsq(plane, (C[t] - c0)[:, None])[:, 0]
+    return out
+
+
+@dataclass
+class StructuredTokens:
+    """Outcome of :func:`structured_tokens`: the embeddings Z [n, D] (every token at its assigned
+    position), the squared relative residual in c there, the positions [n] (T: E_unk), the rounds
+    run and whether the last assignment repeated the one before."""
+
+    Z: torch.Tensor
+    value: float
+    position: torch.Tensor
+    rounds: int
+    stable: bool
+
+
+def structured_tokens(attn: nn.Module, C: torch.Tensor, Z: torch.Tensor, vit: nn.Module, basis: torch.Tensor,
+                      rounds: int, iterations: int, polish_iterations: int = 10) -> StructuredTokens:
+    """Design A: the embeddings from a wrong point of the attention solve, through the positions.
+
+    Where step 2's error in c is large no start of :func:`attention_tokens` reaches the truth (bundled
+    photograph 3: the roots' floor, amplified ~1e5 through step 2, leaves the truth's own squared
+    residual at 2.8e-7 and both starts stop at 2.4e-6, 20 % off), but the point it stops at still
+    places most tokens at their true position (61 of 65 there). So each round assigns a position to
+    every token (:func:`_assign_positions` on step 3's residuals), solves c_r = Attention(Z)_r over the
+    patches alone with each token held at its assigned position (Z = offset + x W_e^T: C p^2
+    unknowns a token where the free solve has n; ``iterations`` of dense Levenberg-Marquardt) and
+    polishes that freely in the qkv update's row space (``polish_iterations``), whose point the next
+    round assigns again. It stops when an assignment repeats the one before (``stable``) or after
+    ``rounds``. The held point is the answer: every token exactly at a position, its patch the
+    solve's. Written here because no library solves a nonlinear least-squares problem over an
+    assignment; the assignment itself is scipy's."""
+    n, D = C.shape
+    T = int(vit.pos_embed.shape[1])
+    We, off_all, _, Qm = _token_offsets(vit)
+    scale = C.abs().max()
+
+    def free_residual(b: torch.Tensor) -> torch.Tensor:
+        return ((_attention_output(attn, b @ basis.T) - C) / scale).flatten()
+
+    def free_jacobian(b: torch.Tensor) -> torch.Tensor:
+        return _attention_jacobian(attn, b @ basis.T, basis) / scale
+
+    last: torch.Tensor | None = None
+    held, value = Z, float("inf")
+    for r in range(rounds):
+        pos = _assign_positions(_position_residuals(Z, off_all, Qm), T)
+        if last is not None and bool((pos == last).all()):
+            return StructuredTokens(held, value, pos, r, True)
+        off = off_all[pos]
+        idx = (pos != 0).nonzero().flatten()  # the class token is fixed: cls + P_0
+
+        def build(x: torch.Tensor) -> torch.Tensor:
+            Zx = off.clone()
+            Zx[idx] = off[idx] + x.reshape(len(idx), -1) @ We.T
+            return Zx
+
+        def residual(x: torch.Tensor) -> torch.Tensor:
+            return ((_attention_output(attn, build(x)) - C) / scale).flatten()
+
+        def jacobian(x: torch.Tensor) -> torch.Tensor:
+            J = _attention_jacobian(attn, build(x), We) / scale  # moves along W_e: [n D, n C p^2]
+            return J.reshape(n * D, n, -1)[:, idx].reshape(n * D, -1)
+
+        x = _lstsq(We, (Z[idx] - off[idx]).T).T.flatten()  # each token's patch nearest where it stands
+        x, value = _dense_lm(residual, jacobian, x, iterations, 1e-3, 0.0)
+        moved = n if last is None else int((pos != last).sum())
+        _logger.info("block0_roots: design A structured round %d: %d tokens (re)placed, c to %.1e",
+                     r + 1, moved, value)
+        held, last = build(x), pos
+        Z = _dense_lm(free_residual, free_jacobian, held @ basis, polish_iterations, 1e-9, 0.0)[0] @ basis.T
+    final = last if last is not None else torch.zeros(n, dtype=torch.long)
+    return StructuredTokens(held, value, final, rounds, False)
+
+
 def batch_from_roots(vit: nn.Module, grads: Mapping[str, torch.Tensor], roots: torch.Tensor, batch: int,
                      attention_iterations: int = 40, attention_starts: int = 2,
-                     generator: torch.Generator | None = None) -> BatchFromRoots:
+                     generator: torch.Generator | None = None,
+                     structured_rounds: int = STRUCTURED_ROUNDS) -> BatchFromRoots:
     """The batch, from all B T roots (fc1 inputs) of block 0's MLP and the update (module doc, steps 2-4).
 
     On design A (B = 1) the tokens' embeddings come from the attention solve
     (:func:`attention_tokens`, ``attention_iterations`` and ``attention_starts``, ``generator``)
-    instead of the residual around attention.
+    instead of the residual around attention. Where no start reaches :data:`ATTENTION_TOL`, up to
+    ``structured_rounds`` rounds of :func:`structured_tokens` (0: none) start from the best one; their
+    answer is kept when its assignment repeated and its residual in c is at most step 2's own noise
+    in c (:func:`outputs_from_roots`) or :data:`ATTENTION_TOL`.
 
     Raises:
-        AttackFailure: a token fits no position, a position gets a wrong number of tokens, or the
-            class tokens are not B.
+        AttackFailure: the attention solve fails (design A), a token fits no position, a position
+            gets a wrong number of tokens, or the class tokens are not B.
     """
     blk = cast(nn.Module, vit.blocks[0])
     attn, mlp = cast(nn.Module, blk.attn), cast(nn.Module, blk.mlp)
@@ -571,7 +729,8 @@ def batch_from_roots(vit: nn.Module, grads: Mapping[str, torch.Tensor], roots: t
         s = _lstsq(w.T, (g(attn.proj.bias) - G2.sum(0))[:, None])[:, 0]  # 1 / sigma per token
         Dh = G2 + s[:, None] * w  # dL/dh per token
         C = _lstsq(Dh.T, g(attn.proj.weight))  # [n, D] attention outputs (proj inputs)
-        attention_residual = None
+        attention_residual = attention_floor = None
+        structured = 0
         design_a = is_design_a(blk)
         if design_a:  # no residual around attention: the embeddings from the attention solve
             if batch != 1:
@@ -582,32 +741,31 @@ def batch_from_roots(vit: nn.Module, grads: Mapping[str, torch.Tensor], roots: t
                                                            attention_starts, gen, dC=Dh @ attn.proj.weight,
                                                            qkv_grad=g(attn.qkv.weight))
             if attention_residual > ATTENTION_TOL:
-                raise AttackFailure(f"design A: the attention solve ended at a squared residual of "
-                                    f"{attention_residual:.1e} after {attention_starts} starts of "
-                                    f"{attention_iterations} iterations (raise attention_starts; where every "
-                                    "start stops near the same residual, step 2's error in c is what stops it, "
-                                    "not the starts: docs/attacks.md, `block0_roots`)")
+                if not structured_rounds:
+                    raise AttackFailure(f"design A: the attention solve ended at a squared residual of "
+                                        f"{attention_residual:.1e} after {attention_starts} starts of "
+                                        f"{attention_iterations} iterations (raise attention_starts; where every "
+                                        "start stops near the same residual, step 2's error in c is what stops "
+                                        "it, not the starts: set structured_rounds, docs/attacks.md, "
+                                        "`block0_roots`)")
+                floor = float(((C - outputs_from_roots(attn, C, nh)) / C.abs().max()).pow(2).sum())
+                st = structured_tokens(attn, C, base, vit, basis, structured_rounds, attention_iterations)
+                if not st.stable:
+                    raise AttackFailure(f"design A: the attention solve's starts ended at {attention_residual:.1e} "
+                                        f"and the position-structured solve's assignment did not repeat in "
+                                        f"{structured_rounds} rounds (raise structured_rounds)")
+                if st.value > max(floor, ATTENTION_TOL):  # ATTENTION_TOL: where c's noise is rounding
+                    raise AttackFailure(f"design A: the position-structured solve ended at a squared residual of "
+                                        f"{st.value:.1e} in c, above {floor:.1e}, the disagreement of step 2's "
+                                        "two readings of c (its noise): not the client's tokens")
+                base, attention_residual, attention_floor, structured = st.Z, st.value, floor, st.rounds
         else:
             base = nh / s[:, None] - (C @ attn.proj.weight.T + attn.proj.bias)  # z - mu * 1
         # step 3: every token against every position, unknowns (mu, x)
-        We = vit.patch_embed.proj.weight.reshape(D, -1).to(torch.float64)
-        be = vit.patch_embed.proj.bias
-        P = vit.pos_embed[0].to(torch.float64)
-        cls = vit.cls_token[0, 0].to(torch.float64)
-        T = P.shape[0]
-        M = torch.cat([torch.ones(D, 1, dtype=torch.float64), -We], 1)
-        Qm = torch.linalg.qr(M)[0]
-        one = torch.ones(D, dtype=torch.float64) / D ** 0.5
-        scale = base.norm(dim=1)
+        We, off, M, Qm = _token_offsets(vit)
+        T = int(vit.pos_embed.shape[1])
         unk = getattr(vit, "unk_embed", None)
-        if unk is not None:  # MJP: a shuffled token's "position" is E_unk (index T here)
-            P = torch.cat([P, unk.reshape(1, D).to(torch.float64)])
-        res = torch.empty(n, P.shape[0], dtype=torch.float64)
-        r0 = base - (cls + P[0])
-        res[:, 0] = (r0 - (r0 @ one)[:, None] * one).norm(dim=1) / scale
-        for p in range(1, P.shape[0]):
-            r = base - (P[p] + be)
-            res[:, p] = (r - (r @ Qm) @ Qm.T).norm(dim=1) / scale
+        res = _position_residuals(base, off, Qm)
         best, pos = res.min(1)
         runner_up = res.scatter(1, pos[:, None], float("inf")).min(1).values
         tol = DESIGN_A_POSITION_TOL if design_a else POSITION_TOL
@@ -615,7 +773,7 @@ def batch_from_roots(vit: nn.Module, grads: Mapping[str, torch.Tensor], roots: t
         if bad.numel():
             raise AttackFailure(f"{bad.numel()} of the {n} roots fit no position (best relative residual "
                                 f"{float(best.max()):.1e} > {tol:g}): not the client's tokens")
-        counts = torch.bincount(pos, minlength=P.shape[0])[:T]
+        counts = torch.bincount(pos, minlength=off.shape[0])[:T]
         # one token per image at every position, but where MJP's shuffle put E_unk instead
         ok = (counts == batch) if unk is None else (counts <= batch)
         ok[0] = counts[0] == batch  # the class tokens
@@ -628,9 +786,9 @@ def batch_from_roots(vit: nn.Module, grads: Mapping[str, torch.Tensor], roots: t
         for i in range(n):
             p = int(pos[i])
             if p == 0:
-                Z[i] = cls + P[0]
+                Z[i] = off[0]
             else:
-                sol = _lstsq(M, (P[p] + be - base[i])[:, None])[:, 0]
+                sol = _lstsq(M, (off[p] - base[i])[:, None])[:, 0]
                 X[i], Z[i] = sol[1:], base[i] + sol[0]
         # step 4: which tokens share each class token's image
         heads = int(attn.num_heads)
@@ -685,7 +843,8 @@ def batch_from_roots(vit: nn.Module, grads: Mapping[str, torch.Tensor], roots: t
             if p:
                 r_, c_ = divmod(p - 1, gw)
                 images[image[i], :, r_ * ps:(r_ + 1) * ps, c_ * ps:(c_ + 1) * ps] = X[i].reshape(C_in, ps, ps)
-    return BatchFromRoots(images, pos, image, best, runner_up, margin, free, attention_residual)
+    return BatchFromRoots(images, pos, image, best, runner_up, margin, free, attention_residual, attention_floor,
+                          structured)
 
 
 def check_model(vit: nn.Module, grads: Mapping[str, torch.Tensor], batch: int) -> None:
@@ -737,6 +896,8 @@ class Block0Roots(Attack):
         iterations: Levenberg-Marquardt iterations per start.
         attention_iterations, attention_starts: design A (B = 1): the attention solve's
             Levenberg-Marquardt iterations per random start, and its starts.
+        structured_rounds: design A: rounds of the position-structured solve where no start of the
+            attention solve reaches the truth (0: fail instead; :func:`structured_tokens`).
         seed: seed of the starts.
     """
 
@@ -748,6 +909,7 @@ class Block0Roots(Attack):
         iterations: Int = option(60, ge=1, le=10_000)
         attention_iterations: Int = option(40, ge=1, le=1000)
         attention_starts: Int = option(2, ge=1, le=64)
+        structured_rounds: Int = option(STRUCTURED_ROUNDS, ge=0, le=50)
         seed: Int = 0
 
     def __init__(self, **options: Any) -> None:
@@ -755,6 +917,7 @@ class Block0Roots(Attack):
         self.starts, self.rounds = o.starts, o.rounds
         self.iterations, self.seed = o.iterations, o.seed
         self.attention_iterations, self.attention_starts = o.attention_iterations, o.attention_starts
+        self.structured_rounds = o.structured_rounds
 
     def _reconstruct(self, model: nn.Module, update: Update, meta: AttackMetadata) -> AttackResult:
         t0, c0 = time.perf_counter(), time.process_time()
@@ -782,7 +945,8 @@ class Block0Roots(Attack):
                                 f"{len(search.per_round)} rounds of {self.starts} starts (new per round: "
                                 f"{search.per_round}, the rounds {_runs(search.modes)}); the batch is read off "
                                 "all of them (raise rounds or starts)")
-        out = batch_from_roots(work, grads, search.roots, B, self.attention_iterations, self.attention_starts, gen)
+        out = batch_from_roots(work, grads, search.roots, B, self.attention_iterations, self.attention_starts, gen,
+                               self.structured_rounds)
         y, label_stats = batch_labels(model, grads, meta, self.seed)
         notes.append(f"block 0's {B * T} MLP roots found in {search.starts} starts; positions, images and "
                      "patches solved linearly")
@@ -801,5 +965,11 @@ class Block0Roots(Attack):
                      attack=self.name, notes=notes, **label_stats)
         if out.attention_residual is not None:
             stats["attention_residual"] = out.attention_residual
+            stats["structured_rounds"] = out.structured_rounds
+        if out.attention_floor is not None:
+            stats["attention_floor"] = out.attention_floor
+            notes.append(f"design A: no start of the attention solve reached the truth; the position-structured "
+                         f"solve placed every token in {out.structured_rounds} rounds, c to "
+                         f"{out.attention_residual:.1e} against step 2's noise {out.attention_floor:.1e}")
         return AttackResult(images, [dict(stats, shuffled_positions=int(out.shuffled[b].sum())) for b in range(B)],
                             labels=y, unshuffled=unshuffled)

@@ -178,17 +178,18 @@ def test_block0_roots_membership_mode_tells_the_assignments_apart() -> None:
 
 def test_block0_roots_design_a_mode_prints_a_row_per_photograph(caplog: pytest.LogCaptureFixture) -> None:
     """bench/block0_roots.py --design-a on its smallest run (one bundled photograph, one attention
-    iteration, so the read fails at the attention solve, the row naming why; a full read takes
-    minutes, docs/attacks.md), and its bad arguments."""
+    iteration and no structured solve, so the read fails at the attention solve, the row naming why;
+    a full read takes minutes, docs/attacks.md), and its bad arguments."""
     bench = load_bench("block0_roots")
     caplog.set_level("INFO")
     bench.main(["--images", "embedded", "--pool", "1", "--design-a", "1", "--attention-iterations", "1",
-                "--attention-starts", "1"])
+                "--attention-starts", "1", "--structured-rounds", "0"])
     assert re.search(r"design A, image 0: failed: design A: the attention solve ended at a squared residual of "
                      r"\S+ after 1 starts of 1 iterations", caplog.text), caplog.text
     assert "design A: 0 of 1 images read exactly" in caplog.text
     for bad in (["--design-a", "2"], ["--design-a", "1", "--first", "1"],
                 ["--design-a", "1", "--attention-starts", "0"],
-                ["--design-a", "1", "--attention-iterations", "1001"]):
+                ["--design-a", "1", "--attention-iterations", "1001"],
+                ["--design-a", "1", "--structured-rounds", "-1"]):
         with pytest.raises(SystemExit):
             bench.main(["--images", "embedded", "--pool", "1", *bad])
