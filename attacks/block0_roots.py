@@ -99,7 +99,8 @@ _CONVERGING = 1e-8
 #: 2.4e-6 on a wrong point: no fixed value here tells them apart (docs/attacks.md, `block0_roots`)
 ATTENTION_TOL = 1e-12
 #: design A: rounds of the position-structured solve where no start reaches ATTENTION_TOL (bundled
-#: photograph 3: its assignment repeated in the third; each round 1-5 CPU-minutes at T = 65)
+#: photograph 3: the first placed all 65 tokens and the next assignment repeated it; a round is 1-5
+#: CPU-minutes at T = 65)
 STRUCTURED_ROUNDS = 4
 
 
