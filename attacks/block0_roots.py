@@ -684,7 +684,8 @@ def structured_tokens(attn: nn.Module, C: torch.Tensor, Z: torch.Tensor, vit: nn
         _logger.info("block0_roots: design A structured round %d: %d tokens (re)placed, c to %.1e",
                      r + 1, moved, value)
         held, last = build(x), pos
-        Z = _dense_lm(free_residual, free_jacobian, held @ basis, polish_iterations, 1e-9, 0.0)[0] @ basis.T
+        if r + 1 < rounds:  # the polish only feeds the next round's assignment
+            Z = _dense_lm(free_residual, free_jacobian, held @ basis, polish_iterations, 1e-9, 0.0)[0] @ basis.T
     final = last if last is not None else torch.zeros(n, dtype=torch.long)
     return StructuredTokens(held, value, final, rounds, False)
 
