@@ -35,12 +35,13 @@ def dal_pe_term(vit: nn.Module, shuffled: torch.Tensor, dtype: torch.dtype = tor
         (d dal / d pos_embed [1, T, D], {head parameter name: d dal / d param}); the names are those
         of ``vit.named_parameters()`` (``dal_head.*``).
     """
-    work = copy.deepcopy(vit).to("cpu", dtype)
+    work = copy.deepcopy(vit).to("cpu", dtype).requires_grad_(True)  # a private copy: the caller's may be frozen
     keep = ~shuffled.reshape(1, -1).to(torch.bool)
-    loss = work.compute_dal_loss(keep)
     names = ["pos_embed"] + [n for n, _ in work.named_parameters() if n.startswith("dal_head.")]
     params = dict(work.named_parameters())
-    grads = torch.autograd.grad(loss, [params[n] for n in names], allow_unused=True)
+    with torch.enable_grad():
+        loss = work.compute_dal_loss(keep)
+        grads = torch.autograd.grad(loss, [params[n] for n in names], allow_unused=True)
     out = {n: (torch.zeros_like(params[n]) if g is None else g.detach()) for n, g in zip(names, grads)}
     return out.pop("pos_embed"), out
 
