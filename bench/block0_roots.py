@@ -133,7 +133,8 @@ def design_a(model: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor, attack
     s = res.stats[0]
     row.update(unshuffled_db=to_db(((got[~S] - true[~S]) ** 2).mean()), shuffled_db=to_db(err[rows, cols].mean()),
                roots_per_round=s["roots_per_round"], attention_residual=s.get("attention_residual"),
-               structured_rounds=s.get("structured_rounds", 0), attention_floor=s.get("attention_floor"))
+               structured_rounds=s.get("structured_rounds", 0), attention_floor=s.get("attention_floor"),
+               span_polish=s.get("span_polish_jacobians"))
     return row
 
 
@@ -155,6 +156,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--attention-starts", type=int, default=2, help="--design-a: its random starts")
     p.add_argument("--structured-rounds", type=int, default=4, help="--design-a: rounds of the position-structured "
                    "solve where no start reaches the truth (0: off)")
+    p.add_argument("--span-polish", type=int, default=6, help="--design-a: Levenberg-Marquardt Jacobians of the span "
+                   "polish of the structured solve's answer (0: off)")
     p.add_argument("--first", type=int, default=0, help="--design-a: the index of the first photograph")
     args = p.parse_args(argv)
     if args.first < 0 or not 0 <= args.design_a <= args.pool - args.first:
@@ -164,7 +167,8 @@ def main(argv: list[str] | None = None) -> None:
         roots_attack = attacks.create_attack("block0_roots", starts=args.starts, rounds=args.rounds, seed=args.seed,
                                              attention_iterations=args.attention_iterations,
                                              attention_starts=args.attention_starts,
-                                             structured_rounds=args.structured_rounds)
+                                             structured_rounds=args.structured_rounds,
+                                             span_polish=args.span_polish)
     except ValueError as e:
         p.error(str(e))
     if not 0 <= args.membership <= args.pool:
@@ -204,6 +208,8 @@ def main(argv: list[str] | None = None) -> None:
             read += row["unshuffled_db"] >= 35 and row["shuffled_db"] >= 30
             how = (f"structured solve, {row['structured_rounds']} rounds, against step 2's noise "
                    f"{row['attention_floor']:.1e}" if row["attention_floor"] is not None else "first starts")
+            if row["span_polish"] is not None:
+                how += f", span polish {row['span_polish']} Jacobians"
             _logger.info("design A, image %d: x~ unshuffled %.1f dB, shuffled set %.1f dB (roots per round %s, "
                          "attention residual %.1e, %s), %.0f s", i, row["unshuffled_db"], row["shuffled_db"],
                          row["roots_per_round"], row["attention_residual"], how, row["time_s"])

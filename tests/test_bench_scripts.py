@@ -190,6 +190,7 @@ def test_block0_roots_design_a_mode_prints_a_row_per_photograph(caplog: pytest.L
     for bad in (["--design-a", "2"], ["--design-a", "1", "--first", "1"],
                 ["--design-a", "1", "--attention-starts", "0"],
                 ["--design-a", "1", "--attention-iterations", "1001"],
-                ["--design-a", "1", "--structured-rounds", "-1"]):
+                ["--design-a", "1", "--structured-rounds", "-1"],
+                ["--design-a", "1", "--span-polish", "101"]):
         with pytest.raises(SystemExit):
             bench.main(["--images", "embedded", "--pool", "1", *bad])
