@@ -50,8 +50,9 @@ reach the truth, the point the starts stop at still places most tokens: the posi
 solve (:func:`structured_tokens`) assigns positions, fits each token's patch at its position and
 assigns again until the assignment repeats, and is kept where it fits c to within step 2's own
 noise (:func:`outputs_from_roots`); that answer, ~1e-3 off x~, is then polished on every layer's
-input span (:func:`span_polish`), which holds x~ to the update's own precision. Refused, with the reason: design A at B > 1 (the solve needs
-each token's image), B T > D, a FedAvg delta of several local steps.
+input span (:func:`span_polish`), which holds x~ to the update's own precision. Refused, with the
+reason: design A at B > 1 (the solve needs each token's image), B T > D, a FedAvg delta of several
+local steps.
 """
 from __future__ import annotations
 
