@@ -878,30 +878,24 @@ def span_polish(vit: nn.Module, grads: Mapping[str, torch.Tensor], image: torch.
     ``shuffled`` [N] (the E_unk tokens'; the span residual does not see their order) and fitted there.
     Measured on bundled photograph 3, end to end: the structured answer (52.2 / 44.6 dB, unshuffled /
     shuffled set) to 146.3 / 112.9 dB."""
-    from .first_layer import check_conditions, gradient_of_Z
-    from .mjp_maths import assemble, mjp_reduction
     from .mjp_update import read_mjp_update
-    from .span_lm import span_lm, truth_coordinates
-    from .spans import SpanResidual
+    from .span_lm import span_lm, span_problem, truth_coordinates
 
     g = {k: v.to(torch.float64) for k, v in grads.items()}
     if getattr(vit, "unk_embed", None) is not None:
         _, g, _ = read_mjp_update(vit, g)  # dL/dP without the DAL term (G_Z below)
         g = {k: g[k] for k in grads}
-    red = mjp_reduction(vit, gradient_of_Z(vit, g, check_conditions(vit)), g["blocks.0.attn.qkv.weight"], shuffled)
-    T = shuffled.numel() + int(getattr(vit, "num_prefix_tokens", 1))
-    residual = SpanResidual(vit, input_spans(vit, g, T), red.shuffled, red.device)
-    C, p = int(image.shape[1]), int(vit.patch_embed.patch_size[0])
-    grid = (int(vit.patch_embed.grid_size[0]), int(vit.patch_embed.grid_size[1]))
-    b, a = truth_coordinates(red, image, p)  # any image's coordinates, the estimate's here
+    prob = span_problem(vit, g, shuffled)
+    red = prob.red
+    b, a = truth_coordinates(red, image, prob.patch)  # any image's coordinates, the estimate's here
     with torch.no_grad():
-        before = float(residual.value(assemble(red, b, a, grid, C, p))[0])
+        before = float(prob.residual.value(prob.image(b, a))[0])
     taken, after = 0, before
     if red.null_basis.shape[1]:  # else the qkv equations alone fix every patch: nothing left to fit
-        b, a, out = span_lm(residual, red, b, a, grid, C, p, max_jacobians=jacobians)
+        b, a, out = span_lm(prob.residual, red, b, a, prob.grid, prob.channels, prob.patch, max_jacobians=jacobians)
         taken, after = out.jacobians, out.value
     with torch.no_grad():
-        polished = assemble(red, b, a, grid, C, p)
+        polished = prob.image(b, a)
     return SpanPolish(polished, before, after, taken)
 
 

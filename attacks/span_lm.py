@@ -28,13 +28,16 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Mapping, Optional
 
 import torch
+import torch.nn as nn
 from torch.func import jvp, vjp, vmap
 
-from .mjp_maths import Reduction, assemble, patches_to_image
-from .spans import SpanResidual, complement
+from .base import AttackFailure
+from .first_layer import check_conditions, gradient_of_Z
+from .mjp_maths import Reduction, assemble, mjp_reduction, patches_to_image
+from .spans import SpanResidual, complement, input_spans
 
 _logger = logging.getLogger(__name__)
 
@@ -405,6 +408,46 @@ def matrix_free_lm(fun: Callable[[torch.Tensor], torch.Tensor], theta0: torch.Te
         if not accepted or value > (1 - stall) * history[-2] or step <= xtol:
             break
     return MatrixFreeResult(theta, first, value, iterations, evaluations, history, cg_its, m)
+
+
+@dataclass(frozen=True)
+class SpanProblem:
+    """What an attacker reads off a design-A MJP update (B = 1) for the span fit: the first layer's
+    :class:`attacks.mjp_maths.Reduction` (APRIL's qkv equations on the shuffled set), the deeper
+    layers' :class:`attacks.spans.SpanResidual`, and the image's grid, channels and patch size."""
+
+    red: Reduction
+    residual: SpanResidual
+    grid: tuple[int, int]
+    channels: int
+    patch: int
+
+    def vector(self) -> SpanVector:
+        """The span residual as a vector of the reduced parameters (:class:`SpanVector`)."""
+        return SpanVector(self.residual, self.red, self.grid, self.channels, self.patch)
+
+    def image(self, b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """The model input [1, C, H, W] that the reduced parameters (b, a) assemble."""
+        return assemble(self.red, b, a, self.grid, self.channels, self.patch)
+
+
+def span_problem(vit: nn.Module, grads: Mapping[str, torch.Tensor], shuffled: torch.Tensor,
+                 rcond: Optional[float] = None, device: Optional[torch.device] = None) -> SpanProblem:
+    """The span fit's problem on a design-A MJP update: ``grads`` the update with the DAL term removed
+    (:func:`attacks.mjp_update.read_mjp_update`), ``shuffled`` [N] the E_unk tokens' mask, ``rcond``
+    the reduction's cut-off (:func:`attacks.mjp_maths.mjp_reduction`); the reduction and residual on
+    ``device`` (default the CPU). The set-up ``block0_roots``' span polish and the benches share
+    (``mjp_adaptive`` builds the same two parts apart: its residual only where the span fit runs)."""
+    g = dict(grads)
+    if "blocks.0.attn.qkv.weight" not in g:
+        raise AttackFailure("update lacks 'blocks.0.attn.qkv.weight'")
+    info = check_conditions(vit)
+    dev = torch.device("cpu") if device is None else device
+    red = mjp_reduction(vit, gradient_of_Z(vit, g, info), g["blocks.0.attn.qkv.weight"], shuffled, rcond).to(dev)
+    T = shuffled.numel() + int(getattr(vit, "num_prefix_tokens", 1))
+    residual = SpanResidual(vit, input_spans(vit, g, T), red.shuffled, dev)
+    grid = (int(vit.patch_embed.grid_size[0]), int(vit.patch_embed.grid_size[1]))
+    return SpanProblem(red, residual, grid, int(info["channels"]), int(info["patch_size"]))
 
 
 def span_lm(residual: SpanResidual, red: Reduction, b: torch.Tensor, a: torch.Tensor, grid: tuple[int, int],

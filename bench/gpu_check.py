@@ -390,20 +390,14 @@ def _span_lm_run(ctx: Context, size: int, device: torch.device, options: dict, p
     the truth's reduced parameters plus 0.05 x their spread of seeded noise: residual and x~'s PSNR
     before and after, per-iteration seconds and CG iterations. ``partial`` gets the figures after
     every iteration (a part stopped by its budget keeps them)."""
-    from attacks.first_layer import check_conditions, gradient_of_Z
-    from attacks.mjp_maths import mjp_reduction
-    from attacks.span_lm import SpanVector, matrix_free_lm, truth_coordinates
-    from attacks.spans import SpanResidual, input_spans
+    from attacks.span_lm import matrix_free_lm, span_problem, truth_coordinates
 
     case = make_case(ctx, size, "mjp", torch.float64)
     model = case.model_cpu
     S, grads, _ = attacks.create_attack("mjp_adaptive").read_update(model, dict(case.update_cpu))
-    red = mjp_reduction(model, gradient_of_Z(model, grads, check_conditions(model)),
-                        grads["blocks.0.attn.qkv.weight"], S).to(device)
-    grid = tuple(int(g) for g in model.patch_embed.grid_size)
-    p = int(model.patch_embed.patch_size[0])
-    residual = SpanResidual(model, input_spans(model, grads, S.numel() + 1), red.shuffled, device)
-    vec = SpanVector(residual, red, grid, 3, p)
+    prob = span_problem(model, grads, S, device=device)
+    red, p = prob.red, prob.patch
+    vec = prob.vector()
     xin = normalize(case.truth.double(), MEAN, STD).to(device)
     theta = vec.pack(*truth_coordinates(red, xin, p))
     gen = torch.Generator().manual_seed(0)

@@ -51,10 +51,9 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import attacks  # noqa: E402
 import fedmjp  # noqa: E402,F401  (registers the models)
-from attacks.first_layer import check_conditions, gradient_of_Z  # noqa: E402
 from attacks.jigsaw_solver import oracle_c  # noqa: E402
 from attacks.mjp_maths import lbfgs  # noqa: E402
-from attacks.mjp_maths import assemble, mjp_reduction  # noqa: E402
+from attacks.mjp_maths import assemble  # noqa: E402
 from attacks.spans import SpanResidual, input_spans  # noqa: E402
 from attacks.span_lm import (MatrixFreeResult, SketchPreconditioner, SpanVector, damped_cg, identifiability,  # noqa: E402
                              linearise, row_sketch, span_lm, truth_coordinates)
@@ -118,13 +117,12 @@ def _residuals(model: torch.nn.Module, update: dict, mask: torch.Tensor, x_t: to
 def span_problem(model: torch.nn.Module, update: dict, xin: torch.Tensor) -> tuple:
     """What the attacker reads off ``update`` for the span fit: (shuffled mask S, the first layer's
     :class:`attacks.mjp_maths.Reduction`, the deeper layers' :class:`SpanResidual`, grid, channels,
-    patch size) for inputs shaped like ``xin`` [1, C, H, W]."""
+    patch size) for inputs shaped like ``xin`` [1, C, H, W] (:func:`attacks.span_lm.span_problem`)."""
     S, grads, _ = attacks.create_attack("mjp_adaptive").read_update(model, dict(update))
-    red = mjp_reduction(model, gradient_of_Z(model, grads, check_conditions(model)),
-                        grads["blocks.0.attn.qkv.weight"], S)
-    grid = tuple(int(g) for g in model.patch_embed.grid_size)
-    residual = SpanResidual(model, input_spans(model, grads, S.numel() + 1), S)
-    return S, red, residual, grid, xin.shape[1], int(model.patch_embed.patch_size[0])
+    prob = attacks.span_lm.span_problem(model, grads, S)
+    if prob.channels != xin.shape[1]:
+        raise ValueError(f"x~ has {xin.shape[1]} channels, the model {prob.channels}")
+    return S, prob.red, prob.residual, prob.grid, prob.channels, prob.patch
 
 
 def basin(model: torch.nn.Module, update: dict, xin: torch.Tensor, eps_list: list[float], iterations: int,
