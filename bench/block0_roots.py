@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import attacks  # noqa: E402
+from attacks.block0_roots import SPAN_POLISH_JACOBIANS, STRUCTURED_ROUNDS  # noqa: E402
 import fedmjp  # noqa: E402,F401  (registers the models)
 from benchmark.scoring import pair_reconstructions  # noqa: E402
 from fedmjp.checkpoint import load_checkpoint  # noqa: E402
@@ -154,9 +155,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--attention-iterations", type=int, default=40, help="--design-a: the attention solve's "
                    "iterations per start")
     p.add_argument("--attention-starts", type=int, default=2, help="--design-a: its random starts")
-    p.add_argument("--structured-rounds", type=int, default=4, help="--design-a: rounds of the position-structured "
+    p.add_argument("--structured-rounds", type=int, default=STRUCTURED_ROUNDS, help="--design-a: rounds of the position-structured "
                    "solve where no start reaches the truth (0: off)")
-    p.add_argument("--span-polish", type=int, default=6, help="--design-a: Levenberg-Marquardt Jacobians of the span "
+    p.add_argument("--span-polish", type=int, default=SPAN_POLISH_JACOBIANS, help="--design-a: Levenberg-Marquardt Jacobians of the span "
                    "polish of the structured solve's answer (0: off)")
     p.add_argument("--first", type=int, default=0, help="--design-a: the index of the first photograph")
     args = p.parse_args(argv)
