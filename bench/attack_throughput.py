@@ -53,7 +53,7 @@ from scipy.optimize import linear_sum_assignment
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import attacks  # noqa: E402
 import fedmjp  # noqa: E402,F401
-from attacks.breaching_adapter import BreachingApril  # noqa: E402
+from attacks.optimization.breaching_adapter import BreachingApril  # noqa: E402
 from fedmjp.factory import normalize  # noqa: E402
 
 MEAN, STD = torch.tensor([0.485, 0.456, 0.406]), torch.tensor([0.229, 0.224, 0.225])

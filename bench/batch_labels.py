@@ -23,8 +23,8 @@ sys.path.insert(0, str(ROOT))
 
 import attacks  # noqa: E402
 import fedmjp  # noqa: E402,F401  (registers the models)
-from attacks.batch_match import head_norm, norm_input_grad_name  # noqa: E402
-from attacks.labels import recover_label_counts  # noqa: E402
+from attacks.optimization.batch_match import head_norm, norm_input_grad_name  # noqa: E402
+from attacks.closed_form.labels import recover_label_counts  # noqa: E402
 from fedmjp.checkpoint import load_checkpoint  # noqa: E402
 from fedmjp.data import load_images  # noqa: E402
 

@@ -9,11 +9,11 @@ The shipped CIFAR DeiT (plain, design A, depth 4), two ImageNet-sample photograp
 - ``flat``: the PSNR of the model's normalisation mean colour (default_cfg mean) as a reconstruction of each image, what an attacker
   scores without reading the update at all (``benchmark.scoring.flat_psnr``, the benchmark rows' ``flat_psnr``);
 - ``basin``: from the client's batch plus Gaussian noise of RMS sigma (model-input units), the data
-  term of ``batch_match`` (``attacks.batch_match.gradient_distance``) and PSNR after assignment at
+  term of ``batch_match`` (``attacks.optimization.batch_match.gradient_distance``) and PSNR after assignment at
   the start and after ``--iterations`` L-BFGS iterations (strong Wolfe, as the attack), with the RMS
   distance moved;
 - ``span``: at the same starts, the one-sided span residual (every candidate token inside each
-  layer's known input span, ``attacks.spans.SpanResidual``'s quantity) and the two-sided one
+  layer's known input span, ``attacks.solvers.spans.SpanResidual``'s quantity) and the two-sided one
   (the span's basis inside the span of all candidates' tokens: sum of squared sines of the principal
   angles / r), both 0 at the client's batch; a duplicated image scores 0 on the first, not the second;
 - ``attack``: ``batch_match`` itself from its random start (``--attack-iterations``, ``--tv``), PSNR
@@ -37,9 +37,9 @@ sys.path.insert(0, str(ROOT))
 
 import attacks  # noqa: E402
 import fedmjp  # noqa: E402,F401  (registers the models)
-from attacks.batch_match import gradient_distance  # noqa: E402
-from attacks.breaching_adapter import matched_names  # noqa: E402
-from attacks.spans import InputSpan, input_spans  # noqa: E402
+from attacks.optimization.batch_match import gradient_distance  # noqa: E402
+from attacks.optimization.breaching_adapter import matched_names  # noqa: E402
+from attacks.solvers.spans import InputSpan, input_spans  # noqa: E402
 from benchmark.scoring import flat_psnr, pair_reconstructions  # noqa: E402
 from fedmjp.checkpoint import load_checkpoint  # noqa: E402
 from fedmjp.data import open_image, preprocess  # noqa: E402

@@ -113,7 +113,7 @@ def bare_parts(cfg: C.BenchmarkConfig, work: list[Victims]) -> tuple[dict[str, f
     """Seconds of each part of the benchmark's work on these updates, bare and one after the other
     (see the module docstring), and the number of updates."""
     import attacks
-    from attacks.estimates import EstimateStore
+    from attacks.api.estimates import EstimateStore
     from benchmark import scoring
     from benchmark.config import attack_entries
     from benchmark.group_attacker import attack_metadata

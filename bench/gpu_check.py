@@ -27,7 +27,7 @@ part, so a run stopped by a timeout still leaves the parts it finished):
   preset on its two shipped checkpoints, ``ig_closed_start`` capped); the same run on the CPU, its
   per-row PSNR compared. ``--quick``: two rows, two images on two clients, every attacker at its
   cheapest options, the CIFAR preset on the bundled images where the archive is missing.
-- ``span_lm``: the span fit's matrix-free Levenberg-Marquardt stage (:func:`attacks.span_lm.matrix_free_lm`)
+- ``span_lm``: the span fit's matrix-free Levenberg-Marquardt stage (:func:`attacks.solvers.lm.matrix_free_lm`)
   at 224 px from the truth plus 0.05 noise (seeded DeiT-S weights): residual and x~'s PSNR per
   iteration, seconds, CG iterations; the 32 px reference on the device and the CPU, same residual.
 - ``projection``: the paper preset (configs/paper.yaml: 999 images, settings a/b/c) per attacker on
@@ -357,7 +357,7 @@ def part_april_robust(ctx: Context, seconds: float) -> dict:
 
 
 def part_mjp_adaptive(ctx: Context, seconds: float) -> dict:
-    # run_attack passes no estimate store (attacks.estimates): every run computes its own x~
+    # run_attack passes no estimate store (attacks.api.estimates): every run computes its own x~
     # --quick: no TV refinement of the prior's start (300 L-BFGS steps, most of a 32 px call's time);
     # the span fit, its probe of two starts and the jigsaw still run
     cheap = dict(tv_prior=False) if ctx.quick else {}
@@ -390,7 +390,8 @@ def _span_lm_run(ctx: Context, size: int, device: torch.device, options: dict, p
     the truth's reduced parameters plus 0.05 x their spread of seeded noise: residual and x~'s PSNR
     before and after, per-iteration seconds and CG iterations. ``partial`` gets the figures after
     every iteration (a part stopped by its budget keeps them)."""
-    from attacks.span_lm import matrix_free_lm, span_problem, truth_coordinates
+    from attacks.solvers.lm import matrix_free_lm
+    from attacks.optimization.span_fit import span_problem, truth_coordinates
 
     case = make_case(ctx, size, "mjp", torch.float64)
     model = case.model_cpu
@@ -427,7 +428,7 @@ def _span_lm_run(ctx: Context, size: int, device: torch.device, options: dict, p
 
 
 def part_span_lm(ctx: Context, seconds: float) -> dict:
-    """The matrix-free second-order stage (attacks.span_lm.matrix_free_lm) where the dense Jacobian
+    """The matrix-free second-order stage (attacks.solvers.lm.matrix_free_lm) where the dense Jacobian
     cannot go: at ``ctx.size`` on the device; reference: one iteration at 32 px on the device and the
     CPU, the same residual."""
     small = dict(max_iterations=1, sketch_rows=64, cg_iterations=20 if ctx.quick else 100)

@@ -5,7 +5,7 @@
 
 Setting (c) scores x~ unshuffled against x. No gradient sees the order of the shuffled patches (the
 position embedding E_unk is one vector for all of them), so even an attacker who holds every patch
-of x~ exactly must solve a jigsaw: :func:`attacks.jigsaw_solver.oracle_c` is that solver given the
+of x~ exactly must solve a jigsaw: :func:`attacks.solvers.jigsaw.oracle_c` is that solver given the
 true x~, the bound on (c) of every attack that hands it an estimate.
 
 Per photograph (S drawn as MJP draws it, ``--gamma``, a seed per image; the patches at S permuted)
@@ -33,7 +33,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from attacks.jigsaw_solver import COSTS, KICKS, arrangement_cost, harmonic_fill, place, solve_jigsaw  # noqa: E402
+from attacks.solvers.jigsaw import COSTS, KICKS, arrangement_cost, harmonic_fill, place, solve_jigsaw  # noqa: E402
 from fedmjp.data import DataError, load_images  # noqa: E402
 from fedmjp.jigsaw import make_plan  # noqa: E402
 from patchgrid import patchify  # noqa: E402

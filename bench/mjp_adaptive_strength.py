@@ -13,7 +13,7 @@ Printed per image: PSNR of the unshuffled region, of the shuffled patches as a s
 best matching; their order is invisible), of setting (c) (the jigsaw's unshuffled image against
 the original), and the attack's CPU seconds (process time: with OMP_NUM_THREADS=1, one core's work
 even on a shared machine); and once per image the *oracle* (c): the same jigsaw solver given the
-true x~ (:func:`attacks.jigsaw_solver.oracle_c`), the bound on (c) that the solver sets.
+true x~ (:func:`attacks.solvers.jigsaw.oracle_c`), the bound on (c) that the solver sets.
 
     OMP_NUM_THREADS=1 python bench/mjp_adaptive_strength.py                   # scikit-image's images
     OMP_NUM_THREADS=1 python bench/mjp_adaptive_strength.py --images DIR      # the first 4 JPEGs of DIR
@@ -21,13 +21,13 @@ true x~ (:func:`attacks.jigsaw_solver.oracle_c`), the bound on (c) that the solv
 ``--basin 0.05,0.2,1`` asks instead how far from the client's x~ the span fit still finds it: the
 fit starts at the truth's reduced parameters (b, a) plus Gaussian noise of ``eps`` times their spread
 and runs ``--basin-iterations`` L-BFGS iterations (``--basin-solver lbfgs``) or ``--basin-jacobians``
-Levenberg-Marquardt iterations (``lm``, :mod:`attacks.span_lm`); printed: the residual, the RMS
+Levenberg-Marquardt iterations (``lm``, :mod:`attacks.solvers.lm`); printed: the residual, the RMS
 distance to the truth (model-input units) and the PSNR of x~ before and after. ``--basin-part a``
 (or ``b``) perturbs only the shuffled (unshuffled) patches' coordinates. ``--identifiability``
 prints, before the basin test, the rank and condition number of the span residual's Jacobian at the
-truth (:func:`attacks.span_lm.identifiability`; about one Jacobian's time, ~45 CPU-s at depth 4).
+truth (:func:`attacks.optimization.span_fit.identifiability`; about one Jacobian's time, ~45 CPU-s at depth 4).
 
-``--roots K`` asks whether block 0's MLP tokens can be found and used (:mod:`attacks.token_roots`):
+``--roots K`` asks whether block 0's MLP tokens can be found and used (:mod:`attacks.structure.token_roots`):
 K starts (the ``prior`` estimate's own fc1 inputs plus noise, and random ones) solved per token;
 printed: distinct roots, how many are true tokens, and the LM fit of the reduced parameters to the
 roots (``--roots-jacobians`` Jacobians) with each root placed two ways: at the position the start's
@@ -51,12 +51,12 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import attacks  # noqa: E402
 import fedmjp  # noqa: E402,F401  (registers the models)
-from attacks.jigsaw_solver import oracle_c  # noqa: E402
-from attacks.mjp_maths import lbfgs  # noqa: E402
-from attacks.mjp_maths import assemble  # noqa: E402
-from attacks.spans import SpanResidual, input_spans  # noqa: E402
-from attacks.span_lm import (MatrixFreeResult, SketchPreconditioner, SpanVector, damped_cg, identifiability,  # noqa: E402
-                             linearise, row_sketch, span_lm, truth_coordinates)
+from attacks.solvers.jigsaw import oracle_c  # noqa: E402
+from attacks.closed_form.mjp_maths import lbfgs  # noqa: E402
+from attacks.closed_form.mjp_maths import assemble  # noqa: E402
+from attacks.solvers.spans import SpanResidual, input_spans  # noqa: E402
+from attacks.solvers.lm import MatrixFreeResult, SketchPreconditioner, damped_cg, linearise, row_sketch  # noqa: E402
+from attacks.optimization.span_fit import SpanVector, identifiability, span_lm, truth_coordinates  # noqa: E402
 from fedmjp.checkpoint import load_checkpoint  # noqa: E402
 from fedmjp.factory import normalize  # noqa: E402
 from metrics.regions import region_scores  # noqa: E402
@@ -116,10 +116,10 @@ def _residuals(model: torch.nn.Module, update: dict, mask: torch.Tensor, x_t: to
 
 def span_problem(model: torch.nn.Module, update: dict, xin: torch.Tensor) -> tuple:
     """What the attacker reads off ``update`` for the span fit: (shuffled mask S, the first layer's
-    :class:`attacks.mjp_maths.Reduction`, the deeper layers' :class:`SpanResidual`, grid, channels,
-    patch size) for inputs shaped like ``xin`` [1, C, H, W] (:func:`attacks.span_lm.span_problem`)."""
+    :class:`attacks.closed_form.mjp_maths.Reduction`, the deeper layers' :class:`SpanResidual`, grid, channels,
+    patch size) for inputs shaped like ``xin`` [1, C, H, W] (:func:`attacks.optimization.span_fit.span_problem`)."""
     S, grads, _ = attacks.create_attack("mjp_adaptive").read_update(model, dict(update))
-    prob = attacks.span_lm.span_problem(model, grads, S)
+    prob = attacks.optimization.span_fit.span_problem(model, grads, S)
     if prob.channels != xin.shape[1]:
         raise ValueError(f"x~ has {xin.shape[1]} channels, the model {prob.channels}")
     return S, prob.red, prob.residual, prob.grid, prob.channels, prob.patch
@@ -213,8 +213,8 @@ def roots(model: torch.nn.Module, update: dict, xin: torch.Tensor, mask: torch.T
     """``--roots``: block 0's MLP tokens as per-token roots, then the fit to them (module doc)."""
     from scipy.optimize import linear_sum_assignment
 
-    from attacks.span_lm import levenberg_marquardt
-    from attacks.token_roots import mlp_token_roots
+    from attacks.solvers.lm import levenberg_marquardt
+    from attacks.structure.token_roots import mlp_token_roots
     from patchgrid import patchify
 
     S, red, residual, grid, C, p = span_problem(model, update, xin)

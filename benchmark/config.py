@@ -398,8 +398,8 @@ def _validate_attack(entry: Attack | AttackEntry) -> None:
     """An attacker ``{name, options}``: a built-in, an installed plug-in's entry point or a
     ``package.module:Name`` reference that loads as an Attack subclass (a plug-in is imported here,
     so a bad one fails before any work), and options its schema takes (every value checked, number
-    options converted in place: attacks.registry.attack_options)."""
-    from attacks.registry import attack_options
+    options converted in place: attacks.api.registry.attack_options)."""
+    from attacks.api.registry import attack_options
 
     try:
         entry.options = attack_options(entry.name, entry.options)
@@ -435,7 +435,7 @@ def catalog() -> dict[str, list[tuple[str, str]]]:
     """Every attack, defence and model architecture a config can name, as (name, origin) by kind:
     ``built-in`` or the entry point's package (``run_benchmark.py --list``). ``package.module:Name``
     references are not listed: any importable one is valid."""
-    from attacks.registry import attack_catalog
+    from attacks.api.registry import attack_catalog
     from defences.spec import defence_names
     from fedmjp.models import model_catalog
 

@@ -33,7 +33,7 @@ from .store import RunFolder, slug
 from .workers import AttackCall
 
 if TYPE_CHECKING:
-    from attacks.base import AttackMetadata
+    from attacks.api.base import AttackMetadata
     from clients.runconfig import RunConfig
 
     from .workers import Runner
@@ -66,7 +66,7 @@ def attack_metadata(cfg: BenchmarkConfig, resolved: RunConfig, model: nn.Module,
         cfg: the benchmark config; resolved: the federation's typed client config
             (:func:`client_run_config`); model: the server's model; batch: the private batch.
     """
-    from attacks.base import AttackMetadata
+    from attacks.api.base import AttackMetadata
     from fedmjp.factory import model_input_stats
 
     mean, std = model_input_stats(model)
@@ -158,7 +158,7 @@ class _Round:
 
 class _SameRun:
     """The job of an attacker that computes what an earlier attacker of the round computes
-    (:meth:`attacks.base.Attack.run_key`): that attacker's results, each image's notes saying so."""
+    (:meth:`attacks.api.base.Attack.run_key`): that attacker's results, each image's notes saying so."""
 
     def __init__(self, label: str, job: Any) -> None:
         self.label, self.job = label, job
@@ -170,7 +170,7 @@ class _SameRun:
 
 
 def _run_key(attacker: Attacker, model: nn.Module) -> Any:
-    """The attacker's :meth:`attacks.base.Attack.run_key` on ``model``; None where it does not say
+    """The attacker's :meth:`attacks.api.base.Attack.run_key` on ``model``; None where it does not say
     (an attack without parsed options, e.g. a plug-in factory's)."""
     options, run_key = getattr(attacker.attack, "options", None), getattr(attacker.attack, "run_key", None)
     return None if options is None or run_key is None else run_key(options, model)
@@ -308,7 +308,7 @@ class GroupAttacker:
     def submit_round(self, updates: list) -> None:
         """Top-1 of the round's images, then one runner job per attacker over the updates that
         still miss rows of that attacker; the round goes to :attr:`dispatch` until they are done."""
-        from attacks.estimates import EstimateStore
+        from attacks.api.estimates import EstimateStore
 
         rnd = int(updates[0].server_round)
         clients = self.cfg.federation.clients

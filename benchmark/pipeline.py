@@ -173,7 +173,7 @@ def attack_options_on(entry: LabelledAttack, device: torch.device, remote: bool 
     Raises:
         ValueError: an unknown attack name (the valid ones listed).
     """
-    from attacks.registry import attack_class, option_schema
+    from attacks.api.registry import attack_class, option_schema
 
     options = dict(entry.options)
     if "device" not in options and "device" in option_schema(attack_class(entry.name)).model_fields:

@@ -315,7 +315,7 @@ def score_round(ctx: RowContext, attacker: tuple[str, str], setting: str, update
         ctx: what the federation's rows share.
         attacker: (label, registry name).
         updates, batches, results: aligned: the tapped updates attacked, their private batches,
-            the attack's result for each (:class:`attacks.base.AttackResult`).
+            the attack's result for each (:class:`attacks.api.base.AttackResult`).
         top1: the top-1 columns of these updates (:func:`round_top1`).
         patch: the model's patch side in pixels (for the region scores).
         t_attack: attack seconds per image (the ``time_attack_s`` column).

@@ -12,7 +12,7 @@ metadata), so the rows are the same as in a single process. On a cluster, every 
 checkout importable (the same code and libraries, e.g. an editable install of the project).
 
 Each update's metadata carries the round's estimate store of that update
-(:class:`attacks.estimates.EstimateStore`): ``ig_closed_start`` starts from the x~ that
+(:class:`attacks.api.estimates.EstimateStore`): ``ig_closed_start`` starts from the x~ that
 ``mjp_adaptive`` put there. In this process every call sees it; :class:`RayRunner` sends the calls of
 the attackers that share estimates (``attack.shares_estimates``) to one actor as one task, in their
 order, so that they see one unpickled store there too.
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 from .errors import ConfigError
 
 if TYPE_CHECKING:
-    from attacks.base import AttackMetadata
+    from attacks.api.base import AttackMetadata
 
 _logger = logging.getLogger(__name__)
 

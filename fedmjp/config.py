@@ -6,7 +6,7 @@ key's type and default: a section is a nested schema, a choice ``Literal[...]``,
 ``Optional[...]``, a free-form mapping its own code checks ``dict``, a number :data:`Int` or
 :data:`Float`, a range ``option(default, ge=..., le=..., gt=..., lt=...)`` (bounded numbers are finite), a key
 of several shapes ``Annotated[Union[...], ByShape()]``. Schemas live with their owners (fedmjp/trainconfig.py,
-clients/runconfig.py, benchmark/config.py, defences/spec.py; attack options: attacks/base.py).
+clients/runconfig.py, benchmark/config.py, defences/spec.py; attack options: attacks/api/base.py).
 :func:`parse` gives the model with defaults filled in, :func:`conform` the same as plain data; a
 ``ValidationError`` becomes a :class:`ConfigError` naming the key: an unknown key with the valid
 keys, a wrong value with what the key takes. Types are YAML's: a bool is no number, an int is a

@@ -214,8 +214,8 @@ RECIPE = {  # a 2-block, width-96 model: T = 65 <= D and 3 p^2 = 48 <= D, so APR
 def register_condition_failure(name: str) -> type:
     """Register attack ``name`` whose condition never holds: every image it attacks is an expected
     failure row (``AttackFailure``, not an error)."""
-    from attacks.base import Attack, AttackFailure
-    from attacks.registry import register_attack
+    from attacks.api.base import Attack, AttackFailure
+    from attacks.api.registry import register_attack
 
     def _reconstruct(self, model, update, meta):
         raise AttackFailure("condition not met (test)")

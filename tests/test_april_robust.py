@@ -168,14 +168,14 @@ def test_explicit_options_win_over_the_metadata(case):
 
 # ------------------------------------------------------------------ the Gaussian patch prior
 def test_shipped_patch_prior_loads_with_its_provenance():
-    from attacks.priors import DEFAULT_PRIOR, load_patch_prior
+    from attacks.closed_form.priors import DEFAULT_PRIOR, load_patch_prior
 
     prior = load_patch_prior()
     assert (prior.patch, prior.channels, prior.image_size, prior.dim) == (4, 3, 32, 48)
     assert np.all((prior.mean > 0) & (prior.mean < 1))
     assert np.linalg.eigvalsh(prior.cov).min() > 0
     note = __import__("json").loads(DEFAULT_PRIOR.with_suffix(".json").read_text())
-    assert note["patch"] == 4 and len(note["data_sha256"]) == 64 and note["command"].startswith("python -m attacks.priors")
+    assert note["patch"] == 4 and len(note["data_sha256"]) == 64 and note["command"].startswith("python -m attacks.closed_form.priors")
     assert DEFAULT_PRIOR.stat().st_size < 50_000  # statistics only
 
 
@@ -187,14 +187,14 @@ def test_gaussian_prior_refuses_a_model_of_another_patch_size():
     noisy = quantize_update(update, 8)
     res = attacks.create_attack("april_robust", prior="gaussian").reconstruct(model, noisy, MD)
     assert res.failed and "4 x 4 x 3 patches" in res.reason and "8 x 8 x 3" in res.reason
-    assert "python -m attacks.priors" in res.reason
+    assert "python -m attacks.closed_form.priors" in res.reason
     auto = attacks.create_attack("april_robust", prior="auto", iterations=2).reconstruct(model, noisy, MD)
     assert not auto.failed and auto.stats[0]["prior"] == "smooth"
     assert any("smoothness prior is used instead" in n for n in auto.stats[0]["notes"])
 
 
 def test_missing_prior_file_is_a_clear_error(tmp_path):
-    with pytest.raises(ValueError, match="not found.*python -m attacks.priors"):
+    with pytest.raises(ValueError, match="not found.*python -m attacks.closed_form.priors"):
         attacks.create_attack("april_robust", prior="gaussian", prior_path=str(tmp_path / "none.npz"))
 
 
@@ -222,8 +222,8 @@ def test_patch_prior_builder_on_an_image_folder(tmp_path):
     pytest.importorskip("sklearn")
     from PIL import Image
 
-    from attacks.priors import load_patch_prior
-    from attacks.priors.__main__ import main
+    from attacks.closed_form.priors import load_patch_prior
+    from attacks.closed_form.priors.__main__ import main
 
     rng = np.random.default_rng(0)
     arrays = []

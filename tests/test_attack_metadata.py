@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from attacks.base import Attack, AttackFailure, AttackMetadata, AttackResult
+from attacks.api.base import Attack, AttackFailure, AttackMetadata, AttackResult
 from defences.spec import DefenceSpec, validate_defence
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)

@@ -40,8 +40,8 @@ def test_each_attack_declares_its_options_as_one_schema():
     """Every built-in attack's options are one pydantic schema: checked when the config is (ranges,
     choices and cross-checks too, not only when the attack is built), each message naming the
     option, what it takes and, for an unknown one, the valid ones."""
-    from attacks.base import AttackOptions
-    from attacks.registry import attack_class, attack_options, option_schema
+    from attacks.api.base import AttackOptions
+    from attacks.api.registry import attack_class, attack_options, option_schema
 
     # built-in only: test modules register attacks of their own when pytest imports them
     built_in = [n for n in attacks.attack_names() if attack_class(n).__module__.startswith("attacks.")]
@@ -78,7 +78,7 @@ def test_april_analytic_rebuilds_real_image_and_agrees_with_breaching():
     s = res.stats[0]
     assert s["rank_G_Z"] == 65 and s["cls_residual"] < 1e-5 and s["system_residual"] < 1e-8
     assert s["notes"] == []
-    # breaching's own AprilAttacker on the same gradients (see attacks.breaching_adapter.BreachingApril)
+    # breaching's own AprilAttacker on the same gradients (see attacks.optimization.breaching_adapter.BreachingApril)
     ref = attacks.create_attack("april_analytic_breaching").reconstruct(model, update, MD)
     assert not ref.failed
     assert (ref.images - res.images).abs().max() < 1e-6

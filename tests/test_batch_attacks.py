@@ -13,7 +13,7 @@ import torch
 
 import attacks
 import fedmjp  # noqa: F401  (registers the models)
-from attacks.labels import recover_label_counts, round_counts
+from attacks.closed_form.labels import recover_label_counts, round_counts
 from benchmark.scoring import label_accuracy, pair_reconstructions
 from fedmjp.checkpoint import load_checkpoint
 from tests.helpers import MEAN, STD, bundled_images
@@ -152,7 +152,7 @@ def _fedavg(model: torch.nn.Module, images: torch.Tensor, y: torch.Tensor, steps
 
 def test_simulated_fedavg_delta_is_the_clients_own() -> None:
     """batch_match's unrolled E local steps at the true batch give the client's delta (float64)."""
-    from attacks.batch_match import simulate_delta
+    from attacks.optimization.batch_match import simulate_delta
 
     model = _deit()
     y = torch.tensor([2, 6])
@@ -195,11 +195,11 @@ def test_unrolled_fedavg_matching_beats_the_mean_gradient_reading() -> None:
 
 def test_true_tokens_are_roots_of_the_per_token_mlp_problem() -> None:
     """DAGER's per-token check on a real B = 2 update (docs/attacks.md, "Batches", the structure
-    attack): with the spans :func:`attacks.spans.input_spans` reads off the update, every one of the
+    attack): with the spans :func:`attacks.solvers.spans.input_spans` reads off the update, every one of the
     B*T = 130 true tokens has its fc1 input (block 0's norm2 output) in S_fc1 and its fc2 input
     GELU(W1 h + b1) in S_fc2 at the float64 noise floor, while tokens the batch did not hold (the
     same images shifted by one pixel, random LayerNorm outputs) are decades off."""
-    from attacks.spans import input_spans
+    from attacks.solvers.spans import input_spans
 
     model = _deit()
     mlp = model.blocks[0].mlp
@@ -236,12 +236,12 @@ def test_true_tokens_are_roots_of_the_per_token_mlp_problem() -> None:
 
 
 def test_batched_roots_of_the_per_token_mlp_problem_are_true_tokens() -> None:
-    """:func:`attacks.token_roots.mlp_token_roots` on a real B = 2 update from random starts: every
+    """:func:`attacks.structure.token_roots.mlp_token_roots` on a real B = 2 update from random starts: every
     start that converges lands on one of the batch's 130 true fc1 inputs (cosine > 0.99999), and
     distinct starts find distinct tokens (measured: 64 starts, 30 iterations, 30 converged, 10
     distinct tokens, all true)."""
-    from attacks.spans import input_spans
-    from attacks.token_roots import mlp_token_roots
+    from attacks.solvers.spans import input_spans
+    from attacks.structure.token_roots import mlp_token_roots
 
     model = _deit()
     seen: dict[str, torch.Tensor] = {}
@@ -274,7 +274,7 @@ def test_two_sided_span_agreement_keeps_the_candidates_apart() -> None:
     """bench/batch_match_basin.py's span agreement on a real B = 2 update: both sides ~0 at the
     client's batch; a pair of one image twice passes the one-sided (per-token) test but not the
     two-sided one; noise raises the two-sided term with its size."""
-    from attacks.spans import input_spans
+    from attacks.solvers.spans import input_spans
     basin = _bench("batch_match_basin")
     model = _deit()
     xn = _inputs(2)
@@ -355,7 +355,7 @@ def _mjp_client(B: int, seed: int, per_sample: bool = False) -> tuple:
 def test_shared_shuffle_is_read_off_a_batch_update(B: int) -> None:
     """One shuffle for the batch (the clients' default): the zero rows of the batch's dL/dP are
     exactly its positions; per-image shuffles leave only their intersection readable."""
-    from attacks.mjp_update import read_mjp_update
+    from attacks.closed_form.mjp_update import read_mjp_update
 
     model, plan, _, _, update = _mjp_client(B, seed=B)
     assert bool((plan.mask == plan.mask[:1]).all()) and int(plan.mask[0].sum()) > 0
@@ -370,8 +370,8 @@ def test_batch_match_with_the_read_mask_beats_the_plain_forward() -> None:
     """B = 2, one shuffle for the batch: at the client's x~ the masked forward gives the update
     exactly and the plain forward does not; from the same start 30 L-BFGS iterations with the mask
     end at a lower gradient distance, and each candidate's jigsaw is solved (``unshuffled``)."""
-    from attacks.batch_match import gradient_distance
-    from attacks.breaching_adapter import matched_names
+    from attacks.optimization.batch_match import gradient_distance
+    from attacks.optimization.breaching_adapter import matched_names
 
     model, plan, shuffled, y, update = _mjp_client(2, seed=3)
     names = matched_names(model, update, (3, 32, 32))  # the plain forward's parameters, as the attack matches

@@ -13,9 +13,9 @@ import torch
 
 import attacks
 import fedmjp  # noqa: F401  (registers the models)
-from attacks.block0_roots import batch_from_roots, find_roots
-from attacks.token_roots import MLPSpans
-from attacks.spans import input_spans
+from attacks.structure.block0_roots import batch_from_roots, find_roots
+from attacks.structure.token_roots import MLPSpans
+from attacks.solvers.spans import input_spans
 from benchmark.scoring import pair_reconstructions
 from fedmjp.checkpoint import load_checkpoint
 from tests.helpers import MD, MEAN, STD, bundled_images
@@ -161,7 +161,7 @@ def test_the_attack_on_an_mjp_update_returns_x_tilde_and_the_jigsaw_arrangement(
     """The attack's own path on an MJP client's update, the search replaced by the true roots (the
     search is tested above): ``images`` is x~ with every unshuffled patch exact, ``unshuffled`` the
     jigsaw solver's arrangement of the exact shuffled patches, the shuffled count in the stats."""
-    import attacks.block0_roots as b0
+    import attacks.structure.block0_roots as b0
 
     torch.manual_seed(0)
     model = timm.create_model("mjp_vit_cifar_patch4_32", variant="mjp", first_block="standard", depth=4)
@@ -315,7 +315,7 @@ def _design_a_mjp():
 
 
 def test_the_attention_jacobian_is_forward_mode_s() -> None:
-    from attacks.block0_roots import _attention_jacobian, _attention_output
+    from attacks.structure.block0_roots import _attention_jacobian, _attention_output
 
     attn = _design_a_mjp().blocks[0].attn
     gen = torch.Generator().manual_seed(0)
@@ -356,7 +356,7 @@ def test_the_value_update_gives_each_heads_mixes_up_to_its_free_directions() -> 
     """Y^h = A^h Z from dL/dW_v^h = dC^h^T Y^h and C^h = Y^h W_v^h^T + b_v^h (real photograph, trained
     weights): the truth's mixes differ from Y0 only along N L M^T (one direction per head here, n - d =
     1), and the mixes' closed-form Jacobian is forward mode's."""
-    from attacks.block0_roots import _mix_jacobian, _mixes, _value_mixes
+    from attacks.structure.block0_roots import _mix_jacobian, _mixes, _value_mixes
 
     model, update, Z, C, dC = _design_a_tokens()[:5]
     attn = model.blocks[0].attn
@@ -385,8 +385,8 @@ def test_design_a_attention_outputs_give_the_embeddings_and_x_tilde(monkeypatch)
     determine its embedding: from 10 % off the attention solve (the mixes, then c) converges to it;
     the embeddings then give x~'s unshuffled patches exactly and the shuffled set. From random starts
     the same solve took 17-19 iterations on this photograph (docs/attacks.md)."""
-    import attacks.block0_roots as b0
-    from attacks.block0_roots import attention_tokens
+    import attacks.structure.block0_roots as b0
+    from attacks.structure.block0_roots import attention_tokens
 
     model, update, Z, C, dC, U, mask, x = _design_a_tokens()
     attn = model.blocks[0].attn
@@ -413,7 +413,7 @@ def test_design_a_places_tokens_the_attention_solve_returns_at_its_floor(monkeyp
     """Step 2's error in c grows through the attention solve: measured position residuals of 1.2e-5
     for the true tokens of one photograph (any other position >= 0.04). Embeddings 1e-5 off (relative)
     are still placed, x~ coming back to 1e-3; embeddings 1e-2 off (a wrong solve) are not."""
-    import attacks.block0_roots as b0
+    import attacks.structure.block0_roots as b0
 
     model, update, Z, C, dC, U, mask, x = _design_a_tokens()
     noise = torch.randn(Z.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
@@ -438,7 +438,7 @@ def test_outputs_from_roots_read_c_again_and_measure_its_noise() -> None:
     plane; of noise added to c the reading keeps two directions of each token's 192 (~10 % of its
     norm), and the noisy c disagrees with it by nearly all the noise: the measure of step 2's noise
     the structured solve is held to."""
-    from attacks.block0_roots import outputs_from_roots
+    from attacks.structure.block0_roots import outputs_from_roots
 
     model, update, Z, C, dC, U, mask, x = _design_a_tokens()
     blk = model.blocks[0]
@@ -475,8 +475,8 @@ def test_the_structured_solve_reads_x_tilde_from_a_wrong_point_of_the_attention_
     second places all 17 and x~ comes back exactly. With structured_rounds 0 the attack fails naming
     the option, with 1 the assignment has not repeated, and an answer above step 2's noise in c is
     refused."""
-    import attacks.block0_roots as b0
-    from attacks.block0_roots import _assign_positions, _position_residuals, _token_offsets
+    import attacks.structure.block0_roots as b0
+    from attacks.structure.block0_roots import _assign_positions, _position_residuals, _token_offsets
 
     model = _design_a_mjp_16()
     attn = model.blocks[0].attn
@@ -525,7 +525,7 @@ def test_the_span_polish_takes_a_close_answer_to_x_tilde() -> None:
     in the reduced coordinates of the qkv equations) takes such an answer to x~: here the shipped
     design-A weights at 16 px, a real photograph, 4 of 16 positions shuffled, x~ + noise at ~46 dB
     on every patch and the shuffled patches in another order (the update does not fix it)."""
-    from attacks.block0_roots import span_polish
+    from attacks.structure.block0_roots import span_polish
 
     model = _design_a_mjp_16()
     mask = torch.zeros(1, 16, dtype=torch.bool)

@@ -308,7 +308,7 @@ def test_mjp_adaptive_keeps_small_models_on_the_cpu_with_a_note():
     """A 32 px model's many small solves are slower on a GPU (docs/speed.md): below
     ``min_device_cost`` they stay on the CPU and the result says so; 0 asks for the device always.
     No CUDA needed: only the choice is checked, nothing is allocated on the device."""
-    from attacks.mjp_adaptive import MJPAdaptive
+    from attacks.optimization.mjp_adaptive import MJPAdaptive
 
     model = MJPVisionTransformer(variant="mjp", first_block="april", **{**TINY, "embed_dim": 96})
     shuffled = torch.zeros(64, dtype=torch.bool)

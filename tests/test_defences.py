@@ -369,7 +369,7 @@ def test_central_dp_noise_is_seeded_by_run_seed_and_round():
 def test_each_defence_states_what_it_does_to_an_update():
     """One observation model per built-in defence (defences/spec.py), read by april_robust and
     ig_closed_start's defence model; the noise in gradient units follows the update type."""
-    from attacks.base import AttackMetadata
+    from attacks.api.base import AttackMetadata
     from defences.spec import SCHEMAS
 
     clean = {name for name, schema in SCHEMAS.items() if not schema().observation().perturbs}

@@ -311,25 +311,25 @@ def test_a_resume_on_changed_images_is_refused(tmp_path: Path, capsys) -> None:
 
 def test_a_resume_by_changed_code_is_refused_naming_the_file_unless_forced(tmp_path: Path, capsys) -> None:
     """provenance.json holds a fingerprint of every source file of the project; rows made by other
-    code (here: a stored record whose attacks/april.py differs, dirty flag equal) refuse the resume
+    code (here: a stored record whose attacks/closed_form/april.py differs, dirty flag equal) refuse the resume
     and name the file; --force resumes and records what differed."""
     import json
 
     config, out = small_config(tmp_path), tmp_path / "out"
     assert cli(config, out, "--dry-run") == 0
     record = json.loads((out / "provenance.json").read_text())
-    assert record["code"]["files"]["attacks/april.py"] and len(record["code"]["fingerprint"]) == 64
+    assert record["code"]["files"]["attacks/closed_form/april.py"] and len(record["code"]["fingerprint"]) == 64
     assert not any(name.startswith("tests/") for name in record["code"]["files"])  # a test edit changes nothing
-    record["code"]["files"]["attacks/april.py"] = "0" * 16
+    record["code"]["files"]["attacks/closed_form/april.py"] = "0" * 16
     record["code"]["fingerprint"] = "0" * 64
     (out / "provenance.json").write_text(json.dumps(record))
     capsys.readouterr()
     assert cli(config, out, "--dry-run") == 6
-    one_line_error(capsys.readouterr().err, "code.files.attacks/april.py", "--force")
+    one_line_error(capsys.readouterr().err, "code.files.attacks/closed_form/april.py", "--force")
     assert cli(config, out, "--dry-run", "--force") == 0
     now = json.loads((out / "provenance.json").read_text())
     assert now["code"]["fingerprint"] != "0" * 64
-    assert any("attacks/april.py" in d for d in now["resumes"][-1]["forced_differences"])
+    assert any("attacks/closed_form/april.py" in d for d in now["resumes"][-1]["forced_differences"])
     assert cli(config, out, "--dry-run") == 0  # the record now describes this code
     assert len(json.loads((out / "provenance.json").read_text())["resumes"]) == 3
 
@@ -443,8 +443,8 @@ def test_every_integer_attack_option_but_a_seed_is_a_bounded_count() -> None:
     """Iterations, restarts and other counts of the built-in attacks are bounded (no config can ask
     for a run that never ends); seeds are not counts."""
     import attacks
-    from attacks.base import COUNT_LIMIT
-    from attacks.registry import attack_class
+    from attacks.api.base import COUNT_LIMIT
+    from attacks.api.registry import attack_class
 
     checked = 0
     for name in ("batch_match", "ig_closed_start", "april_robust", "mjp_adaptive", "invertinggradients"):

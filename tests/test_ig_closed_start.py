@@ -1,4 +1,4 @@
-"""``ig_closed_start`` (attacks/ig_closed_start.py): cosine gradient matching from a closed-form start, run
+"""``ig_closed_start`` (attacks/optimization/ig_closed_start.py): cosine gradient matching from a closed-form start, run
 to convergence, with MJP's detected mask in the forward. Real images (scikit-image's bundled
 photographs), 32 px design-A ViTs of depth 2, fresh weights, float64 clients."""
 from __future__ import annotations
@@ -100,8 +100,8 @@ def test_mjp_start_takes_mjp_adaptive_s_estimate_from_the_update_s_store(monkeyp
     computes it: the same result either way."""
     import dataclasses
 
-    import attacks.mjp_adaptive as mjp
-    from attacks.estimates import EstimateStore
+    import attacks.optimization.mjp_adaptive as mjp
+    from attacks.api.estimates import EstimateStore
 
     monkeypatch.setattr(mjp, "SPAN_ITERATIONS", 30)  # the default options' span fit, shortened
     model = model_of("mjp")
@@ -132,8 +132,8 @@ def test_batch_update_starts_from_batch_match_s_fitted_batch_in_the_update_s_sto
     fitted once) or which the start fits itself; the same images either way."""
     import dataclasses
 
-    from attacks.estimates import EstimateStore
-    from attacks.ig_closed_start import BATCH_START
+    from attacks.api.estimates import EstimateStore
+    from attacks.optimization.ig_closed_start import BATCH_START
 
     model = model_of("plain")
     x = bundled_images(2, 32, start=0)
@@ -183,8 +183,8 @@ def test_defence_terms_vanish_at_the_clients_gradient() -> None:
     """The modelled defences' data terms are zero at the gradient the client actually had (the
     pruned support and the quantiser's bins exactly, the noise's likelihood in expectation) and
     positive at another image's gradient."""
-    from attacks.base import AttackMetadata
-    from attacks.match_terms import defence_match
+    from attacks.api.base import AttackMetadata
+    from attacks.optimization.match_terms import defence_match
     from defences.transforms import local_dp, prune_update, quantize_update
 
     model = model_of("plain")

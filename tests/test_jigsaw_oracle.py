@@ -1,4 +1,4 @@
-"""The jigsaw solver's own bound on setting (c) (attacks.jigsaw_solver.oracle_c) and its harmonic-fill
+"""The jigsaw solver's own bound on setting (c) (attacks.solvers.jigsaw.oracle_c) and its harmonic-fill
 term, on held-out ImageNet validation photographs at 32 px (patch 4, gamma 0.27, as the MJP bench)."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from attacks.jigsaw_solver import harmonic_fill, oracle_c, place, solve_jigsaw
+from attacks.solvers.jigsaw import harmonic_fill, oracle_c, place, solve_jigsaw
 from fedmjp.jigsaw import make_plan
 from helpers import folder_image
 from test_bench_scripts import load_bench
@@ -96,7 +96,7 @@ def test_the_default_cost_is_mgc_for_large_patches_and_raises_the_oracle_there(i
     """At 224 px (p = 16) the solver's default is Gallagher's gradient compatibility, which on the true
     patches of 24 held-out photographs reached 29.2 dB median against the l2 cost's 23.5 (no kicks,
     bench/jigsaw_bound.py); here on 3 of them it must be ahead on the median. At p = 4 the default stays l2."""
-    from attacks.jigsaw_solver import default_cost
+    from attacks.solvers.jigsaw import default_cost
 
     assert default_cost(4) == "l2" and default_cost(16) == "mgc"
     bench = load_bench("jigsaw_bound")

@@ -1,4 +1,4 @@
-"""Label counts from the update (attacks/labels.py): exact on real updates of the shipped CIFAR DeiTs
+"""Label counts from the update (attacks/closed_form/labels.py): exact on real updates of the shipped CIFAR DeiTs
 where the per-image equations are overdetermined (B <= C / 2 with the head's LayerNorm; any B < C
 with the last block's fc2 gradient), the bias rule with its note where the head's gradient cannot
 hold the batch (B >= C classes)."""
@@ -12,8 +12,8 @@ import torch
 
 import attacks
 import fedmjp  # noqa: F401  (registers the models)
-from attacks.batch_match import head_norm, norm_input_grad_name
-from attacks.labels import recover_label_counts
+from attacks.optimization.batch_match import head_norm, norm_input_grad_name
+from attacks.closed_form.labels import recover_label_counts
 from fedmjp.checkpoint import load_checkpoint
 from fedmjp.train_data import resolve_data_path
 from tests.helpers import MEAN, STD, bundled_images, crop_resize

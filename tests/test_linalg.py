@@ -1,11 +1,11 @@
-"""attacks/linalg.py: the torch conjugate gradients against scipy's ``cg`` on the same system."""
+"""attacks/solvers/linalg.py: the torch conjugate gradients against scipy's ``cg`` on the same system."""
 from __future__ import annotations
 
 import numpy as np
 import scipy.sparse.linalg as spla
 import torch
 
-from attacks.linalg import conjugate_gradient
+from attacks.solvers.linalg import conjugate_gradient
 
 
 def _system(n: int = 60, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""The MJP-aware attack (attacks.mjp_adaptive) and the jigsaw solver, on real images (CPU, float64)."""
+"""The MJP-aware attack (attacks.optimization.mjp_adaptive) and the jigsaw solver, on real images (CPU, float64)."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,10 +8,10 @@ import torch
 
 import attacks
 import fedmjp  # noqa: F401  (registers the mjp_* models)
-from attacks.first_layer import check_conditions
-from attacks.first_layer import gradient_of_Z
-from attacks.jigsaw_solver import arrangement_cost, place, solve_jigsaw
-from attacks.mjp_maths import mjp_reduction
+from attacks.closed_form.first_layer import check_conditions
+from attacks.closed_form.first_layer import gradient_of_Z
+from attacks.solvers.jigsaw import arrangement_cost, place, solve_jigsaw
+from attacks.closed_form.mjp_maths import mjp_reduction
 from fedmjp.jigsaw import make_plan
 from helpers import MD, STD, bundled_images, folder_image, normalize, psnr
 
@@ -200,7 +200,7 @@ def test_plain_model_gets_the_plain_closed_form():
 def test_matrix_free_prior_equals_the_dense_solve():
     """The smoothness prior's CG path (used at 224 px, where the dense Jacobian does not fit) gives the
     dense path's coefficients on a problem small enough for both."""
-    from attacks.mjp_maths import smoothness_prior_solve
+    from attacks.closed_form.mjp_maths import smoothness_prior_solve
 
     model = mjp_model()
     _, _, plan, update = client_update(model)
@@ -233,7 +233,7 @@ def test_rounding_level_changes_of_the_update_do_not_change_the_reconstruction()
 
 
 def test_expected_null_dims_follows_the_patch_embedding_rank():
-    from attacks.mjp_maths import expected_null_dims
+    from attacks.closed_form.mjp_maths import expected_null_dims
 
     assert expected_null_dims(17, 48, 192) == 16        # injective W_e (32 px, patch 4, D 192)
     assert expected_null_dims(50, 768, 384) == 434      # DeiT-S/16: null(W_e) (384) + |S|
@@ -298,7 +298,7 @@ def test_first_layer_observables_are_invariant_on_the_orbit():
     assert float((Z2 - Z).norm()) > 1e-2 * float(Z.norm())  # a real move, not the identity
     # the attack's parameterisation covers the orbit: candidate - truth lies in span{z_s - z_s0}
     red = mjp_reduction(model, G, update["blocks.0.attn.qkv.weight"], S)
-    from attacks.mjp_maths import assemble
+    from attacks.closed_form.mjp_maths import assemble
     nU, k = red.x_unshuffled.shape[0], red.null_basis.shape[1]
     b = torch.randn(nU, k, generator=gen, dtype=torch.float64)
     a = torch.randn(int(S.sum()), k, generator=gen, dtype=torch.float64)
@@ -316,8 +316,8 @@ def test_first_layer_observables_are_invariant_on_the_orbit():
 def test_layer_input_spans_hold_at_the_truth_and_not_off_it():
     """Every span read off a weight gradient holds the client's true layer inputs (to 1e-8), the
     span residual is ~0 at the truth, and clearly not at the first-layer estimate."""
-    from attacks.mjp_adaptive import MJPAdaptive
-    from attacks.spans import SpanResidual, input_spans
+    from attacks.optimization.mjp_adaptive import MJPAdaptive
+    from attacks.solvers.spans import SpanResidual, input_spans
 
     model = mjp_model(depth=4)
     _, x_t, plan, update = client_update(model, 0, 3)
@@ -366,7 +366,7 @@ def test_span_refinement_improves_the_unshuffled_region_with_sharp_attention():
 def test_default_span_fit_is_skipped_where_it_does_not_fit_the_budget(monkeypatch):
     """The default's iterations scale with the model's forward cost; where fewer than
     SPAN_MIN_ITERATIONS fit (DeiT-S at 224 px: ~40) the prior's estimate is returned with a note."""
-    import attacks.mjp_adaptive as mjp
+    import attacks.optimization.mjp_adaptive as mjp
 
     model = mjp_model()
     _, _, _, update = client_update(model)
@@ -385,7 +385,7 @@ def test_estimate_is_shared_through_the_update_s_store_only():
     import dataclasses
     import time
 
-    from attacks.estimates import EstimateStore
+    from attacks.api.estimates import EstimateStore
 
     model = mjp_model()
     _, _, _, update = client_update(model)

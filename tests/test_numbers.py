@@ -20,8 +20,8 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 import attacks
-from attacks import base as attack_base
-from attacks import registry as attack_registry
+from attacks.api import base as attack_base
+from attacks.api import registry as attack_registry
 from benchmark import config as C
 from benchmark.cli import build_parser, integer, resolve
 from benchmark.errors import ConfigError as BenchmarkConfigError

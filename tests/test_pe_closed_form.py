@@ -13,7 +13,7 @@ from timm.models.vision_transformer import VisionTransformer
 import attacks
 from helpers import normalize, psnr
 import fedmjp  # noqa: F401  (registers the mjp_* models)
-from attacks.pe_closed_form import images_to_patches, patches_to_images, pe_closed_form_system, pe_conditions
+from attacks.closed_form.pe_closed_form import images_to_patches, patches_to_images, pe_closed_form_system, pe_conditions
 
 MEAN = torch.tensor([0.485, 0.456, 0.406], dtype=torch.float64)
 STD = torch.tensor([0.229, 0.224, 0.225], dtype=torch.float64)

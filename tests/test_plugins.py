@@ -18,7 +18,7 @@ import torch
 
 import run_benchmark
 from attacks import create_attack
-from attacks.registry import attack_catalog
+from attacks.api.registry import attack_catalog
 from benchmark import config as C
 from defences import validate_defence
 from fedmjp import plugins
@@ -177,7 +177,7 @@ def test_a_plugin_model_builds_by_name_and_by_reference(plugin_package: Path) ->
 @pytest.mark.parametrize("kind, reference, message", [
     ("attack", "no_such_pkg.attacks:Thing", "module 'no_such_pkg.attacks' not found; install the package"),
     ("attack", f"{PACKAGE}.attacks:Missing", f"'{PACKAGE}.attacks' has no attribute 'Missing'"),
-    ("attack", f"{PACKAGE}.defences:AddConstant", "is not a subclass of attacks.base.Attack (got AddConstant)"),
+    ("attack", f"{PACKAGE}.defences:AddConstant", "is not a subclass of attacks.api.base.Attack (got AddConstant)"),
     ("defence", f"{PACKAGE}.attacks:MeanImage", "is not a subclass of defences.spec.UpdateDefence (got MeanImage)"),
     ("model", f"{PACKAGE}.models:__name__", "is not a model function registered with timm"),
     ("model", f"{PACKAGE}.models:register_model", "is not a model function registered with timm"),

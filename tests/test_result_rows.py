@@ -16,8 +16,8 @@ from helpers import register_condition_failure, write_config
 from helpers import run as _run
 
 import attacks
-from attacks.base import Attack
-from attacks.registry import register_attack
+from attacks.api.base import Attack
+from attacks.api.registry import register_attack
 from benchmark import scoring
 from fedmjp.stats import bootstrap_ci
 from benchmark.store import read_jsonl

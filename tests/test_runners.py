@@ -189,7 +189,7 @@ def test_an_attacker_that_computes_what_an_earlier_one_computes_runs_once(tmp_pa
 
     from helpers import run, write_config
 
-    from attacks.ig_closed_start import InvertingGradientsClosedStart as IgClosedStart
+    from attacks.optimization.ig_closed_start import InvertingGradientsClosedStart as IgClosedStart
     from benchmark.store import read_jsonl
 
     calls: Counter = Counter()

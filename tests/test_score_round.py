@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attacks.base import AttackResult
+from attacks.api.base import AttackResult
 from benchmark import scoring
 from benchmark.group_attacker import RoundCollector
 from benchmark.rows import (

@@ -1,4 +1,4 @@
-"""The span residual's vector form and Levenberg-Marquardt on it (attacks.span_lm), on a held-out
+"""The span residual's vector form and Levenberg-Marquardt on it (attacks.solvers.lm), on a held-out
 ImageNet validation photograph and the shipped DeiT+MJP checkpoint's first two blocks (32 px,
 design A, float64, gamma 0.27)."""
 from __future__ import annotations
@@ -11,11 +11,11 @@ import torch
 
 import attacks
 import fedmjp  # noqa: F401  (registers the mjp_* models)
-from attacks.first_layer import check_conditions, gradient_of_Z
-from attacks.mjp_maths import mjp_reduction
-from attacks.spans import SpanResidual, input_spans
-from attacks.span_lm import (SketchPreconditioner, SpanVector, damped_cg, levenberg_marquardt, linearise, matrix_free_lm,
-                             row_sketch, span_lm, truth_coordinates)
+from attacks.closed_form.first_layer import check_conditions, gradient_of_Z
+from attacks.closed_form.mjp_maths import mjp_reduction
+from attacks.solvers.spans import SpanResidual, input_spans
+from attacks.solvers.lm import SketchPreconditioner, damped_cg, levenberg_marquardt, linearise, matrix_free_lm, row_sketch
+from attacks.optimization.span_fit import SpanVector, span_lm, truth_coordinates
 from fedmjp.checkpoint import load_checkpoint
 from helpers import MD, STD, folder_image, normalize
 
@@ -109,7 +109,7 @@ def test_lm_from_truth_plus_noise_returns_the_truth(small_case):
 def test_attack_runs_the_lm_stage_where_asked_and_not_on_a_shortened_fit(case):
     """``lm_jacobians`` None with an explicit ``span_iterations`` keeps the stage off (a note says so),
     None with the default fit runs :data:`LM_JACOBIANS` on this 32 px model, an explicit number wins."""
-    from attacks.mjp_adaptive import LM_JACOBIANS, MJPAdaptive
+    from attacks.optimization.mjp_adaptive import LM_JACOBIANS, MJPAdaptive
 
     vec, _, _, _, _ = case
     T = vec.red.shuffled.numel() + 1
@@ -204,7 +204,7 @@ def test_matrix_free_step_equals_the_dense_step_and_the_sketch_pays(small_case):
 def test_attack_picks_the_matrix_free_solver_where_the_dense_jacobian_does_not_fit(case, monkeypatch):
     """``lm_solver: auto`` is dense on the 32 px model and matrix-free once the dense Jacobian exceeds
     LM_MEMORY; an explicit solver wins; an unknown one is refused by name."""
-    import attacks.mjp_adaptive as ma
+    import attacks.optimization.mjp_adaptive as ma
 
     vec, _, _, _, _ = case
     T = vec.red.shuffled.numel() + 1

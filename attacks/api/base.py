@@ -16,9 +16,9 @@ Two kinds of failure are told apart, so that a bug cannot make a row look privat
   result is still failed, but :attr:`AttackResult.error` carries the traceback; the benchmark writes
   it to the run folder's ``errors/`` and ends with a non-zero exit status.
 
-The name registry and building an attack by name with its options checked: :mod:`attacks.registry`;
-the metadata and the update read as gradients: :mod:`attacks.metadata`; the failure types:
-:mod:`attacks.errors` (both re-exported here, where attacks and plug-ins import them from).
+The name registry and building an attack by name with its options checked: :mod:`attacks.api.registry`;
+the metadata and the update read as gradients: :mod:`attacks.api.metadata`; the failure types:
+:mod:`attacks.api.errors` (both re-exported here, where attacks and plug-ins import them from).
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from typing import Any, Literal
 import torch
 import torch.nn as nn
 
-from .base import AttackFailure
+from ..api.base import AttackFailure
 
 #: The precisions of the closed forms' linear algebra (their ``precision`` option).
 Precision = Literal["float64", "float32"]

@@ -5,7 +5,7 @@ computes the data term per group: the plain cosine term, or the likelihood of th
 where the attacker knows it (pruned support, quantiser bins, local-DP / DP-SGD noise).
 :func:`defence_match` reads that observation model from the metadata and builds the terms;
 :func:`total_variation` is the image prior the optimisation attacks add beside them
-(:mod:`attacks.matching`). Nothing here runs a model: the gradients come from the caller.
+(:mod:`attacks.optimization.matching`). Nothing here runs a model: the gradients come from the caller.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from defences.spec import NoDefence
 
-from .base import AttackMetadata
+from ..api.base import AttackMetadata
 
 #: Elements per bucket of :class:`MatchTerms` on the CPU (1 MiB of float32); one bucket on a GPU.
 MATCH_BUCKET_CPU = 1 << 18

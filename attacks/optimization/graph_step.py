@@ -1,5 +1,5 @@
 """One converging gradient-matching step recorded as a CUDA graph and replayed
-(:class:`GraphedStep`, the ``cuda_graph`` option of :class:`attacks.matching.GradientMatching`)."""
+(:class:`GraphedStep`, the ``cuda_graph`` option of :class:`attacks.optimization.matching.GradientMatching`)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Sequence

@@ -8,7 +8,7 @@ and attention projection do:
 
 1. **Roots.** Every token's fc1 input u = norm2(h) lies in fc1's input span and GELU(W1 u + b1) in
    fc2's (both read off their weight gradients, rank B T): each of the B T tokens is a root of a small
-   problem of its own (:mod:`attacks.token_roots`). Random starts alone find the few tokens with
+   problem of its own (:mod:`attacks.structure.token_roots`). Random starts alone find the few tokens with
    large basins again and again. The search (:func:`find_roots`) steers its starts into the part of
    fc2's span the found tokens leave empty while that pays, then adds equations only the tokens not
    yet found satisfy (their output gradients span what dL/dW_fc2 puts on that empty part). Every
@@ -37,7 +37,7 @@ reads it). On MJP (E_unk in place of the position embedding at the shuffled posi
 one more candidate in step 3: the tokens that fit it give each image's shuffled set and its patches
 exactly, and the update does not fix their order (attention without a position embedding does not
 see it): ``images`` places them in the free positions in root order, ``unshuffled`` is the jigsaw
-solver's arrangement (setting c, :mod:`attacks.jigsaw_solver`).
+solver's arrangement (setting c, :mod:`attacks.solvers.jigsaw`).
 
 **Design A** (APRIL's block 0: no norm1, no residual around attention) at B = 1: steps 1 and 2 hold
 as they are, and with every token's attention output c_r known, c_r = Attention(Z)_r for all roots
@@ -69,12 +69,12 @@ from scipy.optimize import linear_sum_assignment
 
 from fedmjp.config import Int, option
 
-from .base import Attack, AttackFailure, AttackMetadata, AttackOptions, AttackResult, Update, update_to_gradients
-from .batch_match import batch_labels
-from .first_layer import is_design_a, unwrap_vit
-from .jigsaw_solver import unshuffle_image
-from .registry import register_attack
-from .spans import complement, input_spans
+from ..api.base import Attack, AttackFailure, AttackMetadata, AttackOptions, AttackResult, Update, update_to_gradients
+from ..optimization.batch_match import batch_labels
+from ..closed_form.first_layer import is_design_a, unwrap_vit
+from ..solvers.jigsaw import unshuffle_image
+from ..api.registry import register_attack
+from ..solvers.spans import complement, input_spans
 from .token_roots import MLPSpans, span_part, span_value, gauss_newton_lm
 
 _logger = logging.getLogger(__name__)
@@ -226,7 +226,7 @@ def find_roots(block: nn.Module, fc1_basis: torch.Tensor, fc2_basis: torch.Tenso
 
     Each round knows the roots found so far (``found`` before the first) and runs ``starts`` starts
     of at most ``iterations`` Levenberg-Marquardt steps in fc1's span (u = S1 alpha, where a root is
-    isolated: :class:`attacks.token_roots.MLPSpans`); a start converged where the plain residual's
+    isolated: :class:`attacks.structure.token_roots.MLPSpans`); a start converged where the plain residual's
     square is below ``tol``; each new root is polished (``polish_iterations`` more steps) before it
     joins. Two kinds of round:
 
@@ -873,13 +873,13 @@ def span_polish(vit: nn.Module, grads: Mapping[str, torch.Tensor], image: torch.
     2) keeps it 1e-3 off (44-55 dB); refining the roots on block 0's MLP update does not help
     (docs/attacks.md, `block0_roots`). Every layer's input span does: the span residual's Jacobian
     has full column rank at x~ and Levenberg-Marquardt on it converges from within ~0.05 RMS
-    (:func:`attacks.span_lm.span_lm`, the final stage of ``mjp_adaptive``). The estimate ``image``
+    (:func:`attacks.optimization.span_fit.span_lm`, the final stage of ``mjp_adaptive``). The estimate ``image``
     (model input) is taken to the reduced coordinates of APRIL's qkv equations on the shuffled set
     ``shuffled`` [N] (the E_unk tokens'; the span residual does not see their order) and fitted there.
     Measured on bundled photograph 3, end to end: the structured answer (52.2 / 44.6 dB, unshuffled /
     shuffled set) to 146.3 / 112.9 dB."""
-    from .mjp_update import read_mjp_update
-    from .span_lm import span_lm, span_problem, truth_coordinates
+    from ..closed_form.mjp_update import read_mjp_update
+    from ..optimization.span_fit import span_lm, span_problem, truth_coordinates
 
     g = {k: v.to(torch.float64) for k, v in grads.items()}
     if getattr(vit, "unk_embed", None) is not None:

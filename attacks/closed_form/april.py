@@ -34,9 +34,9 @@ from patchgrid import unpatchify
 
 from fedmjp.config import Float
 
-from .base import (AttackFailure, AttackOptions, BatchedSolveAttack, AttackMetadata, AttackResult, Update,
+from ..api.base import (AttackFailure, AttackOptions, BatchedSolveAttack, AttackMetadata, AttackResult, Update,
                    update_to_gradients)
-from .registry import register_attack
+from ..api.registry import register_attack
 from .first_layer import PRECISIONS, Precision, check_conditions, gradient_of_Z, unwrap_vit
 
 _logger = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """Block 0's MLP tokens as roots of a small problem per token (DAGER's span check, continuous).
 
 For a linear layer y = a W^T + c the weight gradient sum_t g_t a_t^T has the span of all its inputs
-as row space (:func:`attacks.spans.input_spans`). In block 0's MLP the fc1 input of every token is
+as row space (:func:`attacks.solvers.spans.input_spans`). In block 0's MLP the fc1 input of every token is
 a LayerNorm output h = norm2(v), and its fc2 input is GELU(W1 h + b1); so each true token is a root
 of
 
@@ -26,7 +26,7 @@ from typing import Callable, cast
 import torch
 from torch import nn
 
-from .spans import complement
+from ..solvers.spans import complement
 
 
 @dataclass
@@ -162,7 +162,7 @@ def mlp_token_roots(block: nn.Module, fc1_basis: torch.Tensor, fc2_basis: torch.
     Args:
         block: a timm ViT block (``norm2``, ``mlp.fc1``, ``mlp.act``), float64.
         fc1_basis, fc2_basis: [D, r1], [4D, r2] orthonormal bases of the input spans of ``mlp.fc1``
-            and ``mlp.fc2`` (:func:`attacks.spans.input_spans`).
+            and ``mlp.fc2`` (:func:`attacks.solvers.spans.input_spans`).
         starts: [K, D] starting points of the LayerNorm's input v (any scale: h = norm2(v)).
         iterations: Levenberg-Marquardt iterations per start.
         chunk: starts solved together (memory ~ chunk x 4D x r1).

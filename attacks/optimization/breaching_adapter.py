@@ -1,4 +1,4 @@
-"""breaching's attacks (0.1.2) as :class:`~attacks.base.Attack` s, through a thin adapter.
+"""breaching's attacks (0.1.2) as :class:`~attacks.api.base.Attack` s, through a thin adapter.
 
 Nothing is re-implemented: the adapter loads the attack's YAML from breaching's own config folder
 with OmegaConf (never Hydra's ``compose``: it must not run inside another Hydra app), applies the
@@ -17,7 +17,7 @@ applied to a private copy of the model:
 - breaching's last-``nn.Linear`` hook (``modern``'s feature regulariser) must find the classifier:
   the view's ``modules()`` skips modules whose parameters are all left out (the DAL head).
 
-FedAvg deltas are converted to gradients first (:func:`~attacks.base.update_to_gradients`).
+FedAvg deltas are converted to gradients first (:func:`~attacks.api.base.update_to_gradients`).
 """
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ import torch.nn as nn
 from fedmjp.config import Float, Int
 from fedmjp.devices import resolve_device
 
-from .base import Attack, AttackFailure, AttackMetadata, AttackOptions, AttackResult, Update, update_to_gradients
-from .registry import register_attack
+from ..api.base import Attack, AttackFailure, AttackMetadata, AttackOptions, AttackResult, Update, update_to_gradients
+from ..api.registry import register_attack
 
 _logger = logging.getLogger(__name__)
 

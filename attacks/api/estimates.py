@@ -3,7 +3,7 @@
 An attack may start from another's intermediate estimate: ``ig_closed_start`` starts from the x~
 that ``mjp_adaptive`` computes (step 2-3 of its docstring, seconds to a minute per image). Whoever
 hands a set of attacks one update passes them one :class:`EstimateStore` in the update's
-:class:`attacks.base.AttackMetadata` (``estimates``): the benchmark creates one per update and
+:class:`attacks.api.base.AttackMetadata` (``estimates``): the benchmark creates one per update and
 round (benchmark/group_attacker.py) and drops it with the round's calls. An attack called without
 one computes what it needs itself.
 

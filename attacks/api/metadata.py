@@ -48,7 +48,7 @@ class AttackMetadata:
         defence_error: why the metadata's defence spec could not be read (an unknown name, a bad
             value), else None; ``defence`` is then None and attacks treat the defence as unknown.
         estimates: not something the server sees: the caller's store of what the attacks of this
-            one update estimated (:class:`attacks.estimates.EstimateStore`), for one attack to
+            one update estimated (:class:`attacks.api.estimates.EstimateStore`), for one attack to
             start from another's estimate (``ig_closed_start`` from ``mjp_adaptive``'s x~); None:
             each attack computes its own. Never compared, never printed.
     """

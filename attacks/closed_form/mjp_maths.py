@@ -1,4 +1,4 @@
-"""The linear algebra of the MJP-aware closed form (:class:`attacks.mjp_adaptive.MJPAdaptive`) on a
+"""The linear algebra of the MJP-aware closed form (:class:`attacks.optimization.mjp_adaptive.MJPAdaptive`) on a
 design-A model: the reduction of one batch-1 update to the orbit the first layer cannot resolve, the
 images that orbit's parameters assemble, and the smoothness priors that pick a point of it.
 
@@ -7,7 +7,7 @@ docs/design.md, "Attacking MJP with knowledge of MJP", step 2 (the reduction) an
 N and a point of the shuffled patches' affine hull); :func:`assemble` turns the reduced parameters
 (b, a) into model inputs; :func:`smoothness_prior_solve` and :func:`tv_prior_refine` choose (b, a)
 without any model evaluation, :func:`draw_shuffled` draws starts of the shuffled patches and
-:func:`lbfgs` runs L-BFGS over (b, a). Plain float64 torch, no attack state: :mod:`attacks.span_lm` and the
+:func:`lbfgs` runs L-BFGS over (b, a). Plain float64 torch, no attack state: :mod:`attacks.solvers.lm` and the
 batch attacks reuse it.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch.nn as nn
 from patchgrid import unpatchify
 
 from .first_layer import check_conditions
-from .linalg import conjugate_gradient
+from ..solvers.linalg import conjugate_gradient
 
 
 # ------------------------------------------------------------------------------------ reduction
@@ -77,7 +77,7 @@ def expected_null_dims(n_shuffled: int, patch_dim: int, D: int) -> int:
 
 def mjp_reduction(vit: nn.Module, G_Z: torch.Tensor, G_W: torch.Tensor, shuffled: torch.Tensor,
                   rcond: Optional[float] = None) -> Reduction:
-    """Analytic reduction on a design-A model (:mod:`attacks.mjp_adaptive`, step 2).
+    """Analytic reduction on a design-A model (:mod:`attacks.optimization.mjp_adaptive`, step 2).
 
     Args:
         vit: the timm ViT (design A).
@@ -231,7 +231,7 @@ def _prior_cg(Ns: torch.Tensor, where: torch.Tensor, N: int, d0: torch.Tensor, v
               grid: tuple[int, int], channels: int, p: int, ridge: float, tol: float, iterations: int
               ) -> torch.Tensor:
     """The same least-squares problem as the dense path, matrix-free: conjugate gradients
-    (:func:`attacks.linalg.conjugate_gradient`, scipy's ``cg`` step for step, on the device of ``Ns``)
+    (:func:`attacks.solvers.linalg.conjugate_gradient`, scipy's ``cg`` step for step, on the device of ``Ns``)
     on the normal equations (J J^T + ridge) c = -J d0, with J applied as "coefficients -> image ->
     pixel differences" and its adjoint by autograd; at 224 px / patch 16 the dense J would need
     ~10^10 entries.

@@ -1,6 +1,6 @@
 """Build a Gaussian patch prior from a training set's images (see attacks/priors/__init__.py).
 
-    python -m attacks.priors --data-path $FEDMJP_DATA/cifar10.tar.gz --patch 4 \\
+    python -m attacks.closed_form.priors --data-path $FEDMJP_DATA/cifar10.tar.gz --patch 4 \\
         --out attacks/priors/cifar10_patch4.npz
 
 Every p x p x 3 patch of every training image at every offset (stride 1), in [0, 1] pixel space:
@@ -87,7 +87,7 @@ def _commit() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m attacks.priors", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m attacks.closed_form.priors", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-path", type=Path, required=True,
                    help="an ImageFolder with train/<class>/ images, or a .tar/.tar.gz of one")
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     data_dir = os.environ.get("FEDMJP_DATA")
     argv = [a.replace(data_dir.rstrip("/"), "$FEDMJP_DATA") if data_dir else a for a in (argv or sys.argv[1:])]
-    note = dict(command="python -m attacks.priors " + " ".join(argv),
+    note = dict(command="python -m attacks.closed_form.priors " + " ".join(argv),
                 data=args.data_path.name, data_sha256=sha256(args.data_path) if args.data_path.is_file() else None,
                 commit=_commit(), date=datetime.date.today().isoformat(), split="train",
                 patch=args.patch, order="(channel, row, column), pixels in [0, 1], every offset (stride 1)",

@@ -1,6 +1,6 @@
 """The first layer's closed-form equations solved jointly as a regularised least squares.
 
-The exact closed forms (attacks/pe_closed_form.py, attacks/april.py) each invert one linear system
+The exact closed forms (attacks/closed_form/pe_closed_form.py, attacks/closed_form/april.py) each invert one linear system
 and break under any perturbation of the update (APRIL's qkv system has condition numbers of ~1e7).
 This attack writes every first-layer equation of a batch-1 update as one noisy observation model,
 
@@ -42,10 +42,10 @@ from pydantic import model_validator
 from fedmjp.config import Float, Int, option
 from fedmjp.devices import resolve_device
 
-from .linalg import conjugate_gradient
+from ..solvers.linalg import conjugate_gradient
 from .first_layer import check_conditions, gradient_of_Z, is_design_a, unwrap_vit
-from .base import Attack, AttackFailure, AttackMetadata, AttackOptions, AttackResult, Update, update_to_gradients
-from .registry import register_attack
+from ..api.base import Attack, AttackFailure, AttackMetadata, AttackOptions, AttackResult, Update, update_to_gradients
+from ..api.registry import register_attack
 from .pe_closed_form import images_to_patches, patches_to_images, pe_closed_form_system, pe_conditions
 from .priors import load_patch_prior
 from .robust_terms import NoiseModel, PatchPriorTerm, defence_noise, noise_floor, smooth_energy, smooth_normal
@@ -81,7 +81,7 @@ class AprilRobust(Attack):
             by iteratively reweighted least squares), ``gaussian`` (a Gaussian over every p x p patch
             learned from training images, ``prior_path``; refused when its patch size is not the
             model's) or ``auto`` (``gaussian`` where the patch size fits, else ``smooth``, noted).
-        prior_path: the patch prior's .npz (None: the shipped CIFAR-10 one, p = 4, attacks/priors).
+        prior_path: the patch prior's .npz (None: the shipped CIFAR-10 one, p = 4, attacks/closed_form/priors).
         prior_scale: multiplier of the automatically chosen prior weight.
         prior_weight: a fixed prior weight lambda instead of the automatic choice.
         iterations: alternations of the X and G solves (stops early when X stops changing).
@@ -170,7 +170,7 @@ class AprilRobust(Attack):
             msg = (f"the patch prior {pp.path} is for {pp.patch} x {pp.patch} x {pp.channels} patches, the model's are "
                    f"{info.patch_size} x {info.patch_size} x {info.channels}")
             if self.prior == "gaussian":
-                raise AttackFailure(f"prior='gaussian': {msg}; build a prior for them with `python -m attacks.priors "
+                raise AttackFailure(f"prior='gaussian': {msg}; build a prior for them with `python -m attacks.closed_form.priors "
                                     f"--data-path <train images> --patch {info.patch_size} --out <file.npz>` and "
                                     "pass prior_path, or use prior='smooth'")
             notes.append(f"prior='auto': {msg}; the smoothness prior is used instead")

@@ -18,9 +18,9 @@ whether the post-step candidate is kept). Restarts are scored by the cosine term
 It works for any ViT (pre-norm included) that has a ``pos_embed``.
 
 The data terms (cosine, or the likelihood of a defence the attacker knows) and the TV prior live in
-:mod:`attacks.match_terms`; label recovery from the head's gradient in :mod:`attacks.labels`; the
-converging runs' CUDA-graph step in :mod:`attacks.graph_step`; ``ig_closed_start`` (converging, from a
-closed-form start) in :mod:`attacks.ig_closed_start`.
+:mod:`attacks.optimization.match_terms`; label recovery from the head's gradient in :mod:`attacks.closed_form.labels`; the
+converging runs' CUDA-graph step in :mod:`attacks.optimization.graph_step`; ``ig_closed_start`` (converging, from a
+closed-form start) in :mod:`attacks.optimization.ig_closed_start`.
 """
 from __future__ import annotations
 
@@ -38,11 +38,11 @@ from tqdm.auto import tqdm
 from fedmjp.config import Float, Int, option
 from fedmjp.devices import resolve_device
 
-from .base import (Attack, AttackFailure, AttackOptions, AttackMetadata, AttackResult, Metadata, Update, _check_finite,
+from ..api.base import (Attack, AttackFailure, AttackOptions, AttackMetadata, AttackResult, Metadata, Update, _check_finite,
                    _expand_metadatas, update_to_gradients)
-from .registry import register_attack
+from ..api.registry import register_attack
 from .breaching_adapter import attack_copy, matched_names
-from .labels import LABEL_STRATEGIES, recover_labels
+from ..closed_form.labels import LABEL_STRATEGIES, recover_labels
 from .match_terms import MatchTerms, defence_match, total_variation, tv_kernel
 from .graph_step import GraphedStep
 
@@ -77,7 +77,7 @@ class GradientMatching(Attack):
             (pruning, quantisation, local DP, DP-SGD), match through it (:func:`defence_match`:
             the kept entries, the quantiser's bins, the noise's likelihood); False: plain cosine.
         cuda_graph: converging runs on a CUDA device record each step's objective and gradient once
-            as a CUDA graph and replay it (:class:`attacks.graph_step.GraphedStep`; a batch-1 step at 224 px is ~3,500
+            as a CUDA graph and replay it (:class:`attacks.optimization.graph_step.GraphedStep`; a batch-1 step at 224 px is ~3,500
             kernel launches for ~25 ms of GPU work). On by default: on an H200 (2026-11-28,
             ``bench/gpu_check.py``) a replayed step took 0.023 s against 0.129 s eager, and 20 steps
             ended 118 dB from the eager run's image. Ignored on the CPU; where recording fails the
@@ -119,10 +119,10 @@ class GradientMatching(Attack):
         self.label_strategy, self.seed, self.progress = o.label_strategy, o.seed, o.progress
         self.device = resolve_device(o.device)
         # converging runs on CUDA: each step's objective and gradient recorded once as a CUDA graph
-        # and replayed (attacks.graph_step.GraphedStep); ignored on the CPU
+        # and replayed (attacks.optimization.graph_step.GraphedStep); ignored on the CPU
         self.cuda_graph = o.cuda_graph and self.device.type == "cuda"
         # An MJP-aware attacker's forward: E_unk at these positions ([N] or [1, N] bool), as detected
-        # from the update (attacks.mjp_adaptive); None for the plain forward.
+        # from the update (attacks.optimization.mjp_adaptive); None for the plain forward.
         self.unk_mask = None if o.unk_mask is None else torch.as_tensor(o.unk_mask, dtype=torch.bool).reshape(1, -1)
 
     def _reconstruct(self, model: nn.Module, update: Update, meta: AttackMetadata) -> AttackResult:
@@ -431,7 +431,7 @@ class GradientMatching(Attack):
             masked_fn = vmap(grad(masked_loss), in_dims=(None, 0, 0, 0))
 
             # the running groups' masks, picked once per set and kept (a few K x N bools): a CUDA graph
-            # recorded on one set reads its masks at their address (attacks.graph_step)
+            # recorded on one set reads its masks at their address (attacks.optimization.graph_step)
             picked: dict[tuple, torch.Tensor] = {}
 
             def masked(x: torch.Tensor, y: torch.Tensor, sel: Optional[Sequence[int]] = None) -> dict:

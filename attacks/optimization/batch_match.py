@@ -15,7 +15,7 @@ B = 2 (two ImageNet-sample photographs at 32 px, labels known) 200 L-BFGS iterat
 15.2 dB of a flat image of the normalisation mean colour; ``tv: 1`` reaches 17.5 dB on that pair at the same cost.
 
 - **Labels:** given (``labels: known``) or recovered as counts from the head's update
-  (:func:`attacks.labels.recover_label_counts`); the recovered multiset is in ``result.labels`` and
+  (:func:`attacks.closed_form.labels.recover_label_counts`); the recovered multiset is in ``result.labels`` and
   the method in the stats.
 - **Order:** the B candidates come back in no particular order; the benchmark pairs them with the
   client's images by an optimal assignment (``benchmark.scoring.pair_reconstructions``).
@@ -28,10 +28,10 @@ B = 2 (two ImageNet-sample photographs at 32 px, labels known) 200 L-BFGS iterat
 - **MJP** (``mjp_mask``, the default): a client that draws one shuffle for its whole batch (the
   default, ``per_sample: false``, as the official code does) puts E_unk at the same positions S in
   every image, so the rows of the batch's dL/dP at S are exactly zero and S is read off the update
-  as at B = 1 (:func:`attacks.mjp_update.read_mjp_update`, which also removes the client's DAL
+  as at B = 1 (:func:`attacks.closed_form.mjp_update.read_mjp_update`, which also removes the client's DAL
   term). The candidates then go through the client's forward, E_unk at S in every image: they
   estimate the shuffled images x~, and the jigsaw of each is solved
-  (:func:`attacks.jigsaw_solver.unshuffle_image`) into ``result.unshuffled``, which setting (c)
+  (:func:`attacks.solvers.jigsaw.unshuffle_image`) into ``result.unshuffled``, which setting (c)
   scores. A client with one shuffle per image (``per_sample: true``) leaves zero rows only where
   every image was shuffled (the intersection of the masks): then fewer rows than the model's
   training gamma implies are zero; the candidates get E_unk at that intersection only (the part of
@@ -55,13 +55,13 @@ import torch.nn.functional as F
 from fedmjp.config import Float, Int, option
 from fedmjp.devices import resolve_device
 
-from .base import Attack, AttackFailure, AttackMetadata, AttackOptions, AttackResult, Update, update_to_gradients
-from .registry import register_attack
+from ..api.base import Attack, AttackFailure, AttackMetadata, AttackOptions, AttackResult, Update, update_to_gradients
+from ..api.registry import register_attack
 from .breaching_adapter import attack_copy, matched_names
-from .first_layer import unwrap_vit
-from .jigsaw_solver import unshuffle_image
-from .labels import recover_label_counts
-from .mjp_update import read_mjp_update
+from ..closed_form.first_layer import unwrap_vit
+from ..solvers.jigsaw import unshuffle_image
+from ..closed_form.labels import recover_label_counts
+from ..closed_form.mjp_update import read_mjp_update
 
 _logger = logging.getLogger(__name__)
 

@@ -3,11 +3,11 @@ the image priors.
 
 :class:`NoiseModel` is the std of the received update's entries: from the defence the metadata names
 (:func:`defence_noise`, Kerckhoffs: what :meth:`defences.spec.DefenceSpec.observation` says it does,
-scaled to gradient units by :meth:`attacks.base.AttackMetadata.defence_noise`), or unknown (read off
+scaled to gradient units by :meth:`attacks.api.base.AttackMetadata.defence_noise`), or unknown (read off
 the update by the attack); :func:`noise_floor` is the smallest std assumed for a tensor. The priors:
 the smoothness prior's normal operator and energy (:func:`smooth_normal`, :func:`smooth_energy`:
 squared horizontal and vertical pixel differences) and the Gaussian patch prior as a quadratic term
-(:class:`PatchPriorTerm`). Used by :mod:`attacks.april_robust`.
+(:class:`PatchPriorTerm`). Used by :mod:`attacks.closed_form.april_robust`.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from defences.spec import DefenceSpec
 
-from .base import AttackMetadata
+from ..api.base import AttackMetadata
 from .priors import PatchPrior
 
 _DT = torch.float64  # the precision april_robust solves in

@@ -1,8 +1,8 @@
 """What an MJP client's update gives away before any attack: the shuffled positions (the zero rows of
 dL/dP, where E_unk replaced the position embedding) and the DAL term the client added, removed.
 
-Shared by the MJP-aware attacks (:mod:`attacks.mjp_adaptive` and the MJP-aware forward of
-:mod:`attacks.matching`), so neither imports the other for it.
+Shared by the MJP-aware attacks (:mod:`attacks.optimization.mjp_adaptive` and the MJP-aware forward of
+:mod:`attacks.optimization.matching`), so neither imports the other for it.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
-from .base import AttackFailure, LazyGradients
+from ..api.base import AttackFailure, LazyGradients
 
 
 # ------------------------------------------------------------------------------------ detection

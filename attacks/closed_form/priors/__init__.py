@@ -11,7 +11,7 @@ the statistics are stored, no image data.
 
 Builder (needs scikit-learn, the ``analysis`` extra, for the Ledoit-Wolf shrinkage)::
 
-    python -m attacks.priors --data-path $FEDMJP_DATA/cifar10.tar.gz --patch 4 \\
+    python -m attacks.closed_form.priors --data-path $FEDMJP_DATA/cifar10.tar.gz --patch 4 \\
         --out attacks/priors/cifar10_patch4.npz
 """
 from __future__ import annotations
@@ -77,7 +77,7 @@ def load_patch_prior(path: Optional[str | Path] = None) -> PatchPrior:
     """
     path = Path(path) if path is not None else DEFAULT_PRIOR
     if not path.is_file():
-        raise PriorError(f"patch prior file {path} not found; build one with `python -m attacks.priors "
+        raise PriorError(f"patch prior file {path} not found; build one with `python -m attacks.closed_form.priors "
                          "--data-path <images> --patch <p> --out <file.npz>`")
     try:
         with np.load(path, allow_pickle=False) as z:
@@ -85,7 +85,7 @@ def load_patch_prior(path: Optional[str | Path] = None) -> PatchPrior:
             mean, cov = z["mean"].astype(np.float64), z["cov"].astype(np.float64)
             source = str(z["source"]) if "source" in z else ""
     except (KeyError, ValueError, OSError) as err:
-        raise PriorError(f"patch prior file {path} is not a prior written by attacks.priors: {err}") from None
+        raise PriorError(f"patch prior file {path} is not a prior written by attacks.closed_form.priors: {err}") from None
     dim = channels * patch * patch
     if mean.shape != (dim,) or cov.shape != (dim, dim):
         raise PriorError(f"patch prior file {path}: mean {mean.shape} / cov {cov.shape} do not match "

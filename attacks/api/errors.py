@@ -1,4 +1,4 @@
-"""The two failure kinds of an attack (attacks/base.py's docstring tells them apart): an expected
+"""The two failure kinds of an attack (attacks/api/base.py's docstring tells them apart): an expected
 :class:`AttackFailure`, and the reason string of an unexpected exception with its traceback."""
 from __future__ import annotations
 

@@ -3,8 +3,8 @@ that layer's inputs (dL/dW = sum_t g_t a_t^T), a constraint that needs neither t
 
 :func:`input_spans` reads the spans off one update, :class:`SpanResidual` measures how far a
 candidate input's layer inputs lie from them (zero at the client's input), and :func:`forward_cost`
-prices one forward. Used by :class:`attacks.mjp_adaptive.MJPAdaptive`'s ``span`` refinement and
-:mod:`attacks.span_lm` (docs/design.md, "Attacking MJP with knowledge of MJP", step 3).
+prices one forward. Used by :class:`attacks.optimization.mjp_adaptive.MJPAdaptive`'s ``span`` refinement and
+:mod:`attacks.solvers.lm` (docs/design.md, "Attacking MJP with knowledge of MJP", step 3).
 """
 from __future__ import annotations
 

@@ -23,14 +23,14 @@ docs/design.md, "Attacking MJP with knowledge of MJP". For one batch-1 update of
    so the candidate's inputs must lie in those spans, a residual that is zero at the client's
    input and needs neither the label nor the loss (:func:`input_spans`, :class:`SpanResidual`);
    L-BFGS in float64 from several starts of the shuffled patches, then (``lm_jacobians``)
-   Levenberg-Marquardt on the residual's vector form with its exact Jacobian (:mod:`attacks.span_lm`:
+   Levenberg-Marquardt on the residual's vector form with its exact Jacobian (:mod:`attacks.solvers.lm`:
    the Jacobian has full column rank at the client's input on trained models but condition ~1e4,
    where L-BFGS stalls and Gauss-Newton converges quadratically from close by). ``match`` instead matches the
    whole gradient over (b, a) with the attacker's forward using ``unk_mask = S`` (L-BFGS,
    alternating blocks: shuffled with unshuffled fixed, then both). How far the spans resolve the
    orbit depends on how sharp attention is: on fresh weights the tokens after block 0 differ by
    ~1e-7 relative and little is gained; bench/mjp_adaptive_strength.py measures it.
-4. ``unshuffle=True``: solve the jigsaw (:mod:`attacks.jigsaw_solver`) and return ``result.unshuffled``.
+4. ``unshuffle=True``: solve the jigsaw (:mod:`attacks.solvers.jigsaw`) and return ``result.unshuffled``.
 
 The permutation of the shuffled patches among S is invisible in every gradient (all of S carries the
 same E_unk and the ViT is permutation-equivariant over tokens with equal embeddings), so
@@ -53,16 +53,16 @@ from torch.func import functional_call
 from fedmjp.config import Float, Int, option
 from fedmjp.devices import resolve_device
 
-from .first_layer import check_conditions
-from .first_layer import gradient_of_Z, is_design_a, unwrap_vit
-from .base import Attack, AttackFailure, AttackMetadata, AttackOptions, AttackResult, Update, update_to_gradients
-from .registry import register_attack
-from .jigsaw_solver import unshuffle_image
-from .labels import recover_labels
-from .mjp_maths import (Reduction, assemble, draw_shuffled, lbfgs, mjp_reduction, neighbour_diffs, patches_to_image,
+from ..closed_form.first_layer import check_conditions
+from ..closed_form.first_layer import gradient_of_Z, is_design_a, unwrap_vit
+from ..api.base import Attack, AttackFailure, AttackMetadata, AttackOptions, AttackResult, Update, update_to_gradients
+from ..api.registry import register_attack
+from ..solvers.jigsaw import unshuffle_image
+from ..closed_form.labels import recover_labels
+from ..closed_form.mjp_maths import (Reduction, assemble, draw_shuffled, lbfgs, mjp_reduction, neighbour_diffs, patches_to_image,
                         smoothness_prior_solve, tv_prior_refine)
-from .mjp_update import read_mjp_update
-from .spans import InputSpan, SpanResidual, forward_cost, input_spans
+from ..closed_form.mjp_update import read_mjp_update
+from ..solvers.spans import InputSpan, SpanResidual, forward_cost, input_spans
 
 _logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ SPAN_BUDGET = 1.9e11
 #: Below this many affordable iterations the default skips the span fit (with a note) instead of
 #: running one too short to help (DeiT-S at 224 px: ~40).
 SPAN_MIN_ITERATIONS = 100
-#: Levenberg-Marquardt Jacobians of the span fit's final stage by default (:mod:`attacks.span_lm`):
+#: Levenberg-Marquardt Jacobians of the span fit's final stage by default (:mod:`attacks.solvers.lm`):
 #: off. LM is exact from within ~0.05 RMS of x~, but the attack's own starts are 0.3-0.9 RMS away:
 #: there, on three held-out photographs and the trained checkpoint at 32 px, 4 Jacobians gained
 #: 0.0 to +0.5 dB for 2.7x the CPU time (docs/attacks.md). ``lm_jacobians: 4`` runs it.
@@ -87,7 +87,7 @@ LM_BUDGET = 5e11
 #: above it ``lm_solver: auto`` runs the matrix-free solver.
 LM_MEMORY = 3e9
 #: ``lm_solver`` values: ``dense`` (exact Jacobian, Cholesky), ``matrix_free`` (sketch-preconditioned
-#: CG on Jacobian products, :func:`attacks.span_lm.matrix_free_lm`), ``auto`` (dense where it fits
+#: CG on Jacobian products, :func:`attacks.solvers.lm.matrix_free_lm`), ``auto`` (dense where it fits
 #: :data:`LM_MEMORY`).
 LM_SOLVERS = ("auto", "dense", "matrix_free")
 
@@ -110,13 +110,13 @@ class MJPAdaptive(Attack):
         probe_iterations: L-BFGS iterations of every start before one is kept.
         tv_prior: refine the quadratic prior's unshuffled coefficients under a total-variation prior.
         lm_jacobians: the final stage of ``span``: Levenberg-Marquardt on the span residual's vector
-            form (:mod:`attacks.span_lm`), at most this many Gauss-Newton iterations (0: off). None:
+            form (:mod:`attacks.solvers.lm`), at most this many Gauss-Newton iterations (0: off). None:
             with the default span fit (``span_iterations`` None), up to :data:`LM_JACOBIANS` where the
             dense Jacobian fits :data:`LM_BUDGET` and :data:`LM_MEMORY` (the 32 px models: ~50 CPU-s
             per Jacobian at depth 4), else off with a note.
         lm_solver: how each of those iterations solves for its step: ``dense`` (the exact Jacobian,
             Cholesky), ``matrix_free`` (conjugate gradients on Jacobian-vector products,
-            preconditioned by a row sketch: :func:`attacks.span_lm.matrix_free_lm`; the route at
+            preconditioned by a row sketch: :func:`attacks.solvers.lm.matrix_free_lm`; the route at
             224 px, where the dense Jacobian would take terabytes) or ``auto`` (dense where it fits
             :data:`LM_MEMORY`, else matrix-free).
         joint_prior: the prior also inpaints the shuffled patches inside their affine hull (else
@@ -130,7 +130,7 @@ class MJPAdaptive(Attack):
         fallback_iterations: iterations of the MJP-aware ``april_optimization`` on non-design-A models.
         seed: seed of the shuffled patches' initialisation.
         reuse: take the x~ estimate from the update's estimate store (``meta.estimates``, an
-            :class:`attacks.estimates.EstimateStore` the caller passes with one update) where an
+            :class:`attacks.api.estimates.EstimateStore` the caller passes with one update) where an
             earlier call with the same options put it, and put it there otherwise (e.g.
             ``ig_closed_start`` starts from the estimate this attack made for the same update in a
             benchmark round); False, or no store: always compute it.
@@ -139,7 +139,7 @@ class MJPAdaptive(Attack):
             ``--device``. The reduction (a few SVDs of the first layer's gradients) and the jigsaw
             stay on the CPU. Not part of the estimate's key: the devices compute the same estimate
             up to float64 rounding.
-        min_device_cost: below this many multiply-adds per forward (:func:`attacks.spans.forward_cost`)
+        min_device_cost: below this many multiply-adds per forward (:func:`attacks.solvers.spans.forward_cost`)
             the solves stay on the CPU, with a note: for the depth-2 CIFAR model at 32 px (6.1e7) one
             H100 took 3.2-3.5 s per update where the CPU took 1.1-1.6 s; for DeiT-S at 224 px
             (4.5e9) the H100 ran the span fit in 12.5-14.3 s (docs/speed.md). 0: always on ``device``.
@@ -183,7 +183,7 @@ class MJPAdaptive(Attack):
     # ------------------------------------------------------------------------------- pieces
     def read_update(self, vit: nn.Module, grads: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict, dict]:
         """(S [N] bool, gradients with the DAL term removed, stats) from one update's gradients
-        (:func:`attacks.mjp_update.read_mjp_update` with this attack's ``dal_weight``)."""
+        (:func:`attacks.closed_form.mjp_update.read_mjp_update` with this attack's ``dal_weight``)."""
         return read_mjp_update(vit, grads, self.dal_weight)
 
     # ------------------------------------------------------------------------------- attack
@@ -350,7 +350,7 @@ class MJPAdaptive(Attack):
         if isinstance(lm, str):
             out["lm_note"] = lm
         elif lm > 0:
-            from .span_lm import span_lm
+            from .span_fit import span_lm
 
             with torch.no_grad():
                 before = float(objective(b[None], a[None])[0])
@@ -459,9 +459,9 @@ class MJPAdaptive(Attack):
         """A model without E_unk: knowing MJP adds nothing, so the strongest attacker that knows the
         model is the plain one (APRIL's closed form on design A, else april_optimization). Keeps
         plain rows of a table comparable instead of failing them."""
-        from .april import AprilAnalytic
+        from ..closed_form.april import AprilAnalytic
         from .matching import AprilOptimization
-        from .pe_closed_form import PEClosedForm
+        from ..closed_form.pe_closed_form import PEClosedForm
 
         vit = unwrap_vit(model)
         attack: Attack

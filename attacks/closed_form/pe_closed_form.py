@@ -7,7 +7,7 @@ for a batch-1 gradient dL/dP_t = dL/dz_t exactly and
 
 with G [N, D] the patch rows of dL/dP and X [N, C p^2] the client's N patches (in the model's
 normalised input space, timm's (C, p, p) order). With N <= D and rank(G) = N the patches are
-X = (G^T)^+ dL/dW_e (least squares in float64). Unlike APRIL's qkv system (attacks/april.py) this
+X = (G^T)^+ dL/dW_e (least squares in float64). Unlike APRIL's qkv system (attacks/closed_form/april.py) this
 needs no design-A surgery, no C p^2 <= D and holds whatever block 0 is (pre-norm included): only the
 embedding itself must be affine in x (no ``patch_embed.norm``). ``norm_pre``, token dropout and the
 PE's dropout sit after the sum and change nothing. The bias gradient is a redundant check:
@@ -40,9 +40,9 @@ from patchgrid import patchify, unpatchify
 from fedmjp.config import Float
 
 from .first_layer import PRECISIONS, Precision, unwrap_vit
-from .base import (AttackFailure, AttackOptions, AttackMetadata, AttackResult, BatchedSolveAttack, Update,
+from ..api.base import (AttackFailure, AttackOptions, AttackMetadata, AttackResult, BatchedSolveAttack, Update,
                    update_to_gradients)
-from .registry import register_attack
+from ..api.registry import register_attack
 
 
 @dataclass

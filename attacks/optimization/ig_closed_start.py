@@ -1,5 +1,5 @@
 """``ig_closed_start``: Inverting Gradients run to convergence from a closed-form start, MJP-aware
-(:class:`InvertingGradientsClosedStart`; the matching machinery is :class:`attacks.matching.GradientMatching`)."""
+(:class:`InvertingGradientsClosedStart`; the matching machinery is :class:`attacks.optimization.matching.GradientMatching`)."""
 from __future__ import annotations
 
 from typing import Annotated, Any, Hashable, Literal, Optional, Sequence
@@ -10,11 +10,11 @@ from pydantic import Field
 
 from fedmjp.config import Float, Int, option
 
-from .base import AttackMetadata, AttackOptions, Update
-from .registry import register_attack
-from .first_layer import unwrap_vit
+from ..api.base import AttackMetadata, AttackOptions, Update
+from ..api.registry import register_attack
+from ..closed_form.first_layer import unwrap_vit
 from .matching import GradientMatching
-from .mjp_update import read_mjp_update
+from ..closed_form.mjp_update import read_mjp_update
 
 
 #: batch_match's options as the batch start of ig_closed_start at B > 1 (the presets' batch_match row,
@@ -49,7 +49,7 @@ class InvertingGradientsClosedStart(GradientMatching):
       DeiT and from 11.71 / 12.29 to 12.67 / 13.04 dB on DeiT+MJP (``mjp_mask`` on / off);
     - further restarts from seeded random draws; the restart with the best cosine term is returned;
     - on MJP models (``mjp_mask``), each update's shuffled positions read off the zero rows of
-      dL/dP (:func:`attacks.mjp_update.read_mjp_update`,
+      dL/dP (:func:`attacks.closed_form.mjp_update.read_mjp_update`,
       which also removes the client's DAL term from the gradients) and E_unk put there in the
       attacker's forward;
     - up to ``iterations`` Adam steps per restart, each update stopping once its best objective
@@ -147,7 +147,7 @@ class InvertingGradientsClosedStart(GradientMatching):
     def _checked_start_options(self, start_options: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
         """``start_options`` with every entry checked against its attack's schema now, so a bad
         name or value fails when the attack is built, naming the entry, not midway through a run."""
-        from .registry import attack_options
+        from ..api.registry import attack_options
 
         checked = {}
         for name, options in start_options.items():
@@ -167,7 +167,7 @@ class InvertingGradientsClosedStart(GradientMatching):
         """(name, normalised [n, C, H, W]) of every attack in ``order`` that succeeds; the first
         restart starts from the one whose gradient matches the update best (:meth:`_pick_starts`).
         A start attack with a ``device`` option runs on this attack's device."""
-        from .registry import attack_class, attack_names, create_attack, option_schema
+        from ..api.registry import attack_class, attack_names, create_attack, option_schema
 
         known = set(attack_names())
         out = []

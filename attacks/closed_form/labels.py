@@ -45,7 +45,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .base import AttackFailure
+from ..api.base import AttackFailure
 
 _logger = logging.getLogger(__name__)
 
