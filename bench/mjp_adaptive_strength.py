@@ -55,7 +55,8 @@ from attacks.solvers.jigsaw import oracle_c  # noqa: E402
 from attacks.closed_form.mjp_maths import lbfgs  # noqa: E402
 from attacks.closed_form.mjp_maths import assemble  # noqa: E402
 from attacks.solvers.spans import SpanResidual, input_spans  # noqa: E402
-from attacks.solvers.lm import MatrixFreeResult, SketchPreconditioner, damped_cg, linearise, row_sketch  # noqa: E402
+from attacks.solvers.linalg import SketchPreconditioner, damped_cg, linearise, row_sketch  # noqa: E402
+from attacks.solvers.lm import MatrixFreeResult  # noqa: E402
 from attacks.optimization.span_fit import SpanVector, identifiability, span_lm, truth_coordinates  # noqa: E402
 from fedmjp.checkpoint import load_checkpoint  # noqa: E402
 from fedmjp.factory import normalize  # noqa: E402
@@ -213,7 +214,7 @@ def roots(model: torch.nn.Module, update: dict, xin: torch.Tensor, mask: torch.T
     """``--roots``: block 0's MLP tokens as per-token roots, then the fit to them (module doc)."""
     from scipy.optimize import linear_sum_assignment
 
-    from attacks.solvers.lm import levenberg_marquardt
+    from attacks.solvers.lm import dense_lm
     from attacks.structure.token_roots import mlp_token_roots
     from patchgrid import patchify
 
@@ -273,7 +274,7 @@ def roots(model: torch.nn.Module, update: dict, xin: torch.Tensor, mask: torch.T
         vec.rows, vec.target = rows[rows >= 0], out.roots[rows >= 0]
         theta = vec.pack(b0, a0)
         t0 = time.process_time()
-        fit = levenberg_marquardt(vec, vec.jacobian, theta, max_jacobians=jacobians)
+        fit = dense_lm(vec, lambda t: vec.jacobian(t)[1], theta, max_jacobians=jacobians)
         lines.append(f"fit to the roots at their {how} positions: {score(theta, vec)} -> {score(fit.theta, vec)} "
                      f"({fit.jacobians} Jacobians, {time.process_time() - t0:.0f} CPU s)")
     return lines

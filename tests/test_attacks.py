@@ -121,7 +121,7 @@ def test_april_analytic_reads_only_the_arrays_it_uses_from_a_servers_update(monk
 def test_april_patch_embedding_pseudo_inverse_is_reused_only_for_the_same_weights(monkeypatch):
     """The closed form's SVD of the patch embedding runs once per distinct W_e: every round of a
     fixed-weight federation hits the cache; a changed weight or rcond does not."""
-    from attacks import april
+    from attacks.closed_form import april
 
     model = april_model()
     x = real_images(2).double()

@@ -7,7 +7,7 @@ With design A the embedding Z = [prefix; W_e x + b_e] + P [T, D] feeds the qkv p
 
 Z is unique iff rank(G_Z) = T (needs T <= D); the patches are unique iff the patch embedding
 W_e [D, C p^2] has full column rank (needs C p^2 <= D). We solve both systems by least squares in
-float64 (the system's condition number is 1e5-1e8: float32 loses ~150 dB), vectorised over updates.
+float64 (the system is badly conditioned: float32 loses most of the exactness), vectorised over updates.
 
 MJP (E_unk at shuffled positions): those rows of dL/dP are exactly zero and their gradient is summed
 into dL/dE_unk, so the system loses rank exactly there; the minimum-norm solution puts zero rows at
@@ -104,7 +104,26 @@ class AprilAnalytic(BatchedSolveAttack):
         t0 = time.perf_counter()
         vit = unwrap_vit(model)
         info = check_conditions(vit)
-        dt, D, T, prefix = self.dtype, info["D"], info["T"], info["num_prefix"]
+        G_Z, G_W, notes = self._read(vit, info, updates, metas)
+        Z, solve = self._solve_Z(vit, G_Z, G_W)
+        zero_rows = G_Z.abs().amax(dim=2) == 0  # [K, T]: tokens whose PE was replaced (E_unk)
+        emb = Z - self._known_offset(vit, info, zero_rows)  # [K, T, D]
+        D, prefix, dt = info["D"], info["num_prefix"], self.dtype
+        # Self-check: the recovered prefix rows minus their PE must equal the known prefix tokens.
+        tokens = (getattr(vit, "cls_token", None), getattr(vit, "reg_token", None))
+        prefix_ref = [t.detach().to("cpu", dt).reshape(-1, D) for t in tokens if t is not None]
+        prefix_ref = torch.cat(prefix_ref) if prefix_ref else emb.new_zeros(0, D)
+        cls_res = ((emb[:, :prefix] - prefix_ref).flatten(1).norm(dim=1)
+                   / prefix_ref.flatten().norm().clamp_min(1e-300)) if prefix else emb.new_zeros(len(updates))
+        images, patch_res, patch_rank = self._invert_patch_embedding(vit, info, emb)
+        elapsed = time.perf_counter() - t0
+        solve.update(cls_res=cls_res, patch_res=patch_res, patch_rank=patch_rank, zero_rows=zero_rows)
+        return [self._result(info, meta, k, images, notes[k], solve, elapsed / len(metas)) for k, meta in enumerate(metas)]
+
+    def _read(self, vit: nn.Module, info: dict, updates: Sequence[Update], metas: Sequence[AttackMetadata]
+              ) -> tuple[torch.Tensor, torch.Tensor, list[list[str]]]:
+        """(G_Z [K, T, D] = dL/dZ, G_W [K, 3D, D] = dL/dW_qkv, notes per update) of batch-1 updates."""
+        dt = self.dtype
         notes: list[list[str]] = []
         G_Z, G_W = [], []
         for upd, meta in zip(updates, metas):
@@ -116,8 +135,11 @@ class AprilAnalytic(BatchedSolveAttack):
             G_Z.append(gradient_of_Z(vit, grads, info).to("cpu", dt))
             G_W.append(grads["blocks.0.attn.qkv.weight"].to("cpu", dt))
             notes.append(list(n))
-        G_Z, G_W = torch.stack(G_Z), torch.stack(G_W)  # [K, T, D], [K, 3D, D]
-        W = vit.blocks[0].attn.qkv.weight.detach().to("cpu", dt)  # [3D, D]
+        return torch.stack(G_Z), torch.stack(G_W), notes
+
+    def _solve_Z(self, vit: nn.Module, G_Z: torch.Tensor, G_W: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """(Z [K, T, D], {sys_res, ranks, sv}): the least-squares solution of W^T G_W = G_Z^T Z."""
+        W = vit.blocks[0].attn.qkv.weight.detach().to("cpu", self.dtype)  # [3D, D]
         rhs = torch.einsum("od,kof->kdf", W, G_W)  # W^T G_W, [K, D, D]
         A = G_Z.transpose(1, 2)  # [K, D, T]
         sol = torch.linalg.lstsq(A, rhs, rcond=self.rcond, driver=self.driver)
@@ -125,31 +147,30 @@ class AprilAnalytic(BatchedSolveAttack):
         sys_res = (A @ Z - rhs).flatten(1).norm(dim=1) / rhs.flatten(1).norm(dim=1).clamp_min(1e-300)
         ranks = sol.rank if sol.rank.numel() else torch.linalg.matrix_rank(A)
         sv = sol.singular_values if sol.singular_values.numel() else torch.linalg.svdvals(A)
-        zero_rows = G_Z.abs().amax(dim=2) == 0  # [K, T]: tokens whose PE was replaced (E_unk)
+        return Z, dict(sys_res=sys_res, ranks=ranks, sv=sv)
 
-        # Known additive terms of Z: P (+ index embedding of jp_idx), E_unk where detected.
+    def _known_offset(self, vit: nn.Module, info: dict, zero_rows: torch.Tensor) -> torch.Tensor:
+        """[K, T, D]: the known additive terms of Z, P (+ index embedding of jp_idx), E_unk where detected."""
+        dt, D, T, prefix = self.dtype, info["D"], info["T"], info["num_prefix"]
         offset = vit.pos_embed.detach().to("cpu", dt).reshape(-1, D)
         if not info["pos_embed_covers_prefix"]:
             offset = torch.cat([torch.zeros(prefix, D, dtype=dt), offset])
         if getattr(vit, "index_embed", None) is not None:
             offset = offset + vit.index_embed.detach().to("cpu", dt).reshape(-1, D)
-        offset = offset.expand(len(updates), T, D).clone()
+        offset = offset.expand(zero_rows.shape[0], T, D).clone()
         unk = getattr(vit, "unk_embed", None)
         if self.pe_mode == "detect_unk" and unk is not None:
             unk_row = offset[:, :prefix].new_zeros(D) + unk.detach().to("cpu", dt).reshape(D)
             patch_rows = zero_rows.clone()
             patch_rows[:, :prefix] = False
             offset = torch.where(patch_rows[..., None], unk_row, offset)
-        emb = Z - offset  # [K, T, D]
+        return offset
 
-        # Self-check: the recovered prefix rows minus their PE must equal the known prefix tokens.
-        tokens = (getattr(vit, "cls_token", None), getattr(vit, "reg_token", None))
-        prefix_ref = [t.detach().to("cpu", dt).reshape(-1, D) for t in tokens if t is not None]
-        prefix_ref = torch.cat(prefix_ref) if prefix_ref else emb.new_zeros(0, D)
-        cls_res = ((emb[:, :prefix] - prefix_ref).flatten(1).norm(dim=1)
-                   / prefix_ref.flatten().norm().clamp_min(1e-300)) if prefix else emb.new_zeros(len(updates))
-
-        # Patch embedding inversion: W_e vec(patch) + b_e = emb row, vec in timm's (C, p, p) order.
+    def _invert_patch_embedding(self, vit: nn.Module, info: dict, emb: torch.Tensor
+                                ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(images [K, C, H, W], relative residual [K], rank(W_e)): W_e vec(patch) + b_e = emb row,
+        vec in timm's (C, p, p) order, minimum-norm where underdetermined."""
+        D, prefix, dt = info["D"], info["num_prefix"], self.dtype
         proj = vit.patch_embed.proj
         W_e = proj.weight.detach().to("cpu", dt).reshape(D, -1)  # [D, C p^2]
         b_e = proj.bias.detach().to("cpu", dt) if proj.bias is not None else W_e.new_zeros(D)
@@ -160,24 +181,24 @@ class AprilAnalytic(BatchedSolveAttack):
                      / target.flatten(1).norm(dim=1).clamp_min(1e-300))
         p = info["patch_size"]
         images = unpatchify(patches.reshape(*patches.shape[:2], info["channels"], p, p), vit.patch_embed.grid_size)
-        elapsed = time.perf_counter() - t0
+        return images, patch_res, patch_rank
 
-        results = []
-        for k, meta in enumerate(metas):
-            note = notes[k]
-            if not info["patches_unique"] or patch_rank < info["patch_dim"]:
-                note.append(f"underdetermined: minimum-norm solution (C*p^2 = {info['patch_dim']} > "
-                            f"rank(W_e) = {patch_rank})")
-            if int(ranks[k]) < T:
-                note.append(f"rank-deficient: rank(dL/dP) = {int(ranks[k])} < T = {T}; minimum-norm Z")
-            s = sv[k]
-            stats = dict(
-                objective=float(sys_res[k]), iterations=0, time_s=elapsed / len(metas),
-                system_residual=float(sys_res[k]), rank_G_Z=int(ranks[k]), T=T, D=D,
-                condition_number=float(s.max() / s.min()) if float(s.min()) > 0 else float("inf"),
-                cls_residual=float(cls_res[k]), patch_residual=float(patch_res[k]),
-                zero_pe_grad_rows=int(zero_rows[k, prefix:].sum()), precision=str(dt).replace("torch.", ""),
-                pe_mode=self.pe_mode, failed=False, notes=note,
-            )
-            results.append(AttackResult(meta.denormalize(images[k:k + 1]), [stats], labels=meta.labels))
-        return results
+    def _result(self, info: dict, meta: AttackMetadata, k: int, images: torch.Tensor, note: list[str], solve: dict,
+                time_s: float) -> AttackResult:
+        """Update k's result: its image, the solve's residuals and ranks, notes on what is underdetermined."""
+        T, prefix = info["T"], info["num_prefix"]
+        sys_res, ranks, s = solve["sys_res"], solve["ranks"], solve["sv"][k]
+        if not info["patches_unique"] or solve["patch_rank"] < info["patch_dim"]:
+            note.append(f"underdetermined: minimum-norm solution (C*p^2 = {info['patch_dim']} > "
+                        f"rank(W_e) = {solve['patch_rank']})")
+        if int(ranks[k]) < T:
+            note.append(f"rank-deficient: rank(dL/dP) = {int(ranks[k])} < T = {T}; minimum-norm Z")
+        stats = dict(
+            objective=float(sys_res[k]), iterations=0, time_s=time_s,
+            system_residual=float(sys_res[k]), rank_G_Z=int(ranks[k]), T=T, D=info["D"],
+            condition_number=float(s.max() / s.min()) if float(s.min()) > 0 else float("inf"),
+            cls_residual=float(solve["cls_res"][k]), patch_residual=float(solve["patch_res"][k]),
+            zero_pe_grad_rows=int(solve["zero_rows"][k, prefix:].sum()), precision=str(self.dtype).replace("torch.", ""),
+            pe_mode=self.pe_mode, failed=False, notes=note,
+        )
+        return AttackResult(meta.denormalize(images[k:k + 1]), [stats], labels=meta.labels)

@@ -46,6 +46,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..api.base import AttackFailure
+from ..solvers.lm import MARQUARDT, batched_lm
 
 _logger = logging.getLogger(__name__)
 
@@ -104,29 +105,19 @@ _LN_NORM_SLACK = 1e-3
 
 def _batched_lm(f: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor, e: torch.Tensor,
                 steps: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Levenberg-Marquardt on many small problems at once: f(x_i, e_i) -> residual; (x, squared residual).
-
-    Hand-written because scipy's least_squares solves one problem per call and the per-image solve
-    has C * starts of them (n <= 5 unknowns each); the Jacobians are torch.func's, batched by vmap."""
+    """Levenberg-Marquardt on many small problems at once, f(x_i, e_i) -> residual: (x, squared residual).
+    :func:`attacks.solvers.lm.batched_lm` with the MARQUARDT schedule; the Jacobians are
+    torch.func's, batched by vmap (a non-finite entry counts as 0, a non-finite residual as inf)."""
     F, J = torch.vmap(f), torch.vmap(torch.func.jacfwd(f))
-    lam = torch.full((x.shape[0],), 1e-2, dtype=x.dtype)
-    r = F(x, e)
-    cost = r.pow(2).sum(1).nan_to_num(float("inf"))
-    for _ in range(steps):
-        Jx = J(x, e).nan_to_num()
-        JJ = Jx.transpose(1, 2) @ Jx
-        g = (Jx.transpose(1, 2) @ r.nan_to_num()[..., None])[..., 0]
-        damp = torch.diag_embed(JJ.diagonal(dim1=1, dim2=2).clamp_min(1e-12)) * lam[:, None, None]
-        step = torch.linalg.lstsq(JJ + damp, -g[..., None]).solution[..., 0]
-        xn = x + step
-        rn = F(xn, e)
-        cn = rn.pow(2).sum(1).nan_to_num(float("inf"))
-        good = cn < cost
-        x = torch.where(good[:, None], xn, x)
-        r = torch.where(good[:, None], rn, r)
-        cost = torch.where(good, cn, cost)
-        lam = torch.where(good, (lam / 3).clamp_min(1e-12), (lam * 4).clamp_max(1e12))
-    return x, cost
+
+    def value_of(x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        return F(x, e).pow(2).sum(1).nan_to_num(float("inf"))
+
+    def system(x: torch.Tensor, e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        r, Jx = F(x, e), J(x, e).nan_to_num()
+        return r.pow(2).sum(1), Jx.transpose(1, 2) @ Jx, (Jx.transpose(1, 2) @ r.nan_to_num()[..., None])[..., 0]
+
+    return batched_lm(system, value_of, x, steps, MARQUARDT, rows=(e,))
 
 
 def _per_image_solutions(span: torch.Tensor, WR: torch.Tensor, c: torch.Tensor, R: torch.Tensor,

@@ -9,10 +9,9 @@ fits B candidates jointly to it:
 
 over every parameter the forward pass uses, with the client's mean cross-entropy over the batch, in
 float64 with L-BFGS (strong Wolfe line search). Against ``ig_closed_start``'s signed Adam in
-float32 the second-order steps keep converging where Adam stalls: on the shipped CIFAR DeiT at
-B = 2 (two ImageNet-sample photographs at 32 px, labels known) 200 L-BFGS iterations reach
-14.4 dB mean PSNR after assignment, 400 reach 14.7 dB (docs/attacks.md, "batch_match"), below the
-15.2 dB of a flat image of the normalisation mean colour; ``tv: 1`` reaches 17.5 dB on that pair at the same cost.
+float32 the second-order steps keep converging where Adam stalls. Without a prior the fit stays
+below a flat image of the normalisation mean colour; ``tv: 1`` lifts it above at the same cost
+(tests/test_batch_attacks.py::test_batch_match_tv_lifts_a_batch_of_two_above_the_mean_colour).
 
 - **Labels:** given (``labels: known``) or recovered as counts from the head's update
   (:func:`attacks.closed_form.labels.recover_label_counts`); the recovered multiset is in ``result.labels`` and
@@ -36,10 +35,10 @@ B = 2 (two ImageNet-sample photographs at 32 px, labels known) 200 L-BFGS iterat
   every image was shuffled (the intersection of the masks): then fewer rows than the model's
   training gamma implies are zero; the candidates get E_unk at that intersection only (the part of
   the client's forward the update reveals), the other shuffled positions keep their position
-  embedding, no jigsaw is solved, and the notes say so. On the shipped CIFAR DeiT+MJP (``tv: 1``,
-  40 iterations, 4 updates per B) the client's forward moved setting (c) from 12.36 to 12.44 dB at
-  B = 2 and from 13.12 to 13.13 dB at B = 4 (docs/attacks.md, "Batches"): within the spread between
-  updates, the candidates being near the flat image either way.
+  embedding, no jigsaw is solved, and the notes say so. The client's forward changes setting (c)
+  little at B > 1, the candidates being near the flat image either way (docs/results/attacks.md);
+  tests/test_batch_attacks.py::test_batch_match_with_the_read_mask_beats_the_plain_forward pins
+  that it beats the plain forward.
 """
 from __future__ import annotations
 
@@ -156,8 +155,8 @@ def gradient_distance(work: nn.Module, chosen: list[torch.Tensor], target: list[
     over the parameters ``chosen`` of ``work`` (their target gradients ``target``), with the mean
     cross-entropy over the batch; differentiable in x (double backward). ``unk_mask`` ([N] bool):
     the positions that get E_unk in every image (an MJP client's shared shuffle), None: the plain
-    forward. Module-level so that the basin measurements (bench/batch_match_basin.py) run the
-    attack's own objective."""
+    forward. Module-level so that measurements of the objective's basin run the attack's own
+    objective."""
     tnorm = tnorm_of(target)
 
     def data_term(x: torch.Tensor) -> torch.Tensor:

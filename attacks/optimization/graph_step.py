@@ -15,10 +15,9 @@ class GraphedStep:
     graph per set of running updates and replayed.
 
     Written by hand: ``torch.cuda.make_graphed_callables`` records a module's forward and backward
-    but not a double backward taken inside the forward, which the gradient-matching objective is. On
-    an H100 one 224 px step of ``ig_closed_start`` launches ~3,500 kernels that keep the GPU busy
-    ~26 ms of a 175 ms step (docs/speed.md): replaying them as one graph removes the launches, not
-    the arithmetic. Where recording fails (an operation a graph cannot hold), the steps run eagerly
+    but not a double backward taken inside the forward, which the gradient-matching objective is.
+    One step launches thousands of small kernels: replaying them as one graph removes the launches,
+    not the arithmetic. Where recording fails (an operation a graph cannot hold), the steps run eagerly
     and :meth:`status` says why. Returned tensors are copies: the next replay overwrites the graph's.
     """
 
@@ -77,7 +76,6 @@ class GraphedStep:
             out = self._run(key, static_x, match, y)
         self.recorded += 1
         # the graph reads these tensors at their recorded addresses on every replay: the entry keeps
-        # them alive. Dropped with _record's frame, their memory went back to the allocator and was
-        # reused, so a replay read other data as the labels (an H200, 2026-11-28: the cross-entropy's
-        # gather raised a device-side assert, which ends every later CUDA call of the process)
+        # them alive. Dropped with _record's frame, their memory would go back to the allocator and
+        # be reused, and a replay would read other data as the labels
         return static_x, graph, out, (match, y)

@@ -17,9 +17,10 @@ from .matching import GradientMatching
 from ..closed_form.mjp_update import read_mjp_update
 
 
-#: batch_match's options as the batch start of ig_closed_start at B > 1 (the presets' batch_match row,
-#: so a benchmark round fits the batch once): the squared TV gives the better start (docs/attacks.md,
-#: "Batches": from this start the matching ends 0.8 dB above its random start at B = 2)
+#: batch_match's options as the batch start of ig_closed_start at B > 1: the presets' batch_match row,
+#: so a benchmark round fits the batch once, with the squared TV that gives the better start.
+#: tests/test_ig_closed_start.py::test_batch_update_starts_from_batch_match_s_fitted_batch_in_the_update_s_store
+#: pins that the start is that row's fitted batch.
 BATCH_START: dict[str, Any] = {"iterations": 200, "tv": 1.0}
 
 
@@ -33,8 +34,8 @@ class InvertingGradientsClosedStart(GradientMatching):
     - the first restart started from a closed-form estimate of the same update where one applies:
       on an MJP model with shuffled positions ``mjp_adaptive`` (the client's x~, its shuffled patches
       in the attack's own order), ``april_robust`` and ``pe_closed_form``, otherwise ``april_robust``
-      (the regularised least squares, the best start under a perturbing defence: 12.6 / 18.9 dB
-      after 8-bit quantisation where the exact closed forms give 6-7 dB), ``pe_closed_form`` and
+      (the regularised least squares, the best start under a perturbing defence, where the exact
+      closed forms break), ``pe_closed_form`` and
       ``april_analytic``; of those that succeed, the one whose gradient matches the update best
       (cosine term: the attacker's own criterion, no ground truth); where none does (not
       registered, a failed condition) the restart starts from the seeded random draw like the
@@ -45,8 +46,6 @@ class InvertingGradientsClosedStart(GradientMatching):
     - at B > 1, where no closed form applies, the first restart starts from ``batch_match``'s fitted
       batch (``BATCH_START``'s options, the presets' row: read from the update's estimate store where
       that row put it, else fitted here; in this attack's forward, the MJP mask as ``mjp_mask`` says);
-      on the CIFAR preset at B = 2 (8 images) this start lifts the matching from 12.67 to 13.49 dB on
-      DeiT and from 11.71 / 12.29 to 12.67 / 13.04 dB on DeiT+MJP (``mjp_mask`` on / off);
     - further restarts from seeded random draws; the restart with the best cosine term is returned;
     - on MJP models (``mjp_mask``), each update's shuffled positions read off the zero rows of
       dL/dP (:func:`attacks.closed_form.mjp_update.read_mjp_update`,
@@ -61,18 +60,16 @@ class InvertingGradientsClosedStart(GradientMatching):
 
     Why the defaults: an unsigned Adam at lr 0.03 (normalised units) refines a start instead of
     moving every pixel by the signed step breaching's IG takes from noise (lr 0.1); a light TV
-    (0.01) because the closed form's start needs no smoothing where it is exact. Measured on two
-    bundled photographs, 32 px design-A ViT (depth 4, fresh weights, float64 clients) after 8-bit
-    quantisation of the update: from pe_closed_form's 7.1 / 6.5 dB (APRIL 6.0 / 5.9) to 12.0 / 18.5 dB
-    in 1500 steps, the objective's relative change per 50 steps down from 9 % to 1.5 % on the first
-    image; hence up to 2000 steps and a stop at < 0.1 % per 50 steps. Cost: ~60 ms of one CPU core
-    per image and step at that size (``time_s`` in the stats).
+    (0.01) because the closed form's start needs no smoothing where it is exact; up to 2000 steps
+    and a stop at < 0.1 % relative change per 50 steps, because from a quantised update's closed-form
+    start the objective is still falling after 1500 (docs/results/attacks.md). ``time_s`` in the
+    stats gives the cost.
 
     ``defence_model=True`` matches through the clients' known defence (``meta.defence``: the kept
-    entries of a pruned update, the quantiser's bins, the DP noise likelihood). Off by default: on
-    one photograph (depth-2 fresh ViT, 400-step cap, one restart) it moved PSNR by -0.13 to +0.15 dB
-    (8-bit 12.36 -> 12.51, 4-bit 10.10 -> 10.03, prune 0.1 11.59 -> 11.65, local DP 1e-4 11.66 ->
-    11.53) for 1.0-3.8x the CPU time, since runs went on to the step cap.
+    entries of a pruned update, the quantiser's bins, the DP noise likelihood). Off by default: it
+    changes little and costs CPU time, since the runs go on to the step cap (docs/results/attacks.md);
+    tests/test_ig_closed_start.py::test_modelled_defence_does_at_least_as_well_as_ignoring_it pins
+    that it does no harm.
     """
 
     name = "ig_closed_start"

@@ -44,7 +44,7 @@ from ..api.registry import register_attack
 from .breaching_adapter import attack_copy, matched_names
 from ..closed_form.labels import LABEL_STRATEGIES, recover_labels
 from .match_terms import MatchTerms, defence_match, total_variation, tv_kernel
-from .graph_step import GraphedStep
+from .converging import ConvergingTrial
 
 _logger = logging.getLogger(__name__)
 
@@ -77,11 +77,11 @@ class GradientMatching(Attack):
             (pruning, quantisation, local DP, DP-SGD), match through it (:func:`defence_match`:
             the kept entries, the quantiser's bins, the noise's likelihood); False: plain cosine.
         cuda_graph: converging runs on a CUDA device record each step's objective and gradient once
-            as a CUDA graph and replay it (:class:`attacks.optimization.graph_step.GraphedStep`; a batch-1 step at 224 px is ~3,500
-            kernel launches for ~25 ms of GPU work). On by default: on an H200 (2026-11-28,
-            ``bench/gpu_check.py``) a replayed step took 0.023 s against 0.129 s eager, and 20 steps
-            ended 118 dB from the eager run's image. Ignored on the CPU; where recording fails the
-            steps run eagerly and ``steps_run_as`` says why; False: eager steps always.
+            as a CUDA graph and replay it (:class:`attacks.optimization.graph_step.GraphedStep`: one
+            step is thousands of kernel launches, which the replay removes; the arithmetic stays).
+            On by default; tests/test_cuda.py::test_ig_closed_start_cuda_graph_replays_the_eager_steps
+            pins that a replay gives the eager steps' image. Ignored on the CPU; where recording fails
+            the steps run eagerly and ``steps_run_as`` says why; False: eager steps always.
     """
 
     class Options(AttackOptions):
@@ -160,6 +160,22 @@ class GradientMatching(Attack):
         converted = [update_to_gradients(u, m) for u, m in zip(updates, metas)]
         raw = [g for g, _ in converted]  # as sent (before _prepare_groups removes any known term)
         masks, starts, start_notes = self._prepare_groups(model, updates, metas, converted)
+        names = self._matched(work, converted, size, masks)
+        y, notes = self._labels(work, converted, metas, start_notes, n)
+        targets = {nm: torch.stack([g[nm] for g, _ in converted]).to(self.device, torch.float32) for nm in names}
+        if self.defence_model:
+            match, more = defence_match(targets, raw, metas, names)
+            for note in notes:
+                note.extend(more)
+        else:
+            match = MatchTerms(targets)
+        lo, hi = metas[0].box(torch.float32, self.device)
+        per_group = self._per_group_gradients(work, names, masks)
+        best = self._restarts(per_group, match, y, (K, n, *size), lo, hi, starts)
+        return self._results(metas, best, y, len(names), notes, time.perf_counter() - t0)
+
+    def _matched(self, work: nn.Module, converted: list, size: tuple, masks: Optional[torch.Tensor]) -> list[str]:
+        """The parameters whose gradients are matched: those the forward uses, present in every update."""
         names = matched_names(work, converted[0][0], size)
         if (self.unk_mask is not None or masks is not None) and "unk_embed" not in names and all(
                 "unk_embed" in g for g, _ in converted):
@@ -167,6 +183,11 @@ class GradientMatching(Attack):
         names = [nm for nm in names if all(nm in g for g, _ in converted)]
         if self.pe_weight > 0 and "pos_embed" not in names:
             raise AttackFailure("the position-embedding term needs a model with pos_embed and its gradient")
+        return names
+
+    def _labels(self, work: nn.Module, converted: list, metas: Sequence[AttackMetadata], start_notes: list,
+                n: int) -> tuple[torch.Tensor, list[list[str]]]:
+        """(labels [K, n]: the granted ones, else recovered from the head's gradient, notes per update)."""
         head = getattr(work, "get_classifier", lambda: None)()
         head_ids = {id(p) for p in head.parameters()} if isinstance(head, nn.Module) else set()
         head_names = [nm for nm, p in work.named_parameters() if id(p) in head_ids]
@@ -178,27 +199,23 @@ class GradientMatching(Attack):
             else:
                 labels.append(recover_labels(g, head_names, n, self.label_strategy))
                 notes[-1].append(f"labels recovered from the gradient ({self.label_strategy})")
-        y = torch.stack(labels).to(self.device)  # [K, n]
-        targets = {nm: torch.stack([g[nm] for g, _ in converted]).to(self.device, torch.float32) for nm in names}
-        if self.defence_model:
-            match, more = defence_match(targets, raw, metas, names)
-            for note in notes:
-                note.extend(more)
-        else:
-            match = MatchTerms(targets)
-        lo, hi = metas[0].box(torch.float32, self.device)
-        per_group = self._per_group_gradients(work, names, masks)
+        return torch.stack(labels).to(self.device), notes
 
+    def _restarts(self, per_group, match: MatchTerms, y: torch.Tensor, shape: tuple, lo: torch.Tensor,
+                  hi: torch.Tensor, starts: Optional[list]) -> dict:
+        """Every restart; per update the best one by the data term: {x, score, trial, traces,
+        trial_info (the converging restarts' per-update info, else empty)}."""
+        K = shape[0]
         best_x, best_score, traces, trial_info = None, None, [], []
         for trial in range(self.restarts):
             if self.converge_window > 0:
                 solved = (torch.tensor([bool(i["solved"]) for i in trial_info[0]]) if trial_info else None)
-                x, trace, failed, info = self._run_trial_converging(per_group, match, y, (K, n, *size), lo, hi,
-                                                                    trial, starts if trial == 0 else None, solved,
+                x, trace, failed, info = self._run_trial_converging(per_group, match, y, shape, lo, hi, trial,
+                                                                    starts if trial == 0 else None, solved,
                                                                     best_score)
                 trial_info.append(info)
             else:
-                x, trace, failed = self._run_trial(per_group, match, y, (K, n, *size), lo, hi, trial)
+                x, trace, failed = self._run_trial(per_group, match, y, shape, lo, hi, trial)
             with torch.no_grad():
                 score = self._objective(per_group, match, y, x, lo, with_prior=False)[0].detach()
             score = torch.where(torch.isfinite(score) & ~failed, score, torch.full_like(score, float("inf")))
@@ -211,8 +228,14 @@ class GradientMatching(Attack):
                 best_score = torch.minimum(score, best_score)
                 best_trial = torch.where(better.cpu(), torch.full_like(best_trial, trial), best_trial)
             traces.append(trace)
-        elapsed = time.perf_counter() - t0
-        images = metas[0].denormalize(best_x.reshape(K * n, *size).double()).reshape(K, n, *size)
+        return dict(x=best_x, score=best_score, trial=best_trial, traces=traces, trial_info=trial_info)
+
+    def _results(self, metas: Sequence[AttackMetadata], best: dict, y: torch.Tensor, matched: int,
+                 notes: list[list[str]], elapsed: float) -> list[AttackResult]:
+        """One result per update from the restarts' best (:meth:`_restarts`)."""
+        K, n, size = len(metas), metas[0].num_images, metas[0].image_size
+        best_score, traces, trial_info = best["score"], best["traces"], best["trial_info"]
+        images = metas[0].denormalize(best["x"].reshape(K * n, *size).double()).reshape(K, n, *size)
         results = []
         for k, meta in enumerate(metas):
             tr = torch.stack([t[:, k] for t in traces]).cpu()  # [restarts, iterations]
@@ -221,10 +244,10 @@ class GradientMatching(Attack):
             stats = dict(objective=float(best_score[k]), objective_first=float(tr[0, 0]),
                          objective_min=float(fin.min()) if fin.numel() else float("nan"),
                          iterations=self.iterations * self.restarts, time_s=elapsed / (K * n),
-                         attack=self.name, matched_parameters=len(names), failed=not ok,
+                         attack=self.name, matched_parameters=matched, failed=not ok,
                          notes=notes[k])
             if trial_info:  # converging trials: how each ended and the chosen one's loss curve
-                chosen = int(best_trial[k])
+                chosen = int(best["trial"][k])
                 stats.update(trial_info[chosen][k], chosen_trial=chosen,
                              iterations=sum(int(t[k]["iterations_run"]) for t in trial_info),
                              trials=[{key: t[k][key] for key in ("start", "iterations_run", "converged", "abandoned")}
@@ -246,153 +269,12 @@ class GradientMatching(Attack):
                               hi: torch.Tensor, trial: int, starts: Optional[list],
                               solved: Optional[torch.Tensor] = None, incumbent: Optional[torch.Tensor] = None
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[dict]]:
-        """One restart run to convergence (``converge_window`` > 0), each update on its own.
-
-        Every update has its own candidate, Adam and step size, and stops on its own (the others go
-        on; a step evaluates the updates still running only), so an update's result does not depend
-        on which updates share the batched call. ``incumbent`` [K]: the data term of the best
-        earlier restart per update; this restart gives up on an update once its best data term,
-        improving for every remaining step at twice the rate of the last ``converge_window`` steps,
-        would still not get below it (it could not be chosen).
+        """One restart run to convergence (``converge_window`` > 0), each update on its own
+        (:class:`attacks.optimization.converging.ConvergingTrial`; ``incumbent`` [K]: the data term
+        of the best earlier restart per update, ``solved`` [K]: updates that take no steps).
         Returns (best candidate, objective trace [iterations, K] (NaN after a stop), failed [K],
-        per update {start, iterations_run, converged, abandoned, objective_curve}).
-        """
-        K = shape[0]
-        gen = torch.Generator(device="cpu")
-        gen.manual_seed(self.seed + trial if self.seed is not None else torch.seed())
-        draw = torch.randn(shape[1:], generator=gen)
-        lo5, hi5 = lo.unsqueeze(0), hi.unsqueeze(0)
-        leaves, kinds = [], []
-        chosen = self._pick_starts(per_group, match, y, draw, lo, hi, starts) if starts else [None] * K
-        for k in range(K):
-            start = chosen[k]
-            kinds.append("random" if start is None else start[0])
-            x0 = draw if start is None else start[1].to(draw.dtype)
-            x0 = torch.max(torch.min(x0.to(self.device), hi), lo)
-            leaves.append(x0.clone().requires_grad_(True))
-        opts = [torch.optim.Adam([leaf], lr=self.lr) for leaf in leaves]
-        stepper = GraphedStep(self, per_group, match, y) if self.cuda_graph else None
-        its, window, patience = self.iterations, self.converge_window, max(1, self.converge_window // 2)
-        best = torch.stack([leaf.detach() for leaf in leaves]).clone()
-        best_val = torch.full((K,), float("inf"), device=self.device)
-        failed = torch.zeros(K, dtype=torch.bool, device=self.device)
-        done = torch.zeros(K, dtype=torch.bool)
-        converged, abandoned = [False] * K, [False] * K
-        ran = [its] * K
-        since = [0] * K  # steps since the best objective last improved
-        history = torch.full((its + 1, K), float("inf"))  # running best objective after each step
-        data_hist = torch.full((its + 1, K), float("inf"))  # running best data term after each step
-        trace = torch.full((its, K), float("nan"))
-        curves: list[list[list[float]]] = [[] for _ in range(K)]
-        skip = torch.zeros(K, dtype=torch.bool) if solved is None else solved.clone()
-        if any(c is not None for c in chosen) and self.exact_cos > 0:
-            # a start whose gradient already matches the update (an exact closed form on a clean
-            # update) has nothing left to gain: no steps, and no random restart for it either
-            with torch.no_grad():
-                cos0 = self._objective(per_group, match, y, torch.stack(leaves).detach(), lo, with_prior=False,
-                                       plain=True)[1]
-            for k in range(K):
-                if chosen[k] is not None and float(cos0[k]) < self.exact_cos:
-                    skip[k] = True
-                    kinds[k] += f" (1 - cos {float(cos0[k]):.1e} < {self.exact_cos:g}: no steps)"
-        for k in range(K):
-            if bool(skip[k]):
-                done[k], ran[k], converged[k] = True, 0, True
-                if chosen[k] is None:
-                    kinds[k] += " (no steps: an earlier start matched the update)"
-        bar = incumbent.detach().cpu() if incumbent is not None else torch.full((K,), float("inf"))
-        for it in tqdm(range(its), disable=None if self.progress else True, desc=self.name, leave=False):
-            active = [k for k in range(K) if not done[k]]
-            if not active:
-                break
-            for k in active:
-                opts[k].zero_grad(set_to_none=False)
-            if stepper is not None:
-                x = torch.stack([leaves[k].detach() for k in active])
-                val, data, gx = stepper(active, x)
-                for j, k in enumerate(active):
-                    if leaves[k].grad is None:
-                        leaves[k].grad = gx[j].clone()
-                    else:
-                        leaves[k].grad.copy_(gx[j])
-            else:
-                x = torch.stack([leaves[k] for k in active])
-                obj, data = self._objective(per_group, match, y, x, lo, sel=active)
-                val = obj.detach()
-                torch.where(torch.isfinite(val), obj, torch.zeros_like(obj)).sum().backward(
-                    inputs=[leaves[k] for k in active])
-            dval = data.detach().cpu()
-            finite = torch.isfinite(val)
-            history[it + 1] = history[it]
-            data_hist[it + 1] = data_hist[it]
-            with torch.no_grad():
-                for j, k in enumerate(active):
-                    if not bool(finite[j]):
-                        failed[k] = True
-                        continue
-                    data_hist[it + 1, k] = min(float(data_hist[it, k]), float(dval[j]))
-                    if bool(val[j] < best_val[k]):
-                        best[k], best_val[k] = x[j].detach(), val[j]
-                        since[k] = 0
-                    else:
-                        since[k] += 1
-                    history[it + 1, k] = float(best_val[k])
-            for j, k in enumerate(active):
-                trace[it, k] = float(val[j])
-                if not bool(finite[j]):
-                    done[k], ran[k] = True, it + 1
-                    continue
-                if it % self.curve_every == 0:
-                    curves[k].append([it, float(best_val[k])])
-                old = float(history[it + 1 - window, k]) if it + 1 >= window else float("inf")
-                now = float(best_val[k])
-                if math.isfinite(old) and (old - now) <= self.converge_tol * max(abs(old), 1e-12):
-                    done[k], ran[k], converged[k] = True, it + 1, True
-                    continue
-                if it + 1 >= window and math.isfinite(float(bar[k])):
-                    d_old, d_now = float(data_hist[it + 1 - window, k]), float(data_hist[it + 1, k])
-                    reach = d_now - 2.0 * max(d_old - d_now, 0.0) / window * (its - it - 1)
-                    if math.isfinite(d_old) and reach > float(bar[k]):
-                        done[k], ran[k], abandoned[k] = True, it + 1, True
-                        continue
-                if leaves[k].grad is not None and self.signed == "hard":
-                    leaves[k].grad.sign_()
-                opts[k].step()
-                if since[k] >= patience:  # a plateau: halve the step size
-                    for group in opts[k].param_groups:
-                        group["lr"] = max(group["lr"] * 0.5, self.lr * 1e-3)
-                    since[k] = 0
-                with torch.no_grad():
-                    leaves[k].data = torch.max(torch.min(leaves[k], hi5[0]), lo5[0])
-            if bool(done.all()):
-                break
-        starts_used = [k for k in range(K) if chosen[k] is not None]
-        if starts_used:
-            # the start itself competes by the data term (restarts are scored by it too): the TV
-            # prior must not trade an exact closed-form start for a smoother, worse-matching image
-            x_start = torch.stack([leaf.detach() for leaf in leaves])
-            for k in starts_used:
-                x_start[k] = torch.max(torch.min(chosen[k][1].to(self.device, x_start.dtype), hi), lo)
-            with torch.no_grad():
-                cos_start = self._objective(per_group, match, y, x_start[starts_used], lo, with_prior=False,
-                                            sel=starts_used)[1]
-                cos_best = self._objective(per_group, match, y, best[starts_used], lo, with_prior=False,
-                                           sel=starts_used)[1]
-            for j, k in enumerate(starts_used):
-                if bool(torch.isfinite(cos_start[j])) and not bool(cos_best[j] <= cos_start[j]):
-                    best[k] = x_start[k]
-                    kinds[k] += " (kept: no iterate matched better)"
-        info = []
-        for k in range(K):
-            if not bool(skip[k]) and (not curves[k] or curves[k][-1][0] != ran[k]):
-                curves[k].append([ran[k], float(best_val[k])])
-            if abandoned[k]:
-                kinds[k] += f" (given up after {ran[k]} steps: it could not reach the best earlier restart)"
-            info.append(dict(start=kinds[k], iterations_run=ran[k], converged=converged[k], abandoned=abandoned[k],
-                             objective_curve=curves[k], solved=bool(skip[k])))
-            if stepper is not None:
-                info[-1]["steps_run_as"] = stepper.status()
-        return best, trace, failed, info
+        per update {start, iterations_run, converged, abandoned, objective_curve})."""
+        return ConvergingTrial(self, per_group, match, y, shape, lo, hi, trial, starts, solved, incumbent).run()
 
     def _pick_starts(self, per_group, match: MatchTerms, y: torch.Tensor, draw: torch.Tensor, lo: torch.Tensor,
                      hi: torch.Tensor, starts: list) -> list:

@@ -24,12 +24,13 @@ docs/design.md, "Attacking MJP with knowledge of MJP". For one batch-1 update of
    input and needs neither the label nor the loss (:func:`input_spans`, :class:`SpanResidual`);
    L-BFGS in float64 from several starts of the shuffled patches, then (``lm_jacobians``)
    Levenberg-Marquardt on the residual's vector form with its exact Jacobian (:mod:`attacks.solvers.lm`:
-   the Jacobian has full column rank at the client's input on trained models but condition ~1e4,
+   the Jacobian has full column rank at the client's input on trained models but is ill-conditioned,
    where L-BFGS stalls and Gauss-Newton converges quadratically from close by). ``match`` instead matches the
    whole gradient over (b, a) with the attacker's forward using ``unk_mask = S`` (L-BFGS,
    alternating blocks: shuffled with unshuffled fixed, then both). How far the spans resolve the
-   orbit depends on how sharp attention is: on fresh weights the tokens after block 0 differ by
-   ~1e-7 relative and little is gained; bench/mjp_adaptive_strength.py measures it.
+   orbit depends on how sharp attention is: on fresh weights the tokens after block 0 barely
+   differ and little is gained
+   (tests/test_mjp_adaptive.py::test_span_refinement_improves_the_unshuffled_region_with_sharp_attention).
 4. ``unshuffle=True``: solve the jigsaw (:mod:`attacks.solvers.jigsaw`) and return ``result.unshuffled``.
 
 The permutation of the shuffled patches among S is invisible in every gradient (all of S carries the
@@ -40,15 +41,12 @@ detected ``unk_mask``) from the same detection.
 """
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from typing import Any, Literal, Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
-from torch.func import functional_call
 
 from fedmjp.config import Float, Int, option
 from fedmjp.devices import resolve_device
@@ -59,15 +57,16 @@ from ..api.base import Attack, AttackFailure, AttackMetadata, AttackOptions, Att
 from ..api.registry import register_attack
 from ..solvers.jigsaw import unshuffle_image
 from ..closed_form.labels import recover_labels
-from ..closed_form.mjp_maths import (Reduction, assemble, draw_shuffled, lbfgs, mjp_reduction, neighbour_diffs, patches_to_image,
-                        smoothness_prior_solve, tv_prior_refine)
+from ..closed_form.mjp_maths import (Reduction, assemble, draw_shuffled, lbfgs, mjp_reduction, smoothness_prior_solve,
+                                     tv_prior_refine)
 from ..closed_form.mjp_update import read_mjp_update
+from .mjp_match import match_reduced, matching_objective
 from ..solvers.spans import InputSpan, SpanResidual, forward_cost, input_spans
 
 _logger = logging.getLogger(__name__)
 
 REFINE_MODES = ("none", "prior", "span", "match")
-#: L-BFGS iterations of ``refine="span"`` by default (about a minute per 32 px image, depth 4, on one core).
+#: L-BFGS iterations of ``refine="span"`` by default on the 32 px depth-4 CIFAR model (SPAN_BUDGET scales it).
 SPAN_ITERATIONS = 1500
 #: Forward multiply-adds times iterations the default spends: SPAN_ITERATIONS on the 32 px depth-4
 #: CIFAR model (~1.2e8 multiply-adds per forward); a larger model gets proportionally fewer.
@@ -76,9 +75,9 @@ SPAN_BUDGET = 1.9e11
 #: running one too short to help (DeiT-S at 224 px: ~40).
 SPAN_MIN_ITERATIONS = 100
 #: Levenberg-Marquardt Jacobians of the span fit's final stage by default (:mod:`attacks.solvers.lm`):
-#: off. LM is exact from within ~0.05 RMS of x~, but the attack's own starts are 0.3-0.9 RMS away:
-#: there, on three held-out photographs and the trained checkpoint at 32 px, 4 Jacobians gained
-#: 0.0 to +0.5 dB for 2.7x the CPU time (docs/attacks.md). ``lm_jacobians: 4`` runs it.
+#: off. LM converges from close to x~, but the attack's own starts are farther away, where it gains
+#: little for its CPU time (docs/results/attacks.md). ``lm_jacobians: 4`` runs it.
+#: tests/test_span_fit.py pins the default's use.
 LM_JACOBIANS = 0
 #: Forward multiply-adds one default Jacobian may spend (unknowns x forward cost): the 32 px depth-4
 #: model's 1,024 unknowns x ~1.2e8 with room; DeiT-S at 224 px is ~1e5 times over it.
@@ -140,9 +139,10 @@ class MJPAdaptive(Attack):
             stay on the CPU. Not part of the estimate's key: the devices compute the same estimate
             up to float64 rounding.
         min_device_cost: below this many multiply-adds per forward (:func:`attacks.solvers.spans.forward_cost`)
-            the solves stay on the CPU, with a note: for the depth-2 CIFAR model at 32 px (6.1e7) one
-            H100 took 3.2-3.5 s per update where the CPU took 1.1-1.6 s; for DeiT-S at 224 px
-            (4.5e9) the H100 ran the span fit in 12.5-14.3 s (docs/speed.md). 0: always on ``device``.
+            the solves stay on the CPU, with a note: a small model's many small solves are slower
+            on a GPU than on the CPU (docs/results/attacks.md); pinned by
+            tests/test_cuda.py::test_mjp_adaptive_keeps_small_models_on_the_cpu_with_a_note.
+            0: always on ``device``.
     """
 
     name = "mjp_adaptive"
@@ -399,61 +399,11 @@ class MJPAdaptive(Attack):
 
     def _match(self, vit: nn.Module, grads: dict, red: Reduction, b0: torch.Tensor, a0: torch.Tensor,
                labels: torch.Tensor, grid, C: int, p: int, std: torch.Tensor):
-        """Gradient matching over (b, a) with the attacker's forward at unk_mask = S (float64)."""
-        dev = red.device
-        work = copy.deepcopy(vit).to(dev, torch.float64).eval()
-        for blk in work.blocks:
-            if hasattr(blk.attn, "fused_attn"):
-                blk.attn.fused_attn = False
-        names = [n for n, q in work.named_parameters() if n in grads and not n.startswith("dal_head.")
-                 and float(grads[n].abs().max()) > 0]
-        params = {n: q.detach().requires_grad_(True) for n, q in work.named_parameters()}
-        buffers = dict(work.named_buffers())
-        targets = {n: grads[n].to(dev, torch.float64) for n in names}
-        norms = {n: float(t.pow(2).sum()) for n, t in targets.items()}
-        mask = red.shuffled[None]
-        y = labels.reshape(1).to(dev)
-        valid = patches_to_image((~red.shuffled).double()[:, None].expand(-1, C * p * p), grid, C, p)[0] > 0
-        scale = std.to(dev).repeat_interleave(p * p)
-
-        def objective(b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-            x = assemble(red, b, a, grid, C, p)
-            out = functional_call(work, (params, buffers), (x,), {"unk_mask": mask})
-            loss = F.cross_entropy(out, y)
-            g = torch.autograd.grad(loss, [params[n] for n in names], create_graph=True)
-            obj = sum((gi - targets[n]).pow(2).sum() / norms[n] for gi, n in zip(g, names)) / len(names)
-            if self.prior_weight > 0:
-                xu = torch.zeros(red.shuffled.numel(), C * p * p, dtype=torch.float64, device=dev)
-                xu = xu.index_put((torch.nonzero(~red.shuffled).flatten(),),
-                                  (red.x_unshuffled + b @ red.null_basis.T) * scale)
-                d = neighbour_diffs(patches_to_image(xu, grid, C, p), valid)
-                obj = obj + self.prior_weight * d.pow(2).mean()
-            return obj
-
-        b, a = b0.clone(), a0.clone()
-        first = float(objective(b, a).detach())
-        iters = 0
-        for rnd in range(self.rounds):
-            for block in ("a", "ab"):
-                vb = b.clone().requires_grad_("b" in block)
-                va = a.clone().requires_grad_(True)
-                opt_vars = [va] + ([vb] if "b" in block else [])
-                opt = torch.optim.LBFGS(opt_vars, lr=1.0, max_iter=self.iterations, history_size=50,
-                                        line_search_fn="strong_wolfe", tolerance_grad=1e-14,
-                                        tolerance_change=1e-18)
-
-                def closure():
-                    opt.zero_grad()
-                    obj = objective(vb, va)
-                    obj.backward()
-                    return obj
-
-                opt.step(closure)
-                iters += opt.state[opt._params[0]].get("n_iter", 0)
-                b, a = vb.detach(), va.detach()
-        last = float(objective(b, a).detach())
-        _logger.debug("mjp_adaptive matching: %.3e -> %.3e in %d iterations", first, last, iters)
-        return b, a, dict(objective=last, objective_first=first, iterations=iters, matched_parameters=len(names))
+        """Gradient matching over (b, a) with the attacker's forward at unk_mask = S (float64,
+        :mod:`attacks.optimization.mjp_match`)."""
+        objective, matched = matching_objective(vit, grads, red, labels, grid, C, p, std, self.prior_weight)
+        b, a, out = match_reduced(objective, b0, a0, self.rounds, self.iterations)
+        return b, a, dict(out, matched_parameters=matched)
 
     def _not_mjp(self, model: nn.Module, update: Update, meta: AttackMetadata) -> AttackResult:
         """A model without E_unk: knowing MJP adds nothing, so the strongest attacker that knows the

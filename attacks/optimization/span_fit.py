@@ -28,7 +28,7 @@ from torch.func import jvp, vmap
 from ..api.base import AttackFailure
 from ..closed_form.first_layer import check_conditions, gradient_of_Z
 from ..closed_form.mjp_maths import Reduction, assemble, mjp_reduction, patches_to_image
-from ..solvers.lm import JACOBIAN_CHUNK, LMResult, levenberg_marquardt, matrix_free_lm
+from ..solvers.lm import JACOBIAN_CHUNK, NIELSEN, LMResult, dense_lm, matrix_free_lm
 from ..solvers.spans import SpanResidual, complement, input_spans
 
 
@@ -157,12 +157,12 @@ def span_lm(residual: SpanResidual, red: Reduction, b: torch.Tensor, a: torch.Te
             sketch_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor, LMResult]:
     """Levenberg-Marquardt on the span residual's vector form from (b [nU, k], a [nS, k]).
 
-    ``solver``: ``dense`` (:func:`levenberg_marquardt` on the exact Jacobian) or ``matrix_free``
-    (:func:`matrix_free_lm`, ``max_jacobians`` Gauss-Newton iterations, ``sketch_rows`` its sketch).
+    ``solver``: ``dense`` (:func:`attacks.solvers.lm.dense_lm` on the exact Jacobian) or ``matrix_free``
+    (:func:`attacks.solvers.lm.matrix_free_lm`, ``max_jacobians`` Gauss-Newton iterations, ``sketch_rows`` its sketch).
     Returns (b, a, :class:`LMResult`)."""
     vec = SpanVector(residual, red, grid, channels, p)
     if solver == "dense":
-        res = levenberg_marquardt(vec, lambda t: vec.jacobian(t, chunk), vec.pack(b, a), max_jacobians, floor=floor)
+        res = dense_lm(vec, lambda t: vec.jacobian(t, chunk)[1], vec.pack(b, a), max_jacobians, NIELSEN, floor=floor)
     elif solver == "matrix_free":
         res = matrix_free_lm(vec, vec.pack(b, a), max_jacobians, sketch_rows=sketch_rows, floor=floor, chunk=chunk)
     else:

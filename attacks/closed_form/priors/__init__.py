@@ -12,7 +12,7 @@ the statistics are stored, no image data.
 Builder (needs scikit-learn, the ``analysis`` extra, for the Ledoit-Wolf shrinkage)::
 
     python -m attacks.closed_form.priors --data-path $FEDMJP_DATA/cifar10.tar.gz --patch 4 \\
-        --out attacks/priors/cifar10_patch4.npz
+        --out attacks/closed_form/priors/cifar10_patch4.npz
 """
 from __future__ import annotations
 

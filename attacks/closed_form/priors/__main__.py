@@ -1,7 +1,7 @@
-"""Build a Gaussian patch prior from a training set's images (see attacks/priors/__init__.py).
+"""Build a Gaussian patch prior from a training set's images (see attacks/closed_form/priors/__init__.py).
 
     python -m attacks.closed_form.priors --data-path $FEDMJP_DATA/cifar10.tar.gz --patch 4 \\
-        --out attacks/priors/cifar10_patch4.npz
+        --out attacks/closed_form/priors/cifar10_patch4.npz
 
 Every p x p x 3 patch of every training image at every offset (stride 1), in [0, 1] pixel space:
 the exact mean and sample covariance over all of them (accumulated in float64), then shrunk towards

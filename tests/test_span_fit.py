@@ -1,4 +1,4 @@
-"""The span residual's vector form and Levenberg-Marquardt on it (attacks.solvers.lm), on a held-out
+"""The span residual's vector form and Levenberg-Marquardt on it (attacks.optimization.span_fit), on a held-out
 ImageNet validation photograph and the shipped DeiT+MJP checkpoint's first two blocks (32 px,
 design A, float64, gamma 0.27)."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ import fedmjp  # noqa: F401  (registers the mjp_* models)
 from attacks.closed_form.first_layer import check_conditions, gradient_of_Z
 from attacks.closed_form.mjp_maths import mjp_reduction
 from attacks.solvers.spans import SpanResidual, input_spans
-from attacks.solvers.lm import SketchPreconditioner, damped_cg, levenberg_marquardt, linearise, matrix_free_lm, row_sketch
+from attacks.solvers.linalg import SketchPreconditioner, damped_cg, linearise, row_sketch
 from attacks.optimization.span_fit import SpanVector, span_lm, truth_coordinates
 from fedmjp.checkpoint import load_checkpoint
 from helpers import MD, STD, folder_image, normalize
@@ -73,20 +73,6 @@ def test_vector_norm_equals_the_span_residual_value(case):
         assert float(vec(t).pow(2).sum()) > 1e-6
 
 
-def test_levenberg_marquardt_solves_rosenbrock():
-    """Rosenbrock as residuals (10 (y - x^2), 1 - x): minimum 0 at (1, 1), a curved valley."""
-    def fun(t: torch.Tensor) -> torch.Tensor:
-        return torch.stack([10 * (t[1] - t[0] ** 2), 1 - t[0]])
-
-    def jac(t: torch.Tensor):
-        return fun(t), torch.tensor([[-20 * t[0], 10.0], [-1.0, 0.0]], dtype=t.dtype)
-
-    out = levenberg_marquardt(fun, jac, torch.tensor([-1.2, 1.0], dtype=torch.float64), max_jacobians=100,
-                              floor=1e-28, stall=0.0)
-    assert torch.allclose(out.theta, torch.ones(2, dtype=torch.float64), atol=1e-10)
-    assert out.value < 1e-20 and out.history == sorted(out.history, reverse=True)
-
-
 @pytest.mark.slow
 def test_lm_from_truth_plus_noise_returns_the_truth(small_case):
     """From the truth's reduced parameters plus Gaussian noise of 0.05 times their spread (~40 dB
@@ -134,44 +120,6 @@ def test_attack_lm_stage_lowers_the_span_residual(small_case):
 
 
 # ------------------------------------------------------------------------------- matrix-free route
-def test_matrix_free_lm_solves_a_linear_least_squares_problem_in_one_iteration():
-    """fun(theta) = A theta - y with A [300, 40] of condition 1e3: one Gauss-Newton iteration lands on
-    the least-squares solution; with an oversampled sketch (m = 4n, preconditioned condition number
-    ~9) its CG takes under n iterations to 1e-12 where plain CG (condition 1e6) takes several times n."""
-    gen = torch.Generator().manual_seed(0)
-    U, _ = torch.linalg.qr(torch.randn(300, 40, generator=gen, dtype=torch.float64))
-    V, _ = torch.linalg.qr(torch.randn(40, 40, generator=gen, dtype=torch.float64))
-    A = U @ torch.diag(torch.logspace(0, -3, 40, dtype=torch.float64)) @ V.T
-    y = torch.randn(300, generator=gen, dtype=torch.float64)
-    best = torch.linalg.lstsq(A, y[:, None]).solution[:, 0]
-    floor = float((A @ best - y).pow(2).sum())
-    full = matrix_free_lm(lambda t: A @ t - y, torch.zeros(40, dtype=torch.float64), max_iterations=1,
-                          sketch_rows=160, cg_tol=1e-12, tau=0.0)
-    plain = matrix_free_lm(lambda t: A @ t - y, torch.zeros(40, dtype=torch.float64), max_iterations=1,
-                           sketch_rows=0, cg_tol=1e-12, tau=0.0)
-    assert torch.allclose(full.theta, best, rtol=0, atol=1e-7 * float(best.norm()))
-    assert full.value == pytest.approx(floor, rel=1e-9)
-    assert full.cg_iterations[0] <= 40 and plain.cg_iterations[0] >= 4 * full.cg_iterations[0]  # measured 28, 212
-    with pytest.raises(ValueError, match="sketch_rows"):
-        matrix_free_lm(lambda t: A @ t - y, torch.zeros(40, dtype=torch.float64), sketch_rows=161)
-
-
-def test_sketch_preconditioner_inverts_what_it_resolved():
-    """A sketch that sees only J's first 6 of 12 columns: a direction outside what it resolved is left
-    as it is, its top direction is divided by its curvature (times the floor's, the scaling)."""
-    gen = torch.Generator().manual_seed(1)
-    J = torch.randn(500, 12, generator=gen, dtype=torch.float64) @ torch.diag(torch.logspace(0, -2, 12,
-                                                                                             dtype=torch.float64))
-    Y = torch.randn(6, 500, generator=gen, dtype=torch.float64) @ J[:, :6]
-    Y = torch.cat([Y, torch.zeros(6, 6, dtype=torch.float64)], dim=1)  # [6, 12]: no component on 6-11
-    pre = SketchPreconditioner(Y)
-    e = torch.zeros(12, dtype=torch.float64)
-    e[-1] = 1.0
-    assert torch.allclose(pre.apply(e, 0.1), e, atol=1e-12)  # outside the sketch: untouched
-    v = pre.Vh[0].clone()  # the top sketched direction: scaled by (floor + mu) / (lambda_0 + mu)
-    assert torch.allclose(pre.apply(v, 0.1), v * (pre.floor + 0.1) / (float(pre.lam[0]) + 0.1), atol=1e-12)
-
-
 @pytest.mark.slow
 def test_matrix_free_step_equals_the_dense_step_and_the_sketch_pays(small_case):
     """On the trained checkpoint's span residual (320 unknowns, truth + 0.05 noise): J v through the
