@@ -194,7 +194,7 @@ def test_unrolled_fedavg_matching_beats_the_mean_gradient_reading() -> None:
 
 
 def test_true_tokens_are_roots_of_the_per_token_mlp_problem() -> None:
-    """DAGER's per-token check on a real B = 2 update (docs/attacks.md, "Batches", the structure
+    """DAGER's per-token check on a real B = 2 update (docs/results/batches.md, the structure
     attack): with the spans :func:`attacks.solvers.spans.input_spans` reads off the update, every one of the
     B*T = 130 true tokens has its fc1 input (block 0's norm2 output) in S_fc1 and its fc2 input
     GELU(W1 h + b1) in S_fc2 at the float64 noise floor, while tokens the batch did not hold (the
@@ -293,7 +293,7 @@ def test_two_sided_span_agreement_keeps_the_candidates_apart() -> None:
 @pytest.mark.slow
 def test_batch_match_tv_lifts_a_batch_of_two_above_the_mean_colour() -> None:
     """B = 2, labels known, 40 L-BFGS iterations from the same start: ``tv: 1`` ends above
-    ``tv: 0`` and above a flat image of the normalisation mean colour (docs/attacks.md, "Batches":
+    ``tv: 0`` and above a flat image of the normalisation mean colour (docs/results/batches.md:
     without a prior the batch attack stays below that flat image)."""
     basin = _bench("batch_match_basin")
     model = _deit()
@@ -316,7 +316,9 @@ def test_presets_attack_a_batch_and_keep_batch_one_runs_unchanged() -> None:
     """The default and CIFAR presets name a batch attacker with min_batch_size 2: absent at B = 1
     (batch-1 tables and the golden rows unchanged), present at B > 1, so no preset's rows are all
     failed at B > 1; an attack list that leaves nothing at the run's B is a config error."""
-    from benchmark.config import ConfigError, attack_entries, load_config, validate, with_values
+    from benchmark.config import ConfigError, load_config, with_values
+    from benchmark.entries import attack_entries
+    from benchmark.validation import validate
 
     for preset in ("configs/default.yaml", "configs/cifar.yaml"):
         cfg = validate(load_config(preset))
