@@ -57,6 +57,7 @@ import torch  # noqa: E402
 from benchmark import config as C  # noqa: E402
 from benchmark.inputs import client_run_config  # noqa: E402
 from benchmark.pipeline import build_rows  # noqa: E402
+from fedmjp.settings import SETTING_GROUPS  # noqa: E402
 from run_benchmark import main as benchmark_main  # noqa: E402
 
 
@@ -80,7 +81,7 @@ def bare_work(cfg: C.BenchmarkConfig) -> list[Victims]:
     from clients.update import fedsgd_gradients, load_global_model
 
     rows = build_rows(cfg, torch.device("cpu"))
-    groups = sorted({C.SETTING_GROUPS[s] for s in cfg.settings})
+    groups = sorted({SETTING_GROUPS[s] for s in cfg.settings})
     clients, rounds = cfg.federation.clients, cfg.federation.rounds
     work = []
     for row in rows:
@@ -89,7 +90,7 @@ def bare_work(cfg: C.BenchmarkConfig) -> list[Victims]:
             model = load_global_model(resolved).to(getattr(torch, resolved.precision))
             batches = [private_batch(resolved, p, r, clients)
                        for r in range(1, rounds + 1) for p in range(clients)]
-            work.append(Victims(row, [s for s in cfg.settings if C.SETTING_GROUPS[s] == group], resolved,
+            work.append(Victims(row, [s for s in cfg.settings if SETTING_GROUPS[s] == group], resolved,
                                 model, batches, resolved.dal_weight))
     for v in work:  # warm-up: one gradient per model
         fedsgd_gradients(v.model, v.batches[0], v.dal)
@@ -115,7 +116,7 @@ def bare_parts(cfg: C.BenchmarkConfig, work: list[Victims]) -> tuple[dict[str, f
     import attacks
     from attacks.api.estimates import EstimateStore
     from benchmark import scoring
-    from benchmark.config import attack_entries
+    from benchmark.entries import attack_entries
     from benchmark.group_attacker import attack_metadata
     from clients.update import fedsgd_gradients
     from metrics.regions import region_scores

@@ -1,10 +1,16 @@
 """The privacy benchmark behind ``run_benchmark.py``.
 
-- :mod:`.config`: YAML presets, ``key=value`` overrides, validation, the resolved config.
+- :mod:`.config`: the schema, YAML presets and ``key=value`` overrides as plain data.
+- :mod:`.validation`: the checked, typed config (every name, value and sweep point checked first).
+- :mod:`.entries`: each model row's factory spec and the run's attackers with their labels.
+- :mod:`.config_diff`: what of a config must match to resume a run folder.
+- :mod:`.sweep`, :mod:`.sweep_points`, :mod:`.sweep_table`: a strength sweep run point by point,
+  its grid, and its table; :mod:`.frontier`: privacy at matched utility over a sweep.
 - :mod:`.pipeline`: federations -> attacks on tapped updates -> scores -> ``results.jsonl`` (resumable).
 - :mod:`.group_attacker`: one federation: its tapped updates by round, the attacks dispatched, the
   results scored and stored.
 - :mod:`.inputs`: the run's checked inputs (model rows, attackers) and each federation's run config.
+- :mod:`.secure_aggregation`: with SecAgg+ a round's aggregate attacked as one batch of all clients.
 - :mod:`.scoring`: metrics against the setting's reference and top-1 (the Acc. column), as pure
   functions (``score_round``, ``round_top1``) a test can call without threads or Flower.
 - :mod:`.rows`: ``ResultRow``, the schema of ``results.jsonl`` and its one row key.
@@ -14,7 +20,8 @@
 - :mod:`.tables`, :mod:`.pictures`: tables, distributions and grids built only from the output folder.
 - :mod:`.cli`: the command line; :mod:`.errors`: exit statuses.
 """
-from .config import DEFAULTS, SETTINGS, apply_overrides, load_config, validate
+from .config import DEFAULTS, SETTINGS, apply_overrides, load_config
 from .errors import BenchmarkError
+from .validation import validate
 
 __all__ = ["DEFAULTS", "SETTINGS", "BenchmarkError", "apply_overrides", "load_config", "validate"]

@@ -3,7 +3,7 @@
 Written by a sweep over ``federation.batch_size`` (``--sweep federation.batch_size=1,2,4,8``): one
 curve per model row and defence, per setting, from ``sweep.csv``'s ``strongest`` rows (per image
 the best attacker after each update's reconstructions were paired with its images by
-``linear_sum_assignment``, as :func:`benchmark.sweep.strongest` picks them)."""
+``linear_sum_assignment``, as :func:`benchmark.sweep_table.strongest` picks them)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -21,7 +21,7 @@ def batch_plot(frame: pd.DataFrame, path: Path) -> Path | None:
     does not vary ``federation.batch_size`` or no row was scored.
 
     Args:
-        frame: :func:`benchmark.sweep.sweep_table`'s frame (one row per grid point, model,
+        frame: :func:`benchmark.sweep_table.sweep_table`'s frame (one row per grid point, model,
             setting, attack; a ``sweep.federation.batch_size`` column).
     """
     import matplotlib
@@ -34,7 +34,7 @@ def batch_plot(frame: pd.DataFrame, path: Path) -> Path | None:
     col = f"sweep.{BATCH_KEY}"
     if frame.empty or col not in frame:
         return None
-    # the strongest row where several attackers ran, else the one attacker's (as sweep.strongest)
+    # the strongest row where several attackers ran, else the one attacker's (as sweep_table.strongest)
     keys = ["sweep_index", "model", "setting"]
     has = frame.groupby(keys)["attack"].transform(lambda a: (a == STRONGEST).any())
     best = frame[(frame["attack"] == STRONGEST) | ~has]

@@ -6,11 +6,16 @@ Exit statuses: see :mod:`benchmark.errors`.
 from __future__ import annotations
 
 import argparse
+import copy
 import logging
 import time
 from pathlib import Path
+from typing import Optional, Sequence
 
 from . import config as C
+from .errors import ConfigError
+from .sweep_points import parse_sweep_flag
+from .validation import validate
 
 _logger = logging.getLogger(__name__)
 
@@ -93,20 +98,43 @@ def resolve(args: argparse.Namespace) -> C.BenchmarkConfig:
         flags.append((["dry_run"], True))
     cfg = C.apply_overrides(C.with_values(cfg, flags), list(args.overrides))
     if getattr(args, "sweeps", None):
-        from .sweep import parse_sweep_flag
-
         if isinstance(cfg.get("sweep"), list) and cfg["sweep"]:
-            raise C.ConfigError("--sweep adds grid keys, but the config's sweep is a list of points; "
+            raise ConfigError("--sweep adds grid keys, but the config's sweep is a list of points; "
                                 "put the values into that list instead")
         cfg["sweep"] = {**(cfg.get("sweep") or {}), **dict(parse_sweep_flag(t) for t in args.sweeps)}
-    cfg = C.select_models(cfg, args.models)
-    return C.validate(cfg)
+    cfg = select_models(cfg, args.models)
+    return validate(cfg)
+
+
+def select_models(cfg: dict, names: Optional[Sequence[str]]) -> dict:
+    """Keep only the model rows named (in the config's order); unknown names list the valid ones."""
+    if not names:
+        return cfg
+    wanted = [n for item in names for n in str(item).split(",") if n]
+    valid = [row["name"] for row in cfg["models"]]
+    unknown = [n for n in wanted if n not in valid]
+    if unknown:
+        raise ConfigError(f"unknown model name(s) {', '.join(map(repr, unknown))}; valid: {', '.join(map(str, valid))}")
+    cfg = copy.deepcopy(cfg)
+    cfg["models"] = [row for row in cfg["models"] if row["name"] in wanted]
+    return cfg
+
+
+def catalog() -> dict[str, list[tuple[str, str]]]:
+    """Every attack, defence and model architecture a config can name, as (name, origin) by kind:
+    ``built-in`` or the entry point's package (``run_benchmark.py --list``). ``package.module:Name``
+    references are not listed: any importable one is valid."""
+    from attacks.api.registry import attack_catalog
+    from defences.spec import defence_names
+    from fedmjp.models import model_catalog
+
+    return {"attacks": attack_catalog(), "defences": defence_names(), "models": model_catalog()}
 
 
 def catalog_text() -> str:
     """``--list``: every attack, defence and model architecture by kind, with its origin."""
     lines = []
-    for kind, entries in C.catalog().items():
+    for kind, entries in catalog().items():
         lines.append(f"{kind}:")
         width = max((len(name) for name, _ in entries), default=0)
         lines += [f"  {name:<{width}}  {origin}" for name, origin in entries]

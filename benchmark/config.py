@@ -1,13 +1,14 @@
-"""Benchmark configuration: the schema, YAML presets, dotted ``key=value`` overrides, validation.
+"""Benchmark configuration: the schema, and presets and dotted ``key=value`` overrides read against it.
 
 :class:`BenchmarkConfig` and its sections hold every key, its type and default; :mod:`fedmjp.config`
 loads and checks (an unknown key lists the valid ones, so a typo never silently does nothing).
 Presets, flags and overrides are merged as plain data (:func:`load_config`, :func:`apply_overrides`,
-:func:`with_values`); :func:`validate` turns the result into the typed :class:`BenchmarkConfig` the
-run reads (``cfg.federation.rounds``), and :func:`plain` back into data for ``config.yaml`` and the
-resume check. Presets live in ``configs/`` (``default.yaml`` quick, ``paper.yaml`` the paper's
-protocol). Overrides are YAML data (``--set data.num_images=null`` -> None), never code.
-A field's ``client=`` names the clients' run-config key(s) it feeds (:func:`client_values`).
+:func:`with_values`); :func:`benchmark.validation.validate` turns the result into the typed
+:class:`BenchmarkConfig` the run reads (``cfg.federation.rounds``), and :func:`plain` back into data
+for ``config.yaml`` and the resume check. Presets live in ``configs/`` (``default.yaml`` quick,
+``paper.yaml`` the paper's protocol). Overrides are YAML data (``--set data.num_images=null`` -> None),
+never code. A field's ``client=`` names the clients' run-config key(s) it feeds
+(:func:`benchmark.inputs.client_values`).
 
 Relative paths in a config file (image folder, checkpoints, LPIPS backbone) are resolved against the
 project root, so ``checkpoints/deit.pt`` means the same thing from any working directory; paths given
@@ -18,17 +19,13 @@ while the variable is unset it stays as written, and the step that reads the dat
 from __future__ import annotations
 
 import copy
-import itertools
-import logging
-import math
-import os
 from pathlib import Path
-from typing import Annotated, Any, Iterable, Literal, Mapping, Optional, Sequence, Union, get_args
+from typing import Annotated, Any, Iterable, Literal, Mapping, Optional, Union, get_args
 
 from pydantic import AfterValidator, BeforeValidator, Field, SerializeAsAny
 
 from clients.runconfig import (MAX_BATCH_SIZE, MAX_CLASSES, MAX_CLIENTS, MAX_DATASET_IMAGES, MAX_IMAGE_SIZE,
-                               MAX_LOCAL_STEPS, MAX_ROUNDS, Mode, Partitioner, Precision, RunConfig)
+                               MAX_LOCAL_STEPS, MAX_ROUNDS, Mode, Partitioner, Precision)
 from defences.spec import DefenceSpec, NoDefence, validate_defence
 from fedmjp import config as core
 from fedmjp import datadir
@@ -37,18 +34,12 @@ from fedmjp.settings import SETTINGS, Setting
 
 from .errors import ConfigError
 
-_logger = logging.getLogger(__name__)
-
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 #: Largest seed (torch, numpy and Flower's 64-bit config values all take it, with room for the
 #: per-row and per-round offsets added to it).
 SEED_MAX = 2**32 - 1
-#: The most points one sweep runs (each is a whole benchmark run into the same folder).
-MAX_SWEEP_POINTS = 1_000
 DEFAULT_CONFIG = PROJECT_ROOT / "configs" / "default.yaml"
 
-#: settings (b) and (c) attack the same gradient (of x~): one federation per model row serves both.
-SETTING_GROUPS = {"a": "clean", "b": "shuffled", "c": "shuffled"}
 Engine = Literal["inprocess", "simulation"]
 LabelMode = Literal["known", "none"]
 ENGINES: tuple[str, ...] = get_args(Engine)
@@ -65,7 +56,7 @@ def _settings_list(value: Any) -> list[str]:
 #: ``settings:`` as written (``all``, ``c`` or ``[a, c]``), read as the list in SETTINGS order.
 Settings = Annotated[Union[list[Setting], Literal[Setting, "all"]], ByShape(), AfterValidator(_settings_list)]
 #: A grid (dotted key -> non-empty list of values) or explicit points (non-empty mappings of dotted
-#: key -> value): sweep.py
+#: key -> value): benchmark/sweep_points.py
 Sweep = Annotated[Union[dict[str, Annotated[list, Field(min_length=1)]], list[Annotated[dict, Field(min_length=1)]]],
                   ByShape()]
 #: A defence spec (defences/spec.py: built-in or plug-in), typed once read; dumped with all its keys.
@@ -217,7 +208,7 @@ class BenchmarkConfig(Schema):
     train_data: Optional[ConfigPath] = None  # training data of the model rows' recipes (--train-missing)
     # client-side defence of every model row (a row's own ``defence:`` replaces it); keys: defences/spec.py
     defence: Defence = NoDefence()
-    # strength sweep: dotted key -> list of values, or a list of points; see sweep.py
+    # strength sweep: dotted key -> list of values, or a list of points; see benchmark/sweep.py
     sweep: Sweep = {}
     utility: Utility = Utility()
     data: Data = Data()
@@ -236,11 +227,6 @@ class BenchmarkConfig(Schema):
 
 #: Every key a config may hold, with its default. ``models`` has no default rows.
 DEFAULTS: dict[str, Any] = core.defaults(BenchmarkConfig)
-
-#: Keys (dotted for nested ones) that change no stored row or image, only where the run writes, how
-#: it spreads its work or how it draws its pictures; a resumed run may differ in them.
-#: ``report.grid_images`` is not one: it decides which rows store their images (``image_stored``).
-NON_RESULT_KEYS = ("output", "train_data", "attack_workers", "ray_address", "report.tile")
 
 
 def conform(data: Mapping[str, Any]) -> dict:
@@ -269,205 +255,6 @@ def with_values(cfg: Mapping[str, Any] | BenchmarkConfig, changes: Iterable[tupl
     return conform(cfg)
 
 
-def client_values(cfg: Schema) -> dict[str, Any]:
-    """The Flower run-config values (clients/runconfig.py keys) of every benchmark key whose schema
-    field names the run-config key(s) it feeds (``client=``)."""
-    out: dict[str, Any] = {}
-    for key, info in type(cfg).model_fields.items():
-        value = getattr(cfg, key)
-        if isinstance(value, Schema):
-            out.update(client_values(value))
-        meta: Any = info.json_schema_extra or {}
-        targets = meta.get("client", ())
-        for target in (targets,) if isinstance(targets, str) else targets:
-            out[target] = meta.get("client_null") if value is None else value
-    return out
-
-
-def select_models(cfg: dict, names: Optional[Sequence[str]]) -> dict:
-    """Keep only the model rows named (in the config's order); unknown names list the valid ones."""
-    if not names:
-        return cfg
-    wanted = [n for item in names for n in str(item).split(",") if n]
-    valid = [row["name"] for row in cfg["models"]]
-    unknown = [n for n in wanted if n not in valid]
-    if unknown:
-        raise ConfigError(f"unknown model name(s) {', '.join(map(repr, unknown))}; valid: {', '.join(map(str, valid))}")
-    cfg = copy.deepcopy(cfg)
-    cfg["models"] = [row for row in cfg["models"] if row["name"] in wanted]
-    return cfg
-
-
 def plain(cfg: Mapping[str, Any] | BenchmarkConfig) -> dict:
     """A config as plain data (a deep copy): what overrides edit and ``config.yaml`` holds."""
     return cfg.model_dump() if isinstance(cfg, BenchmarkConfig) else copy.deepcopy(dict(cfg))
-
-
-def validate(cfg: Mapping[str, Any] | BenchmarkConfig) -> BenchmarkConfig:
-    """The checked, typed config: keys, types, names and values.
-
-    Every value a user can type is checked here, before anything is written: keys, types and ranges
-    against the schema, names against their registries (model factory, attacks, defences), and
-    ``federation.options`` against the clients' run-config schema.
-    """
-    cfg = core.parse(BenchmarkConfig, plain(cfg))
-    # the keys given, their values as the clients read them ("1e-4" -> 1e-4)
-    options = core.conform(RunConfig, cfg.federation.options, "federation.options.")
-    cfg.federation.options = {k: options[k] for k in cfg.federation.options}
-    if not cfg.device.strip():
-        raise ConfigError("device must be auto, cpu, cuda or cuda:N, got an empty string")
-    cores = os.cpu_count() or 1
-    if not cfg.ray_address and cfg.attack_workers > cores:  # Ray would wait for CPUs that never come
-        raise ConfigError(f"attack_workers must be <= {cores} (this machine's CPUs) without a ray_address, "
-                          f"got {cfg.attack_workers}")
-    _validate_models(cfg)
-    _validate_attack(cfg.attack)
-    _validate_attack_list(cfg)
-    validate_sweep(cfg)
-    return cfg
-
-
-def grid_points(cfg: BenchmarkConfig) -> list[dict[str, Any]]:
-    """The sweep grid as a list of {dotted key: value}: the Cartesian product in the order given for
-    a mapping, the points themselves for a list of mappings (an explicit grid, e.g. several defences
-    and an MJP gamma series side by side). Running it: benchmark/sweep.py."""
-    sweep = cfg.sweep or {}
-    if isinstance(sweep, list):
-        return [dict(point) for point in sweep]
-    keys = list(sweep)
-    return [dict(zip(keys, combo)) for combo in itertools.product(*(sweep[k] for k in keys))]
-
-
-def point_label(point: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in point.items())
-
-
-def point_config(cfg: BenchmarkConfig, point: dict[str, Any]) -> BenchmarkConfig:
-    """The validated config of one grid point (no sweep; the point's values set)."""
-    # the values are set as the Python objects themselves (a text round trip would turn 1e-06 into a
-    # YAML string); the schema check names an unknown key and the valid ones
-    changes = [(["sweep"], {})] + [(key.split("."), value) for key, value in point.items()]
-    return validate(with_values(cfg, changes))
-
-
-def validate_sweep(cfg: BenchmarkConfig) -> None:
-    """Every swept key may be swept and every grid point is a valid config (names, ranges, defence
-    keys), checked before anything is written (the sweep's shape is the schema's). Raises ConfigError."""
-    for key in [k for p in cfg.sweep for k in p] if isinstance(cfg.sweep, list) else cfg.sweep:
-        if key in ("sweep", "output") or str(key).startswith("sweep."):
-            raise ConfigError(f"sweep key {key!r} cannot be swept")
-    size = len(cfg.sweep) if isinstance(cfg.sweep, list) else math.prod(len(v) for v in (cfg.sweep or {}).values())
-    if size > MAX_SWEEP_POINTS:  # counted before the grid is built: a product of long lists is astronomical
-        raise ConfigError(f"the sweep has {size:,} points; at most {MAX_SWEEP_POINTS:,} (each point is a whole "
-                          "benchmark run): sweep fewer values or split it into several folders")
-    for point in grid_points(cfg) if cfg.sweep else []:
-        try:
-            point_config(cfg, point)
-        except ConfigError as err:
-            raise ConfigError(f"sweep point {point_label(point)}: {err}") from err
-
-
-def row_defence(cfg: BenchmarkConfig, index: int) -> DefenceSpec:
-    """The defence of model row ``index``: its own ``defence:`` or else the top-level one."""
-    return cfg.models[index].defence or cfg.defence
-
-
-def _validate_models(cfg: BenchmarkConfig) -> None:
-    """Rows (types checked by the schema): at least one, unique names, recipes exist, specs build."""
-    from fedmjp.factory import validate_spec
-
-    if not cfg.models:
-        raise ConfigError("the config names no model rows (models: [...])")
-    for index, row in enumerate(cfg.models):
-        if row.recipe and not Path(row.recipe).is_file():
-            raise ConfigError(f"model row {row.name!r}: training recipe {row.recipe} does not exist")
-        try:
-            validate_spec(model_spec(cfg, index))
-        except ValueError as err:
-            raise ConfigError(f"model row {row.name!r}: {err}") from err
-    _check_unique([row.name for row in cfg.models], "model row names must be unique")
-
-
-def _check_unique(names: list[str], what: str) -> None:
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates:
-        raise ConfigError(f"{what}; repeated: {', '.join(duplicates)}")
-
-
-def _validate_attack(entry: Attack | AttackEntry) -> None:
-    """An attacker ``{name, options}``: a built-in, an installed plug-in's entry point or a
-    ``package.module:Name`` reference that loads as an Attack subclass (a plug-in is imported here,
-    so a bad one fails before any work), and options its schema takes (every value checked, number
-    options converted in place: attacks.api.registry.attack_options)."""
-    from attacks.api.registry import attack_options
-
-    try:
-        entry.options = attack_options(entry.name, entry.options)
-    except ValueError as err:
-        raise ConfigError(str(err)) from err
-
-
-def _validate_attack_list(cfg: BenchmarkConfig) -> None:
-    for entry in cfg.attacks:
-        _validate_attack(entry)
-    _check_unique([a.label or a.name for a in cfg.attacks],
-                  "attack labels must be unique (give each entry of attacks a label)")
-    if not attack_entries(cfg):
-        raise ConfigError(f"no attack runs at federation.batch_size {cfg.federation.batch_size}: every entry of "
-                          "attacks has a larger min_batch_size; lower one or add an attack without it")
-
-
-class LabelledAttack(AttackEntry):
-    """An attacker of a run (:func:`attack_entries`): its entry with the label resolved."""
-
-    label: str
-
-
-def attack_entries(cfg: BenchmarkConfig) -> list[LabelledAttack]:
-    """The attackers of a run, each with its label (default: its name): the ``attacks`` list when
-    it is not empty, else the single ``attack`` section."""
-    entries = cfg.attacks or [AttackEntry(name=cfg.attack.name, options=cfg.attack.options)]
-    return [LabelledAttack(name=e.name, options=dict(e.options), label=e.label or e.name, min_batch_size=e.min_batch_size)
-            for e in entries if e.min_batch_size <= cfg.federation.batch_size]
-
-
-def catalog() -> dict[str, list[tuple[str, str]]]:
-    """Every attack, defence and model architecture a config can name, as (name, origin) by kind:
-    ``built-in`` or the entry point's package (``run_benchmark.py --list``). ``package.module:Name``
-    references are not listed: any importable one is valid."""
-    from attacks.api.registry import attack_catalog
-    from defences.spec import defence_names
-    from fedmjp.models import model_catalog
-
-    return {"attacks": attack_catalog(), "defences": defence_names(), "models": model_catalog()}
-
-
-def model_spec(cfg: BenchmarkConfig, index: int) -> dict:
-    """The factory spec of model row ``index`` (label dropped; seed defaults to seed + index)."""
-    spec = cfg.models[index].model_dump(exclude={"label", "recipe", "defence"})
-    if spec["seed"] is None:
-        spec["seed"] = cfg.seed + index
-    return spec
-
-
-def result_view(cfg: Mapping[str, Any] | BenchmarkConfig) -> dict:
-    """The part of a config that determines results (what must match to resume), as plain data."""
-    view = plain(cfg)
-    for key in NON_RESULT_KEYS:
-        *parents, leaf = key.split(".")
-        node: Any = view
-        for part in parents:
-            node = node.get(part) if isinstance(node, dict) else None
-        if isinstance(node, dict):
-            node.pop(leaf, None)
-    return view
-
-
-def diff_configs(old: Any, new: Any, where: str = "") -> list[str]:
-    """``key: old -> new`` for every dotted key whose value differs between two configs."""
-    if isinstance(old, dict) and isinstance(new, dict):
-        keys = sorted(set(old) | set(new), key=str)
-        return [d for k in keys for d in diff_configs(old.get(k), new.get(k), f"{where}{k}.")]
-    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
-        return [d for i, (a, b) in enumerate(zip(old, new)) for d in diff_configs(a, b, f"{where}{i}.")]
-    return [] if old == new else [f"{where.rstrip('.')}: {old!r} -> {new!r}"]

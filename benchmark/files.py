@@ -88,11 +88,11 @@ def save_figure(fig: Any, path: str | Path, **savefig_kwargs: Any) -> None:
 
 def append_line(path: str | Path, line: str) -> None:
     """Append one line to ``path`` (created if missing), never through a symbolic link."""
-    with _open_append(Path(path)) as fh:
+    with open_append(Path(path)) as fh:
         fh.write(line.rstrip("\n") + "\n")
 
 
-def _open_append(path: Path) -> Any:
+def open_append(path: Path) -> Any:
     """``path`` opened for appending, created if missing, never through a symbolic link."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
     return os.fdopen(fd, "a")
@@ -106,7 +106,7 @@ def append_lines(path: Path, lines: Iterable[str]) -> int:
     """
     n = 0
     try:
-        with _open_append(path) as fh:
+        with open_append(path) as fh:
             for line in lines:
                 fh.write(line + "\n")
                 n += 1

@@ -1,9 +1,9 @@
 """Privacy at matched utility: the privacy-utility frontier of a defence sweep and its matched-utility table.
 
-Input: a sweep's ``sweep.csv`` (:func:`benchmark.sweep.sweep_table`) whose points carry the utility
+Input: a sweep's ``sweep.csv`` (:func:`benchmark.sweep_table.sweep_table`) whose points carry the utility
 of :func:`benchmark.utility.train_split_utility` (top-1 on the validation split with its bootstrap
 interval, after FedAvg with the defence on). One frontier point per (grid point, model, setting): its
-``strongest`` row (:func:`benchmark.sweep.strongest`), i.e. per image the best attacker's reconstruction.
+``strongest`` row (:func:`benchmark.sweep_table.strongest`), i.e. per image the best attacker's reconstruction.
 
 * **Curves.** A point belongs to the curve of its defence (``defence`` column) in its setting; the
   MJP rows (``model`` is one of ``mjp_models``) with no defence form the ``MJP`` curve, ordered by
@@ -33,6 +33,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import pandas as pd
 
+from .sweep_table import gather_rows, strongest, sweep_table
+
 #: defence name -> (parameter, +1: larger is stronger / -1: smaller is stronger)
 STRENGTH: dict[str, tuple[str, int]] = {
     "local_dp": ("sigma", 1), "dp_sgd": ("sigma", 1), "central_dp": ("sigma", 1), "prune": ("keep", -1),
@@ -61,8 +63,6 @@ def frontier_points(frame: pd.DataFrame, mjp_models: Sequence[str] = ("DeiT+MJP"
     Raises:
         ValueError: the frame has no utility (``utility_top1``) or no PSNR.
     """
-    from .sweep import strongest
-
     for col in ("utility_top1", "psnr"):
         if col not in frame or frame[col].isna().all():
             raise ValueError(f"sweep.csv has no {col} values: run the sweep with utility.rounds > 0 and attacks")
@@ -231,7 +231,7 @@ def table_markdown(table: pd.DataFrame) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _psnr_cap(points: pd.DataFrame, exact: float = 60.0, margin: float = 4.0) -> float:
+def psnr_cap(points: pd.DataFrame, exact: float = 60.0, margin: float = 4.0) -> float:
     """Top of the PSNR axis: ``margin`` dB above the highest point below ``exact`` dB when some point
     is an exact reconstruction (>= ``exact``), else no cut (inf)."""
     values = points["psnr"].to_numpy(float)
@@ -259,7 +259,7 @@ def frontier_plot(points: pd.DataFrame, path: str | Path, title: Optional[str] =
         # An exact reconstruction (100 dB: the closed forms on an undefended update) would squash every
         # defence into the bottom of the PSNR panel: the axis stops above the highest other point and
         # such points sit on its top edge, marked with their value.
-        cap = _psnr_cap(points) if metric == "psnr" else math.inf
+        cap = psnr_cap(points) if metric == "psnr" else math.inf
         for k, ((model, setting, curve), g) in enumerate(by.items()):
             style = dict(marker="*", ms=11, color="crimson") if curve == MJP else dict(marker="o", ms=4,
                                                                                      color=colours(k % 10))
@@ -316,12 +316,13 @@ def finished_points_csv(config: str | Path, sweep_dir: str | Path) -> tuple[Path
     """The ``sweep.csv`` of the points of ``config``'s sweep that have finished in ``sweep_dir``
     (rows stored and utility measured), written as ``sweep_dir/sweep_finished.csv``, for a sweep that
     is still running or was stopped; returns (path, the MJP row names, number of grid points)."""
-    from . import config as C
+    from .config import load_config
     from .files import write_text
-    from .sweep import gather_rows, point_folder_name, sweep_table
+    from .sweep_points import grid_points, point_folder_name
+    from .validation import point_config, validate
 
-    cfg = C.validate(C.load_config(config))
-    points = C.grid_points(cfg)
+    cfg = validate(load_config(config))
+    points = grid_points(cfg)
     done, folders = [], []
     for i, point in enumerate(points):
         folder = Path(sweep_dir) / "points" / point_folder_name(i, point)
@@ -335,7 +336,7 @@ def finished_points_csv(config: str | Path, sweep_dir: str | Path) -> tuple[Path
         row["sweep_index"] = index[id(done[row["sweep_index"]])]
     path = Path(sweep_dir) / "sweep_finished.csv"
     write_text(path, sweep_table(rows).to_csv(index=False))
-    mjp = sorted({m.name for p in points for m in C.point_config(cfg, p).models if m.variant == "mjp"})
+    mjp = sorted({m.name for p in points for m in point_config(cfg, p).models if m.variant == "mjp"})
     return path, mjp, len(points)
 
 

@@ -24,11 +24,11 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from . import scoring
-from .aggregates import tapped_batch
 from .config import BenchmarkConfig
 from .errors import FederationFailed
 from .inputs import Attacker, ModelRow, Prepared, client_run_config, expected_updates
 from .rows import RowContext, RowKey, client_failure_rows
+from .secure_aggregation import tapped_batch
 from .store import RunFolder, slug
 from .workers import AttackCall
 

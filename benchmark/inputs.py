@@ -15,9 +15,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from defences.spec import DefenceSpec
+from fedmjp.config import Schema
+
 from . import scoring
-from .aggregates import tapped_partitions
-from .config import BenchmarkConfig, client_values, row_defence
+from .config import BenchmarkConfig
+from .secure_aggregation import tapped_partitions
 
 if TYPE_CHECKING:
     from clients.runconfig import RunConfig
@@ -63,6 +66,26 @@ class Prepared:
     rows: list[ModelRow]
     attackers: list[Attacker]
     scorer: scoring.Scorer
+
+
+def client_values(cfg: Schema) -> dict[str, Any]:
+    """The Flower run-config values (clients/runconfig.py keys) of every benchmark key whose schema
+    field names the run-config key(s) it feeds (``client=``)."""
+    out: dict[str, Any] = {}
+    for key, info in type(cfg).model_fields.items():
+        value = getattr(cfg, key)
+        if isinstance(value, Schema):
+            out.update(client_values(value))
+        meta: Any = info.json_schema_extra or {}
+        targets = meta.get("client", ())
+        for target in (targets,) if isinstance(targets, str) else targets:
+            out[target] = meta.get("client_null") if value is None else value
+    return out
+
+
+def row_defence(cfg: BenchmarkConfig, index: int) -> DefenceSpec:
+    """The defence of model row ``index``: its own ``defence:`` or else the top-level one."""
+    return cfg.models[index].defence or cfg.defence
 
 
 def client_run_config(cfg: BenchmarkConfig, row: ModelRow, group: str,

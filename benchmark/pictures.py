@@ -14,9 +14,9 @@ import pandas as pd
 from PIL import Image, ImageDraw, ImageFont
 
 import metrics
+from fedmjp.settings import SETTING_GROUPS
 
 from .aggregate import RECOGNISABLE_LPIPS, STRONGEST, rows_frame, with_strongest
-from .config import SETTING_GROUPS
 from .files import save_figure, write_bytes
 from .store import RunFolder, load_png, rec_kind
 

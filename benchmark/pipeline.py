@@ -24,16 +24,11 @@ from tqdm.auto import tqdm
 
 from fedmjp.data import DataError, ImageSet, load_images
 from fedmjp.devices import resolve_device
+from fedmjp.settings import SETTING_GROUPS
 
 from . import scoring
-from .aggregates import tapped_batch
-from .config import (
-    SETTING_GROUPS,
-    BenchmarkConfig,
-    LabelledAttack,
-    attack_entries,
-    model_spec,
-)
+from .config import BenchmarkConfig
+from .entries import LabelledAttack, attack_entries, model_spec
 from .errors import (
     AttackErrors,
     ConfigError,
@@ -43,9 +38,10 @@ from .errors import (
 from .group_attacker import GroupAttacker
 from .inputs import Attacker, ModelRow, Prepared, client_run_config, expected_updates
 from .pictures import write_distributions, write_grids
-from .tables import Tables, write_tables
 from .rows import RowKey
+from .secure_aggregation import tapped_batch
 from .store import RunFolder
+from .tables import Tables, write_tables
 
 _logger = logging.getLogger(__name__)
 

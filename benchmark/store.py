@@ -37,7 +37,9 @@ from PIL import Image
 from fedmjp.config import dump_yaml, load_yaml
 from fedmjp.folder_lock import LOCK, FolderLocked, FolderLockLink, release_lock, take_lock
 
-from .config import BenchmarkConfig, attack_entries, diff_configs, plain, result_view
+from .config import BenchmarkConfig, plain
+from .config_diff import diff_configs, result_view
+from .entries import attack_entries
 from .errors import (
     ConfigError,
     OutputConflictError,
@@ -49,7 +51,7 @@ from .errors import (
 # their names stay importable from here.
 from .files import (  # noqa: F401
     MAX_NAME,
-    _open_append,
+    open_append,
     write_error,
     append_line,
     append_lines,

@@ -35,35 +35,15 @@ from typing import Any
 
 import pandas as pd
 
-# The grid is part of the config (expanded and checked point by point when a config is validated):
-# benchmark/config.py holds it, so the config never imports this module.
-from .config import BenchmarkConfig, grid_points, point_config, point_label, validate_sweep  # noqa: F401
+from .config import BenchmarkConfig
 from .errors import ConfigError
 from .files import append_line, save_figure, write_text
 from .rows import ResultRow
+from .sweep_points import grid_points, point_folder_name, point_label
+from .sweep_table import SWEEP_METRICS, gather_rows, strongest, sweep_table
+from .validation import point_config
 
 _logger = logging.getLogger(__name__)
-
-SWEEP_METRICS = ("psnr", "ssim", "mse", "lpips", "fft2d", "correct", "defence_cos", "dp_epsilon", "utility_top1",
-                 "utility_top1_start")
-#: per-point utility columns (:func:`benchmark.utility.train_split_utility`), one value per (point,
-#: model): carried into sweep.csv beside the metrics, not plotted against the grid
-UTILITY_COLUMNS = ("utility_top1_low", "utility_top1_high", "utility_top1_start_low", "utility_top1_start_high",
-                   "utility_dp_epsilon", "utility_dp_delta", "utility_rounds", "utility_num_eval")
-
-
-def parse_sweep_flag(text: str) -> tuple[str, list[Any]]:
-    """``"defence.sigma=0,1e-2,0.1"`` -> ("defence.sigma", [0, 0.01, 0.1]) (values: YAML scalars, read
-    like every config value by :func:`fedmjp.config.parse_value`)."""
-    from fedmjp import config as core
-
-    if "=" not in text:
-        raise ConfigError(f"--sweep {text!r} must look like key=v1,v2,... (e.g. defence.sigma=0,0.01,0.1)")
-    key, raw = text.split("=", 1)
-    values = [core.parse_value(v, f"--sweep {text!r}") for v in raw.split(",") if v.strip()]
-    if not key.strip() or not values:
-        raise ConfigError(f"--sweep {text!r} needs a key and at least one value")
-    return key.strip(), values
 
 
 def run_sweep(cfg: BenchmarkConfig, output: str, federate: Callable[..., Any] | None = None,
@@ -114,13 +94,6 @@ def run_sweep(cfg: BenchmarkConfig, output: str, federate: Callable[..., Any] | 
             "plots": [str(p) for p in plots], "rows": len(rows)}
 
 
-def point_folder_name(index: int, point: dict[str, Any]) -> str:
-    """``NN-<label>`` of grid point ``index`` under ``<output>/points/`` (a long label: its head and a hash)."""
-    from .store import short_name, slug
-
-    return short_name(f"{index:02d}-{slug(point_label(point))}")
-
-
 def point_utility(cfg: BenchmarkConfig, folder: Path, federate: Callable[..., Any] | None = None
                   ) -> list[dict]:
     """Utility of every model row of one grid point, stored in ``utility.jsonl`` (kept when present:
@@ -142,56 +115,6 @@ def point_utility(cfg: BenchmarkConfig, folder: Path, federate: Callable[..., An
             stored[row.name] = record
         out.append(stored[row.name])
     return out
-
-
-def gather_rows(points: list[dict[str, Any]], folders: list[Path]) -> list[dict]:
-    """Every point's stored rows with the sweep columns added."""
-    from .store import RunFolder, read_jsonl
-
-    rows = []
-    for i, (point, folder) in enumerate(zip(points, folders)):
-        utility = {}
-        if (folder / "utility.jsonl").is_file():
-            utility = {r["model"]: r for r in read_jsonl(folder / "utility.jsonl")}
-        for row in RunFolder(folder).rows(repair=True):
-            row = {**row, **{k: v for k, v in utility.get(row["model"], {}).items() if k != "model"},
-                   "sweep": point_label(point), "sweep_index": i}
-            row.update({f"sweep.{k}": (json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else v)
-                        for k, v in point.items()})
-            rows.append(row)
-    return rows
-
-
-def sweep_table(rows: list[dict]) -> pd.DataFrame:
-    """Means over scored images per (grid point, model, setting, attack); failed rows counted apart;
-    PSNR capped at ``metrics.PSNR_CAP_DB`` before averaging, as in the benchmark's table."""
-    import metrics as M
-
-    from .aggregate import STRONGEST, rows_frame, winners, with_strongest
-    from .scoring import FLAT_COLUMN
-
-    df = rows_frame(rows)  # metric columns numeric ("inf" strings of the store -> inf)
-    if df.empty:
-        return df
-    # with several attackers: the per-image best of them as attack "strongest" (aggregate.STRONGEST_NOTE)
-    df = with_strongest(df, extra_keys=("sweep_index",) if "sweep_index" in df else ())
-    for col in ("defence_cos", "dp_epsilon", "utility_top1", "utility_top1_start", *UTILITY_COLUMNS):
-        if col in df:
-            df[col] = pd.to_numeric(df[col], errors="coerce").astype(float)
-    df["psnr"] = df["psnr"].clip(upper=M.PSNR_CAP_DB)  # exact reconstructions (+inf) count as the cap
-    if "defence" not in df:
-        df["defence"] = "none"
-    keys = ["sweep_index", "sweep", "model", "label", "defence", "setting", "attack"]
-    keys = [k for k in keys if k in df] + sorted(c for c in df if c.startswith("sweep."))
-    ok = df[~df["failed"].astype(bool)] if "failed" in df else df
-    # flat_psnr: the images' floor of no information beside the PSNR (benchmark.scoring.flat_psnr)
-    metrics = [m for m in (*SWEEP_METRICS, FLAT_COLUMN, *UTILITY_COLUMNS) if m in df]
-    table = ok.groupby(keys, dropna=False)[metrics].mean(numeric_only=True).reset_index()
-    counts = df.groupby(keys, dropna=False).agg(n=("failed", "size"), failed=("failed", "sum")).reset_index()
-    out = counts.merge(table, on=keys, how="left")
-    if (df["attack"] == STRONGEST).any():
-        out = out.merge(winners(df, keys), on=keys, how="left")
-    return out.sort_values([k for k in ("sweep_index", "model", "setting") if k in out], kind="stable")
 
 
 def write_sweep_plots(frame: pd.DataFrame, folder: Path, keys: list[str]) -> list[Path]:
@@ -225,16 +148,6 @@ def write_sweep_plots(frame: pd.DataFrame, folder: Path, keys: list[str]) -> lis
         out.append(path)
     out.append(privacy_utility_plot(frame, folder / "privacy_utility.png"))
     return out
-
-
-def strongest(frame: pd.DataFrame) -> pd.DataFrame:
-    """Per (grid point, model, setting): the ``strongest`` row (per image, the best attacker;
-    :func:`benchmark.aggregate.strongest_rows`) where several attackers ran, else the one attacker's row."""
-    from .aggregate import STRONGEST
-
-    keys = ["sweep_index", "model", "setting"]
-    has = frame.groupby(keys)["attack"].transform(lambda a: (a == STRONGEST).any())
-    return frame[(frame["attack"] == STRONGEST) | ~has]
 
 
 def privacy_utility_plot(frame: pd.DataFrame, path: Path) -> Path:

@@ -137,7 +137,7 @@ def per_image_correct(model: Any, images: Any, labels: Any, batch_size: int = 25
 def _split_folders(source: str) -> tuple[Any, Any]:
     """(train/, val/) folders of a dataset archive or ImageFolder root; InputDataError naming
     ``utility.source`` when it has not both."""
-    from fedmjp.train_data import ArchiveError, resolve_data_path
+    from fedmjp.archives import ArchiveError, resolve_data_path
 
     from .errors import InputDataError
 
@@ -249,9 +249,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from . import config as C
+    from .config import apply_overrides, load_config
     from .errors import BenchmarkError, ConfigError
     from .pipeline import build_rows
+    from .sweep_points import grid_points
+    from .validation import point_config, validate
 
     p = argparse.ArgumentParser(description="utility of one sweep point (FedAvg with its defence, then top-1)")
     p.add_argument("--config", required=True, help="benchmark config with a utility section")
@@ -260,12 +262,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
-        cfg = C.validate(C.apply_overrides(C.load_config(args.config), args.set))
+        cfg = validate(apply_overrides(load_config(args.config), args.set))
         if args.point is not None:
-            points = C.grid_points(cfg)
+            points = grid_points(cfg)
             if not 0 <= args.point < len(points):
                 p.error(f"--point {args.point}: the config's sweep has {len(points)} points (0..{len(points) - 1})")
-            cfg = C.point_config(cfg, points[args.point])
+            cfg = point_config(cfg, points[args.point])
         if cfg.utility.rounds < 1:
             p.error("utility.rounds is 0: set it (--set utility.rounds=40)")
         results = [{"model": row.name, **defence_utility(cfg, row)} for row in build_rows(cfg, torch.device("cpu"))]

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedmjp.train_data import default_cache_dir
+from fedmjp.archives import default_cache_dir
 
 _logger = logging.getLogger(__name__)
 

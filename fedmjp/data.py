@@ -9,7 +9,7 @@ ImageNet sample, one image per class named ``n<wnid>_<name>.JPEG``, that is its 
 folder of class sub-folders (ImageFolder layout) gives each image its sub-folder's sorted index, and
 images are taken round-robin across classes so that a few images cover many classes. A dataset
 archive (``.tar.gz``, e.g. ``$FEDMJP_DATA/cifar10.tar.gz``) is extracted once to the cache
-(:func:`fedmjp.train_data.resolve_data_path`) and its ``val/`` split is used. A source that starts
+(:func:`fedmjp.archives.resolve_data_path`) and its ``val/`` split is used. A source that starts
 with ``$FEDMJP_DATA`` is read from the data folder (:mod:`fedmjp.datadir`).
 """
 from __future__ import annotations
@@ -27,6 +27,7 @@ from torchvision.transforms import functional as TF
 from torchvision.transforms import InterpolationMode
 
 from . import datadir
+from .archives import ARCHIVE_SUFFIXES, ArchiveError, resolve_data_path
 
 _logger = logging.getLogger(__name__)
 
@@ -263,8 +264,6 @@ def load_images(
     except datadir.DataDirUnset as err:
         raise DataError(str(err)) from None
     if Path(source).is_file():
-        from .train_data import ARCHIVE_SUFFIXES, ArchiveError, resolve_data_path
-
         if not str(source).endswith(ARCHIVE_SUFFIXES):
             raise DataError(f"{source} is a file, not an image folder or a {'/'.join(ARCHIVE_SUFFIXES)} dataset archive")
         try:

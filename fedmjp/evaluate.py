@@ -30,13 +30,14 @@ from torch.utils.data import DataLoader
 from torchvision import datasets
 from tqdm import tqdm
 
+from .archives import resolve_data_path
 from .data import rgb_loader
 from .devices import resolve_device
 from .factory import model_input
 from .jigsaw import JigsawPlan, make_plan, shuffle_images
 from .models import MJPVisionTransformer
 from .trainconfig import MAX_BATCH, MAX_THREADS, MAX_WORKERS
-from .train_data import build_transform, fixed_subset, resolve_data_path
+from .train_data import build_transform, fixed_subset
 from .trainconfig import config_from_dict
 from .trainutils import autocast, model_from_checkpoint
 

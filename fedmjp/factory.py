@@ -148,8 +148,8 @@ def build_model(spec: Mapping[str, Any], device: str | torch.device = "cpu") -> 
 #: (trunc_normal_ over every weight) costs ~1 s for a DeiT-S on a CPU; even a meta-device build
 #: filled from stored tensors cost ~0.5 s (timm's init runs through the meta dispatcher). A deep copy
 #: of a stored template costs ~40 ms.
-_FRESH: cachetools.LRUCache = cachetools.LRUCache(maxsize=8)
-_FRESH_LOCK = threading.Lock()
+FRESH_TEMPLATES: cachetools.LRUCache = cachetools.LRUCache(maxsize=8)
+_TEMPLATES_LOCK = threading.Lock()
 
 
 def _fresh_model(arch: str, kwargs: Mapping[str, Any], seed: int) -> nn.Module:
@@ -158,14 +158,14 @@ def _fresh_model(arch: str, kwargs: Mapping[str, Any], seed: int) -> nn.Module:
     (parameters, buffers, non-persistent ones too, and attributes), which equals a fresh build
     exactly and shares no storage with it."""
     key = json.dumps([arch, kwargs, seed], sort_keys=True, default=str)
-    with _FRESH_LOCK:
-        template = _FRESH.get(key)  # a hit counts as a use
+    with _TEMPLATES_LOCK:
+        template = FRESH_TEMPLATES.get(key)  # a hit counts as a use
     if template is None:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             template = create_model(arch, **kwargs)
-        with _FRESH_LOCK:
-            _FRESH[key] = template  # the least recently used template goes when 8 are held
+        with _TEMPLATES_LOCK:
+            FRESH_TEMPLATES[key] = template  # the least recently used template goes when 8 are held
     return copy.deepcopy(template)
 
 

@@ -17,3 +17,7 @@ from typing import Literal, get_args
 #: A setting's name (a type checker reads the values; :data:`SETTINGS` is the same, in order).
 Setting = Literal["a", "b", "c"]
 SETTINGS: tuple[str, ...] = get_args(Setting)
+
+#: The gradient each setting attacks: the clean image's, or the shuffled one's (settings b and c
+#: attack the same gradient of x~, so one federation per model row serves both).
+SETTING_GROUPS = {"a": "clean", "b": "shuffled", "c": "shuffled"}

@@ -1,5 +1,5 @@
 """Bootstrap intervals: the one resampling routine behind the benchmark's tables
-(``benchmark.aggregate``) and the experiment scripts (``experiments.paper_tables``).
+(``benchmark.aggregate``) and the experiment scripts (``experiments.paper_measures``).
 
 :func:`bootstrap_interval` resamples image *indices*, so one statistic can read several per-image
 arrays of the same images (a paired two-model difference, a ratio of sums); :func:`bootstrap_ci`

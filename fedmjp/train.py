@@ -47,15 +47,8 @@ from .engine import StepContext, TrainStep, train_one_epoch, validate
 from .factory import create_model
 from .folder_lock import LOCK, FolderLocked, FolderLockLink, release_lock, take_lock
 from .models import MJPVisionTransformer
-from .train_data import (
-    ARCHIVE_SUFFIXES,
-    ArchiveError,
-    _find_imagefolder_root,
-    build_datasets,
-    build_loaders,
-    build_mixup,
-    resolve_data_path,
-)
+from .archives import ARCHIVE_SUFFIXES, ArchiveError, find_imagefolder_root, resolve_data_path
+from .train_data import build_datasets, build_loaders, build_mixup
 from .trainconfig import TrainConfig, build_schedule, check_config, load_config, parse_overrides
 from .trainutils import (
     CHECKPOINT_FORMAT,
@@ -206,7 +199,7 @@ def _check_data_path(data_path: Optional[str]) -> None:
                               f"archive; pass {_DATA_HELP}")
         return
     try:
-        root = _find_imagefolder_root(path)
+        root = find_imagefolder_root(path)
         for split in ("train", "val"):
             folder = root / split
             if not folder.is_dir() or not any(d.is_dir() for d in folder.iterdir()):
@@ -225,7 +218,7 @@ def run_training(cfg: TrainConfig, resume: Optional[str] = None, progress: bool 
 
     Raises:
         ValueError (:class:`fedmjp.config.ConfigError`): a bad value (:func:`check_run`), or
-            ``num_classes`` below the data's class count; :class:`fedmjp.train_data.ArchiveError`: a
+            ``num_classes`` below the data's class count; :class:`fedmjp.archives.ArchiveError`: a
             data archive that cannot be used. Nothing is written then.
     """
     check_run(cfg, resume)

@@ -97,7 +97,7 @@ def hub_cache_file() -> Path:
     return Path(torch.hub.get_dir()) / "checkpoints" / TORCHVISION_ALEXNET_URL.rsplit("/", 1)[-1]
 
 
-def _reachable(url: str, timeout: float) -> bool:
+def reachable(url: str, timeout: float) -> bool:
     """Whether a TCP connection to the URL's host opens within ``timeout`` seconds, name lookup included.
 
     ``socket.create_connection``'s timeout does not cover the DNS lookup, which on a machine with an
@@ -180,7 +180,7 @@ def resolve_lpips_route(
         return LpipsRoute("torchvision-cache", cached)
     why = "downloads are off (allow_download=False)"
     if allow_download:
-        if _reachable(TORCHVISION_ALEXNET_URL, CONNECT_TIMEOUT_S):
+        if reachable(TORCHVISION_ALEXNET_URL, CONNECT_TIMEOUT_S):
             return LpipsRoute("torchvision-download", cached)
         why = f"download.pytorch.org cannot be reached (no network within {CONNECT_TIMEOUT_S:g} s)"
     raise LpipsUnavailable(_unavailable_message(why, in_data))

@@ -305,7 +305,7 @@ def ssim_with_map(
     if reference.device.type == "cpu" and reconstruction.device.type == "cpu":
         pairs = _per_image_numpy(reconstruction, reference, workers, lambda smap, i: (_interior_mean(smap), smap))
         return torch.tensor([v for v, _ in pairs], dtype=torch.float64), torch.from_numpy(np.stack([m for _, m in pairs]))
-    return _with_map_torch(reconstruction, reference)
+    return ssim_with_map_torch(reconstruction, reference)
 
 
 def ssim_region_means(
@@ -334,7 +334,7 @@ def ssim_region_means(
     return torch.tensor(_per_image_numpy(reconstruction, reference, workers, region_mean), dtype=torch.float64)
 
 
-def _with_map_torch(reconstruction: torch.Tensor, reference: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def ssim_with_map_torch(reconstruction: torch.Tensor, reference: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`ssim_with_map` in torch on the tensors' device (a checked pair)."""
     values_t, maps_t = [], []
     with torch.inference_mode():

@@ -206,7 +206,7 @@ class TappedFedAvg(FedAvg):
             # goes out again, with no mean and no re-serialisation of the weights (the paper protocol
             # attacks a fixed model: 1110 rounds of ~88 MB each).
             return self._arrays, metrics
-        mean = self._weighted_mean(usable)
+        mean = self.weighted_mean(usable)
         new_state = self.apply(self._global, mean)
         return encode_state(new_state), metrics
 
@@ -227,7 +227,7 @@ class TappedFedAvg(FedAvg):
         return TappedUpdate(server_round, node_id, partition_id, self.update_kind, arrays, self._global,
                             num_examples, {k: float(v) for k, v in metrics.items()}, dict(self.metadata))
 
-    def _weighted_mean(self, updates: list[TappedUpdate]) -> dict[str, torch.Tensor]:
+    def weighted_mean(self, updates: list[TappedUpdate]) -> dict[str, torch.Tensor]:
         total = float(sum(u.num_examples for u in updates))
         names = set().union(*(u.arrays for u in updates))
         mean = {}

@@ -136,3 +136,87 @@ def test_no_test_module_rebinds_an_imported_name():
                     clashes.append(f"{path.name}:{node.lineno}: {name} (imported at line {bound[name]})")
                 bound[name] = node.lineno
     assert not clashes, clashes
+
+
+def import_graph(root: Path, packages: list[str]) -> dict[str, set[str]]:
+    """module -> the modules of ``packages`` under ``root`` that its file imports, wherever in the file
+    (inside functions too) and however written (relative imports resolved; ``from p import m`` is
+    an arrow to the submodule m when p/m.py exists, else to the package p)."""
+    import ast
+
+    files = {".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): p
+             for package in packages for p in (root / package).rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        arrows = graph.setdefault(module, set())
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*up, *([base] if base else [])])
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
+            else:
+                continue
+            for target in targets:
+                while target and target not in files:  # ``import a.b.c`` of a name defined in a.b
+                    target = target.rpartition(".")[0]
+                if target and target != module:
+                    arrows.add(target)
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every circle of ``graph``: one list of modules per group that import each other round a loop
+    (Tarjan's strongly connected components of more than one module), sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = []
+            while not group or group[-1] != node:
+                group.append(stack.pop())
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(cycles)
+
+
+def test_no_module_of_a_product_package_is_on_an_import_circle() -> None:
+    """The layers contracts order the modules of benchmark/ and attacks/ only; this reads every file
+    of every product package, imports inside functions included, so a lazy import that closes a
+    circle anywhere fails, named."""
+    cycles = import_cycles(import_graph(ROOT, PACKAGES))
+    assert not cycles, "modules that import each other round a circle: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_circle_check_finds_a_lazy_circle(tmp_path: Path) -> None:
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"d"}}) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "sub" / "__init__.py").write_text("")
+    (package / "top.py").write_text("from .sub import low\n")
+    (package / "sub" / "low.py").write_text("def late():\n    from .. import top  # noqa: F401\n")
+    (package / "apart.py").write_text("from pkg.sub.low import late  # noqa: F401\n")  # a name: its module
+    graph = import_graph(tmp_path, ["pkg"])
+    assert graph["pkg.apart"] == {"pkg.sub.low"}
+    assert import_cycles(graph) == [["pkg.sub.low", "pkg.top"]]

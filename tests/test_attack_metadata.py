@@ -241,12 +241,14 @@ def test_the_pipeline_builds_typed_metadata_equal_to_the_parsed_dict():
     from types import SimpleNamespace
 
     from benchmark import config as C
+    from benchmark.inputs import client_values
+    from benchmark.validation import validate
     from benchmark.group_attacker import attack_metadata
     from clients.runconfig import resolve_config
 
-    cfg = C.validate(C.apply_overrides(C.load_config(), ["attack.labels=known", "federation.algorithm=fedavg",
+    cfg = validate(C.apply_overrides(C.load_config(), ["attack.labels=known", "federation.algorithm=fedavg",
                                                          "federation.local_steps=3", "federation.lr=0.05"]))
-    resolved = resolve_config({**C.client_values(cfg), "defence": '{"name": "local_dp", "sigma": 0.1}'})
+    resolved = resolve_config({**client_values(cfg), "defence": '{"name": "local_dp", "sigma": 0.1}'})
     batch = SimpleNamespace(image_ids=[7, 8], labels=torch.tensor([3, 1]))
     meta = attack_metadata(cfg, resolved, MODEL, batch)
     assert isinstance(meta, AttackMetadata) and isinstance(meta.labels, torch.Tensor)

@@ -17,10 +17,11 @@ import clients.defence as defence
 from benchmark import config as C
 from benchmark import scoring
 from benchmark.pipeline import run_benchmark
+from benchmark.validation import validate
 
 
 def _config(folder: Path) -> dict:
-    return C.validate(C.load_config(write_config(folder, **{"models": [
+    return validate(C.load_config(write_config(folder, **{"models": [
         {"name": "DeiT", "arch": "mjp_vit_cifar_patch4_32", "variant": "plain", "kwargs": {"depth": 2},
          "april": "surgery"}]})))
 

@@ -25,6 +25,8 @@ from PIL import Image
 from pydantic import BaseModel
 
 from benchmark import config as C
+from benchmark.entries import model_spec
+from benchmark.validation import validate
 from benchmark.pictures import GridLayout, grid_columns
 from benchmark.tables import to_latex
 from benchmark.store import read_jsonl
@@ -56,14 +58,14 @@ def test_overrides_are_yaml_values_and_unknown_keys_list_valid_ones() -> None:
 
 
 def test_presets_validate() -> None:
-    quick = C.validate(C.load_config())
+    quick = validate(C.load_config())
     assert [m.name for m in quick.models] == ["ViT", "DeiT", "DeiT-noPE", "DeiT+MJP", "DeiT-std"]
     assert quick.models[-1].april is None  # a standard pre-norm DeiT: no surgery needed
     # every preset runs the patch-embedding closed form next to APRIL's
     for name in ("default", "paper", "cifar", "defences", "defences_cifar"):
-        cfg = quick if name == "default" else C.validate(C.load_config(ROOT / "configs" / f"{name}.yaml"))
+        cfg = quick if name == "default" else validate(C.load_config(ROOT / "configs" / f"{name}.yaml"))
         assert {"april_analytic", "pe_closed_form"} <= {a.name for a in cfg.attacks}, name
-    paper = C.validate(C.load_config(ROOT / "configs" / "paper.yaml"))
+    paper = validate(C.load_config(ROOT / "configs" / "paper.yaml"))
     assert paper.data.image_size == 224 and paper.data.num_images == 999
     assert paper.gamma == 0.27 and paper.settings == ["a", "b", "c"]
     # the ImageNet sample in the data folder: $FEDMJP_DATA/imagenet-sample (tests/test_datadir.py)
@@ -235,7 +237,7 @@ def test_mismatched_checkpoint_keeps_finished_work(full_run: Path, tmp_path: Pat
     good = tmp_path / "deit.pth"
     from fedmjp.factory import build_model
 
-    spec = C.model_spec(C.validate(C.load_config(write_config(tmp_path))), 0)
+    spec = model_spec(validate(C.load_config(write_config(tmp_path))), 0)
     torch.save(build_model(dict(spec, april=None)).state_dict(), good)  # a standard trained model
     config = write_config(tmp_path / "c2", **{"federation.rounds": 1, "models": [
         dict(tiny_config()["models"][0], checkpoint=str(good))]})

@@ -15,6 +15,7 @@ from helpers import assert_same_scores, metric_rows, write_config
 
 from benchmark import config as C
 from benchmark.pipeline import run_benchmark
+from benchmark.validation import validate
 
 IG_ITERATIONS = 8
 
@@ -24,7 +25,7 @@ def _config(folder: Path, **changes) -> dict:
     attacks = [{"name": "april_analytic"},
                {"name": "invertinggradients_batched", "label": "IG", "options": {"iterations": IG_ITERATIONS}}]
     path = write_config(folder, **{"settings": ["a", "c"], "attacks": attacks, **changes})
-    return C.validate(C.load_config(path))
+    return validate(C.load_config(path))
 
 
 def _assert_close_ig(got: list[dict], want: list[dict]) -> None:
@@ -98,10 +99,10 @@ def test_a_second_build_of_a_seeded_model_equals_a_fresh_one() -> None:
 
     spec = {"arch": "mjp_vit_cifar_patch4_32", "variant": "mjp", "kwargs": {"depth": 2}, "april": "surgery",
             "seed": 7}
-    factory._FRESH.clear()
+    factory.FRESH_TEMPLATES.clear()
     first = factory.build_model(spec)
     second = factory.build_model(spec)
-    assert len(factory._FRESH) == 1
+    assert len(factory.FRESH_TEMPLATES) == 1
     tensors = lambda m: {**dict(m.named_parameters()), **dict(m.named_buffers())}
     a, b = tensors(first), tensors(second)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -21,10 +21,12 @@ def test_server_eval_uses_a_public_split() -> None:
 
 def test_benchmark_device_reaches_the_clients() -> None:
     from benchmark import config as C
+    from benchmark.entries import model_spec
     from benchmark.inputs import ModelRow, client_run_config
+    from benchmark.validation import validate
 
-    cfg = C.validate(C.apply_overrides(C.load_config(), ["device=cpu"]))
-    row = ModelRow(0, "x", "x", C.model_spec(cfg, 0), torch.nn.Identity(), False)
+    cfg = validate(C.apply_overrides(C.load_config(), ["device=cpu"]))
+    row = ModelRow(0, "x", "x", model_spec(cfg, 0), torch.nn.Identity(), False)
     run_config = client_run_config(cfg, row, "shuffled")
     assert run_config.device == "cpu"
     with pytest.raises(ValueError, match="cuda"):

@@ -215,16 +215,19 @@ def test_benchmark_keys_feed_the_run_config_from_the_schema() -> None:
     import torch
 
     from benchmark import config as C
+    from benchmark.entries import model_spec
+    from benchmark.inputs import client_values
     from benchmark.inputs import ModelRow, client_run_config
+    from benchmark.validation import validate
     from clients.runconfig import DEFAULTS, resolve_config
 
-    cfg = C.validate(C.apply_overrides(C.load_config(), ["data.num_images=null", "federation.lr=1", "dry_run=true",
+    cfg = validate(C.apply_overrides(C.load_config(), ["data.num_images=null", "federation.lr=1", "dry_run=true",
                                                          "federation.options={round-timeout: 30.0}"]))
-    values = C.client_values(cfg)
+    values = client_values(cfg)
     assert set(values) <= set(DEFAULTS)
     assert values["num-images"] == 0 and values["lr"] == 1.0 and isinstance(values["lr"], float)
     assert values["num-partitions"] == values["min-nodes"] == cfg.federation.clients
-    row = ModelRow(3, cfg.models[3].name, "x", C.model_spec(cfg, 3), torch.nn.Identity(), False)
+    row = ModelRow(3, cfg.models[3].name, "x", model_spec(cfg, 3), torch.nn.Identity(), False)
     run_config = client_run_config(cfg, row, "shuffled")
     assert run_config.num_server_rounds == 1 and run_config.setting == "c" and run_config.round_timeout == 30.0
     assert (run_config.model_name, run_config.model_variant, run_config.model_seed) == ("DeiT+MJP", "mjp", 3)

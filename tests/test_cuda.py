@@ -277,7 +277,7 @@ def test_breaching_attack_on_cuda_lowers_its_objective_as_on_cpu():
 
 
 def test_attacks_get_the_run_device_unless_their_entry_sets_one():
-    from benchmark.config import LabelledAttack
+    from benchmark.entries import LabelledAttack
     from benchmark.pipeline import attack_options_on
 
     def entry(name: str, **options) -> LabelledAttack:
@@ -293,8 +293,8 @@ def test_attacks_get_the_run_device_unless_their_entry_sets_one():
 
 
 def test_prepare_builds_every_device_attack_with_the_run_device():
-    from benchmark.config import validate
     from benchmark.pipeline import prepare
+    from benchmark.validation import validate
 
     cfg = validate(tiny_config(attacks=[{"name": "april_analytic"}, {"name": "april_robust"},
                                         {"name": "batch_match", "options": {"device": "cpu"}}]))

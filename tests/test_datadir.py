@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 from benchmark import config as C
+from benchmark.validation import validate
 from fedmjp import datadir
+from fedmjp.archives import resolve_data_path
 from fedmjp.data import DataError, load_images
-from fedmjp.train_data import resolve_data_path
 from helpers import make_imagefolder, run, write_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,14 +47,14 @@ def test_presets_name_the_data_folder(monkeypatch: pytest.MonkeyPatch, tmp_path:
     for preset in sorted((ROOT / "configs").glob("*.yaml")):
         assert "../" not in preset.read_text(), preset.name
     monkeypatch.delenv(datadir.DATA_ENV, raising=False)
-    paper = C.validate(C.load_config(ROOT / "configs" / "paper.yaml"))
+    paper = validate(C.load_config(ROOT / "configs" / "paper.yaml"))
     assert paper.data.source == "$FEDMJP_DATA/imagenet-sample"
-    cifar = C.validate(C.load_config(ROOT / "configs" / "cifar.yaml"))
+    cifar = validate(C.load_config(ROOT / "configs" / "cifar.yaml"))
     assert cifar.train_data == cifar.data.source == "$FEDMJP_DATA/cifar10.tar.gz"
     monkeypatch.setenv(datadir.DATA_ENV, str(tmp_path))
-    paper = C.validate(C.load_config(ROOT / "configs" / "paper.yaml"))
+    paper = validate(C.load_config(ROOT / "configs" / "paper.yaml"))
     assert paper.data.source == str(tmp_path.resolve() / "imagenet-sample")
-    assert C.validate(C.load_config(ROOT / "configs" / "defences_cifar.yaml")).utility.source == str(
+    assert validate(C.load_config(ROOT / "configs" / "defences_cifar.yaml")).utility.source == str(
         tmp_path.resolve() / "cifar10.tar.gz")
 
 

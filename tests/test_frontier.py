@@ -45,7 +45,7 @@ def _sweep_rows():
 
 def test_frontier_points_are_the_sweeps_strongest_rows():
     from benchmark.frontier import frontier_points
-    from benchmark.sweep import strongest, sweep_table
+    from benchmark.sweep_table import strongest, sweep_table
 
     table = sweep_table(_sweep_rows())
     points = frontier_points(table)
@@ -86,7 +86,7 @@ def test_interpolation_matches_a_hand_computation():
 
 def test_matched_table_interpolates_each_defence_at_mjps_top1_and_back():
     from benchmark.frontier import frontier_points, matched_table
-    from benchmark.sweep import sweep_table
+    from benchmark.sweep_table import sweep_table
 
     points = frontier_points(sweep_table(_sweep_rows()))
     table = matched_table(points)
@@ -106,7 +106,7 @@ def test_matched_table_interpolates_each_defence_at_mjps_top1_and_back():
 
 def test_frontier_files_and_plot(tmp_path):
     from benchmark.frontier import write_frontier
-    from benchmark.sweep import sweep_table
+    from benchmark.sweep_table import sweep_table
 
     csv = tmp_path / "sweep.csv"
     sweep_table(_sweep_rows()).to_csv(csv, index=False)
@@ -119,7 +119,7 @@ def test_frontier_files_and_plot(tmp_path):
 
 def test_frontier_without_utility_is_a_clear_error():
     from benchmark.frontier import frontier_points
-    from benchmark.sweep import sweep_table
+    from benchmark.sweep_table import sweep_table
 
     rows = [{k: v for k, v in r.items() if not k.startswith("utility")} for r in _sweep_rows()]
     with pytest.raises(ValueError, match="utility_top1"):
@@ -165,8 +165,8 @@ def test_local_and_central_dp_epsilon_is_the_gaussian_mechanism():
 
 
 def test_the_psnr_axis_stops_above_the_highest_inexact_point():
-    from benchmark.frontier import _psnr_cap
+    from benchmark.frontier import psnr_cap
 
-    assert _psnr_cap(pd.DataFrame({"psnr": [100.0, 17.4, 11.2]})) == pytest.approx(21.4)
-    assert math.isinf(_psnr_cap(pd.DataFrame({"psnr": [17.4, 11.2]})))
-    assert math.isinf(_psnr_cap(pd.DataFrame({"psnr": [100.0, 100.0]})))
+    assert psnr_cap(pd.DataFrame({"psnr": [100.0, 17.4, 11.2]})) == pytest.approx(21.4)
+    assert math.isinf(psnr_cap(pd.DataFrame({"psnr": [17.4, 11.2]})))
+    assert math.isinf(psnr_cap(pd.DataFrame({"psnr": [100.0, 100.0]})))

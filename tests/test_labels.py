@@ -15,7 +15,7 @@ import fedmjp  # noqa: F401  (registers the models)
 from attacks.optimization.batch_match import head_norm, norm_input_grad_name
 from attacks.closed_form.labels import recover_label_counts
 from fedmjp.checkpoint import load_checkpoint
-from fedmjp.train_data import resolve_data_path
+from fedmjp.archives import resolve_data_path
 from tests.helpers import MEAN, STD, bundled_images, crop_resize
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

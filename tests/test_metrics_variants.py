@@ -252,7 +252,7 @@ def test_lpips_unavailable_without_weights(no_local_weights: Path) -> None:
 
 
 def test_lpips_unavailable_offline_fails_fast(no_local_weights: Path) -> None:
-    if perceptual._reachable(perceptual.TORCHVISION_ALEXNET_URL, 2.0):
+    if perceptual.reachable(perceptual.TORCHVISION_ALEXNET_URL, 2.0):
         pytest.skip("a network is reachable here: this test is about machines without one")
     t0 = time.perf_counter()
     with pytest.raises(M.LpipsUnavailable, match="cannot be reached"):
@@ -290,11 +290,11 @@ def test_reachable_bounds_the_name_lookup_too(monkeypatch) -> None:
     release = threading.Event()
     monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: release.wait(30) and [])
     t0 = time.perf_counter()
-    assert perceptual._reachable("https://download.example.invalid/x.pth", 0.5) is False
+    assert perceptual.reachable("https://download.example.invalid/x.pth", 0.5) is False
     assert time.perf_counter() - t0 < 5.0
     release.set()
     monkeypatch.setattr(socket, "getaddrinfo", real_lookup)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
         server.bind(("127.0.0.1", 0))
         server.listen(1)
-        assert perceptual._reachable(f"http://127.0.0.1:{server.getsockname()[1]}/", 5.0) is True
+        assert perceptual.reachable(f"http://127.0.0.1:{server.getsockname()[1]}/", 5.0) is True

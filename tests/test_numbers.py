@@ -23,9 +23,11 @@ import attacks
 from attacks.api import base as attack_base
 from attacks.api import registry as attack_registry
 from benchmark import config as C
+from benchmark.entries import attack_entries
+from benchmark.validation import point_config, validate
 from benchmark.cli import build_parser, integer, resolve
 from benchmark.errors import ConfigError as BenchmarkConfigError
-from benchmark.sweep import grid_points, parse_sweep_flag, point_config
+from benchmark.sweep_points import grid_points, parse_sweep_flag
 from clients.runconfig import RunConfig, resolve_config
 from defences.spec import DEFENCES, NUMBER_KEYS, validate_defence
 from fedmjp import config as core
@@ -260,10 +262,10 @@ def test_run_config_key_in_scientific_notation(tmp_path: Path, key: str, kind: t
     _same(resolve_config({key: sci(value), **extra}).wire()[key], kind, value)  # a string holding a number
     dotted = f"federation.options.{key}"
     companions = {f"federation.options.{k}": str(v).lower() for k, v in extra.items()}
-    _same(_dig(C.validate(C.load_config(_preset_with(tmp_path, {dotted: sci(value), **companions}))), dotted),
+    _same(_dig(validate(C.load_config(_preset_with(tmp_path, {dotted: sci(value), **companions}))), dotted),
           kind, value)
     overrides = [f"{dotted}={sci(value)}", *(f"{k}={v}" for k, v in companions.items())]
-    _same(_dig(C.validate(C.apply_overrides(C.load_config(), overrides)), dotted), kind, value)
+    _same(_dig(validate(C.apply_overrides(C.load_config(), overrides)), dotted), kind, value)
     for bad, shown in ((True, "True"), ("1e-4x", "'1e-4x'")):
         with pytest.raises(core.ConfigError, match=f"config key '{key}' must be .*got {shown}"):
             resolve_config({key: bad, **extra})
@@ -274,9 +276,9 @@ def test_run_config_key_in_scientific_notation(tmp_path: Path, key: str, kind: t
 
 @pytest.mark.parametrize("name, key, kind, value", DEFENCE_KEYS, ids=[f"{n}.{k}" for n, k, _, _ in DEFENCE_KEYS])
 def test_defence_key_in_scientific_notation(tmp_path: Path, name: str, key: str, kind: type, value: Any) -> None:
-    from_file = C.validate(C.load_config(_preset_with(tmp_path, {"defence.name": name, f"defence.{key}": sci(value)})))
+    from_file = validate(C.load_config(_preset_with(tmp_path, {"defence.name": name, f"defence.{key}": sci(value)})))
     _same(getattr(from_file.defence, key), kind, value)
-    from_set = C.validate(C.apply_overrides(C.load_config(), [f"defence.name={name}", f"defence.{key}={sci(value)}"]))
+    from_set = validate(C.apply_overrides(C.load_config(), [f"defence.name={name}", f"defence.{key}={sci(value)}"]))
     _same(getattr(from_set.defence, key), kind, value)
     swept = resolve(build_parser().parse_args(["--set", f"defence.name={name}", "--sweep", f"defence.{key}={sci(value)}"]))
     point = point_config(swept, grid_points(swept)[0])  # what the sweep point runs
@@ -318,10 +320,10 @@ def test_attack_option_in_scientific_notation(tmp_path: Path, recorded: dict, na
     from_set = C.apply_overrides(C.load_config(), ["attacks=[]", f"attack.name={name}",
                                                    f"attack.options.{key}={sci(value, upper=True)}",
                                                    *(f"attack.options.{k}={v}" for k, v in extra.items())])
-    _same(C.validate(from_set).attack.options[key], kind, value)  # converted when the config is checked
+    _same(validate(from_set).attack.options[key], kind, value)  # converted when the config is checked
     for cfg in (from_file, from_set):  # typed, options as written: create_attack converts them
         recorded.clear()
-        [entry] = C.attack_entries(C.BenchmarkConfig.model_validate(cfg))
+        [entry] = attack_entries(C.BenchmarkConfig.model_validate(cfg))
         attacks.create_attack(entry.name, **entry.options)
         _same(recorded[name][key], kind, value)
     attacks.create_attack(name, **{key: sci(value)}, **extra)  # a string holding a number (the Python API)

@@ -10,9 +10,10 @@ import pytest
 from helpers import make_imagefolder
 
 from experiments.corruptions import cached_corruption, corrupt_images, image_seed, images_key
-from fedmjp.evaluate import build_eval_loader, evaluate_gammas
-from experiments.paper_tables import bootstrap_interval, interval, mean_stat
+from experiments.paper_measures import interval
 from experiments.paper_tables import main as tables_main
+from fedmjp.evaluate import build_eval_loader, evaluate_gammas
+from fedmjp.stats import bootstrap_interval, mean_stat
 from fedmjp.trainutils import model_from_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -179,6 +180,7 @@ def test_same_checkpoint_twice_gives_relative_mce_100(tmp_path, monkeypatch, no_
     assert len(corr["models"]) == 2  # labelled apart by file name
 
 
+@pytest.mark.slow
 def test_command_on_cifar10_validation_subset(team_data, tmp_path):
     archive = team_data.path("cifar10.tar.gz")  # extracted once into the user's cache, as the product does
     out = tmp_path / "cifar.md"

@@ -19,7 +19,7 @@ import torch
 import run_benchmark
 from attacks import create_attack
 from attacks.api.registry import attack_catalog
-from benchmark import config as C
+from benchmark.cli import catalog
 from defences import validate_defence
 from fedmjp import plugins
 from fedmjp.factory import build_model, validate_spec
@@ -144,7 +144,7 @@ def test_the_plugins_are_listed_with_their_origin(plugin_package: Path, capsys: 
     listing = capsys.readouterr().out
     origin = "entry point (fedmjp-demo-plugin 0.1)"
     for kind, name in (("attacks", "demo_mean"), ("defences", "add_constant"), ("models", "demo_tiny_vit")):
-        assert (name, origin) in C.catalog()[kind]
+        assert (name, origin) in catalog()[kind]
         assert any(line.split() == [name, *origin.split()] for line in listing.splitlines())
     assert ("april_analytic", "built-in") in attack_catalog() and "april_analytic" in listing
     assert ("mjp_vit_cifar_patch4_32", "built-in") in model_catalog()

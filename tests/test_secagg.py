@@ -106,6 +106,7 @@ def test_folder_tap_stores_the_aggregate(secagg_run) -> None:
     assert all(_max_diff(dict(s.arrays), dict(t.arrays)) == 0 for s, t in zip(stored, taps))
 
 
+@pytest.mark.slow
 def test_the_aggregate_reproduces_and_a_dropout_is_recovered(secagg_run) -> None:
     """The stochastic rounding is seeded: the same round gives the same aggregate. A client that
     drops after the key exchange is unmasked by its neighbours' shares (SecAgg+'s dropout

@@ -18,7 +18,7 @@ from skimage.metrics import structural_similarity
 from helpers import bundled_images
 import metrics as M
 from metrics.regions import masked_map_mean, masked_ssim
-from metrics.structural import _with_map_torch, ssim_with_map
+from metrics.structural import ssim_with_map, ssim_with_map_torch
 
 TOL_VALUE = 1e-10
 TOL_MAP = 1e-9
@@ -52,7 +52,7 @@ def _check_values(rec: torch.Tensor, ref: torch.Tensor) -> None:
     got = {"torch": M.ssim_torch(rec, ref), "scipy": M.ssim_scipy(rec, ref), "default": M.ssim(rec, ref)}
     got_map_value, smap = ssim_with_map(rec, ref)
     # The torch map code (what tensors on a GPU get) checked on the CPU too.
-    torch_map_value, torch_map = _with_map_torch(rec, ref)
+    torch_map_value, torch_map = ssim_with_map_torch(rec, ref)
     assert smap.dtype == torch.float64 and smap.shape == ref.shape
     for i in range(ref.shape[0]):
         want, want_map = _skimage(rec[i], ref[i], full=True)
@@ -89,7 +89,7 @@ def test_identical_images_score_exactly_one() -> None:
     x = torch.rand(3, 3, 40, 37, generator=g, dtype=torch.float64)
     ones = torch.ones(3, dtype=torch.float64)
     assert torch.equal(M.ssim_torch(x, x), ones) and torch.equal(M.ssim_scipy(x, x), ones)
-    for value, smap in (ssim_with_map(x, x), _with_map_torch(x, x)):
+    for value, smap in (ssim_with_map(x, x), ssim_with_map_torch(x, x)):
         assert torch.equal(value, ones) and torch.equal(smap, torch.ones_like(smap))
 
 
@@ -115,7 +115,7 @@ def test_masked_ssim_equals_skimage_map_mean() -> None:
     assert torch.isnan(got[1])
     _, smap = ssim_with_map(rec, ref)
     torch.testing.assert_close(masked_map_mean(smap, pixels), got, rtol=1e-14, atol=0, equal_nan=True)
-    _, torch_map = _with_map_torch(rec, ref)
+    _, torch_map = ssim_with_map_torch(rec, ref)
     torch.testing.assert_close(masked_map_mean(torch_map, pixels), got, rtol=0, atol=TOL_VALUE, equal_nan=True)
 
 
