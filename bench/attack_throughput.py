@@ -111,8 +111,8 @@ def bench_april(args: argparse.Namespace) -> None:
     # breaching's set-up, once and timed apart: the payload view and its AprilAttacker.
     adapter = BreachingApril()
     t_setup = time.perf_counter()
-    view, payload, _, cfg, _ = adapter._prepare(model, attacks.compute_update(model, normalize(x[:1], MEAN, STD), y[:1]), meta)
-    attacker = breaching.attacks.prepare_attack(view, torch.nn.CrossEntropyLoss(), cfg, setup=adapter._setup())
+    view, payload, _, cfg, _ = adapter.prepare(model, attacks.compute_update(model, normalize(x[:1], MEAN, STD), y[:1]), meta)
+    attacker = breaching.attacks.prepare_attack(view, torch.nn.CrossEntropyLoss(), cfg, setup=adapter.device_setup())
     t_setup = time.perf_counter() - t_setup
 
     def run_ours() -> tuple[float, float, torch.Tensor]:

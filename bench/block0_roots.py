@@ -41,7 +41,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import attacks  # noqa: E402
-from attacks.structure.block0_roots import SPAN_POLISH_JACOBIANS, STRUCTURED_ROUNDS  # noqa: E402
+from attacks.structure.design_a import STRUCTURED_ROUNDS  # noqa: E402
+from attacks.structure.polish import SPAN_POLISH_JACOBIANS  # noqa: E402
 import fedmjp  # noqa: E402,F401  (registers the models)
 from benchmark.scoring import pair_reconstructions  # noqa: E402
 from fedmjp.checkpoint import load_checkpoint  # noqa: E402

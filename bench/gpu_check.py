@@ -339,7 +339,7 @@ def part_closed_forms(ctx: Context) -> dict:
 
 
 def part_april_robust(ctx: Context, seconds: float) -> dict:
-    # at 224 px one alternation is ~10^2 CG steps over 150k unknowns (docs/attacks.md): 4 alternations
+    # at 224 px one alternation is ~10^2 CG steps over 150k unknowns (docs/results/attacks.md): 4 alternations
     # the whole solve (float64) on the device: ``device=`` the device, the CPU reference ``device=cpu``
     dev = str(ctx.device)
     small = dict(iterations=1, cg_maxiter=20) if ctx.quick else {}

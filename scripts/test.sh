@@ -4,7 +4,8 @@
 #   bash scripts/test.sh            the full suite (what .ci/run calls)
 #   bash scripts/test.sh --fast     everything but the tests marked slow (Flower simulations and
 #                                   deployments, mypy, import-linter on copies, end-to-end benches)
-# Further arguments go to pytest.
+# Further arguments go to pytest. Every run ends with its 25 slowest tests (--durations), and a test
+# running past pyproject.toml's pytest timeout fails.
 set -uo pipefail
 marker=()
 if [ "${1:-}" = "--fast" ]; then
@@ -14,7 +15,7 @@ fi
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit 1
 export FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1 FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1
-python3 -m pytest -q "${marker[@]}" "$@"
+python3 -m pytest -q --durations=25 "${marker[@]}" "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then echo "no tests were collected: failing" >&2; exit 1; fi
 exit "$rc"

@@ -12,7 +12,7 @@ import pytest
 
 from helpers import tiny_config
 
-from benchmark import config as C
+from benchmark.validation import validate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -120,13 +120,14 @@ def test_vmap_gradients_equal_the_clients_loop(variant: str, setting: str) -> No
 
 def test_parts_of_the_benchmark_cover_every_update() -> None:
     bench = load_bench("benchmark_overhead")
-    cfg = C.validate(tiny_config(settings=["a", "b", "c"]))
+    cfg = validate(tiny_config(settings=["a", "b", "c"]))
     parts, n = bench.bare_parts(cfg, bench.bare_work(cfg))
     assert n == 2 * 2 * 2 * 2  # models x groups x rounds x clients
     assert set(parts) == {"victim gradients", "Acc. forward", "attack", "metrics"}
     assert all(v > 0 for v in parts.values())
 
 
+@pytest.mark.slow
 def test_mjp_adaptive_strength_roots_mode_runs(capsys: pytest.CaptureFixture[str]) -> None:
     """bench/mjp_adaptive_strength.py --roots (block 0's per-token MLP roots and the fit to them) on
     its smallest arguments: one fresh depth-1 model, 8 starts, one LM Jacobian per placement."""
@@ -137,6 +138,7 @@ def test_mjp_adaptive_strength_roots_mode_runs(capsys: pytest.CaptureFixture[str
     assert "fit to the roots at their assigned positions" in out and "fit to the roots at their oracle positions" in out
 
 
+@pytest.mark.slow
 def test_mjp_adaptive_strength_gn_step_and_matrix_free_basin_run(capsys: pytest.CaptureFixture[str]) -> None:
     """bench/mjp_adaptive_strength.py --gn-step (dense against sketch-preconditioned CG) and the basin
     test with --basin-solver matrix_free, on one fresh depth-1 model; a bad sketch size is refused."""
@@ -176,10 +178,11 @@ def test_block0_roots_membership_mode_tells_the_assignments_apart() -> None:
         bench.main(["--images", "embedded", "--pool", "2", "--membership", "3"])
 
 
+@pytest.mark.slow
 def test_block0_roots_design_a_mode_prints_a_row_per_photograph(caplog: pytest.LogCaptureFixture) -> None:
     """bench/block0_roots.py --design-a on its smallest run (one bundled photograph, one attention
     iteration and no structured solve, so the read fails at the attention solve, the row naming why;
-    a full read takes minutes, docs/attacks.md), and its bad arguments."""
+    a full read takes minutes, docs/results/structure.md), and its bad arguments."""
     bench = load_bench("block0_roots")
     caplog.set_level("INFO")
     bench.main(["--images", "embedded", "--pool", "1", "--design-a", "1", "--attention-iterations", "1",

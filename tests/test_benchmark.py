@@ -250,6 +250,7 @@ def test_mismatched_checkpoint_keeps_finished_work(full_run: Path, tmp_path: Pat
     assert (out / "results.jsonl").read_text() == before
 
 
+@pytest.mark.slow
 def test_script_exit_status(tmp_path: Path) -> None:
     """The real entry script: a missing image folder exits 4 with one clear line."""
     proc = subprocess.run([sys.executable, str(ROOT / "run_benchmark.py"), "--images", str(tmp_path / "none"),

@@ -13,7 +13,8 @@ import torch
 
 import attacks
 import fedmjp  # noqa: F401  (registers the models)
-from attacks.structure.block0_roots import batch_from_roots, find_roots
+from attacks.structure.block0_roots import batch_from_roots
+from attacks.structure.roots import find_roots
 from attacks.structure.token_roots import MLPSpans
 from attacks.solvers.spans import input_spans
 from benchmark.scoring import pair_reconstructions
@@ -162,6 +163,7 @@ def test_the_attack_on_an_mjp_update_returns_x_tilde_and_the_jigsaw_arrangement(
     search is tested above): ``images`` is x~ with every unshuffled patch exact, ``unshuffled`` the
     jigsaw solver's arrangement of the exact shuffled patches, the shuffled count in the stats."""
     import attacks.structure.block0_roots as b0
+    from attacks.structure.roots import RootSearch
 
     torch.manual_seed(0)
     model = timm.create_model("mjp_vit_cifar_patch4_32", variant="mjp", first_block="standard", depth=4)
@@ -176,7 +178,7 @@ def test_the_attack_on_an_mjp_update_returns_x_tilde_and_the_jigsaw_arrangement(
                                     torch.tensor([3]), unk_mask=mask)
     hook.remove()
     roots = seen["u"].reshape(-1, 192).flip(0)
-    monkeypatch.setattr(b0, "find_roots", lambda *a, **k: b0.RootSearch(roots, 0, [65], ["steered"]))
+    monkeypatch.setattr(b0, "find_roots", lambda *a, **k: RootSearch(roots, 0, [65], ["steered"]))
     res = attacks.create_attack("block0_roots").reconstruct(model, update, dict(MD, num_images=1))
     assert not res.failed, res.reason
     keep = ~mask[0].reshape(8, 8).repeat_interleave(4, 0).repeat_interleave(4, 1)
@@ -315,15 +317,15 @@ def _design_a_mjp():
 
 
 def test_the_attention_jacobian_is_forward_mode_s() -> None:
-    from attacks.structure.block0_roots import _attention_jacobian, _attention_output
+    from attacks.structure.attention import attention_jacobian, attention_output
 
     attn = _design_a_mjp().blocks[0].attn
     gen = torch.Generator().manual_seed(0)
     basis = torch.linalg.qr(torch.randn(192, 20, generator=gen, dtype=torch.float64))[0]
     beta = torch.randn(65, 20, generator=gen, dtype=torch.float64)
     with torch.no_grad():
-        J = _attention_jacobian(attn, beta @ basis.T, basis)
-        ref = torch.func.jacfwd(lambda b: _attention_output(attn, b.reshape(65, 20) @ basis.T).flatten())(beta.flatten())
+        J = attention_jacobian(attn, beta @ basis.T, basis)
+        ref = torch.func.jacfwd(lambda b: attention_output(attn, b.reshape(65, 20) @ basis.T).flatten())(beta.flatten())
     assert float((J - ref).abs().max() / ref.abs().max()) < 1e-12
 
 
@@ -356,15 +358,15 @@ def test_the_value_update_gives_each_heads_mixes_up_to_its_free_directions() -> 
     """Y^h = A^h Z from dL/dW_v^h = dC^h^T Y^h and C^h = Y^h W_v^h^T + b_v^h (real photograph, trained
     weights): the truth's mixes differ from Y0 only along N L M^T (one direction per head here, n - d =
     1), and the mixes' closed-form Jacobian is forward mode's."""
-    from attacks.structure.block0_roots import _mix_jacobian, _mixes, _value_mixes
+    from attacks.structure.attention import mix_jacobian, mixes, value_mixes
 
     model, update, Z, C, dC = _design_a_tokens()[:5]
     attn = model.blocks[0].attn
     G = update["blocks.0.attn.qkv.weight"]
     basis = torch.linalg.svd(G, full_matrices=False)[2][:65].T
     with torch.no_grad():
-        Y0, Ns, Ms = _value_mixes(attn, C, dC, G, basis)
-        Y = _mixes(attn, Z @ basis, basis)
+        Y0, Ns, Ms = value_mixes(attn, C, dC, G, basis)
+        Y = mixes(attn, Z @ basis, basis)
     for h in range(3):
         assert Ns[h].shape == (65, 1) and Ms[h].shape == (65, 1)
         pattern = Ns[h] @ Ms[h].T
@@ -374,8 +376,8 @@ def test_the_value_update_gives_each_heads_mixes_up_to_its_free_directions() -> 
         assert float((Y[h] - Y0[h] - lam * pattern).norm() / Y[h].norm()) < 1e-7
     beta = 0.3 * torch.randn(65, 65, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     with torch.no_grad():
-        J = _mix_jacobian(attn, beta, basis)
-        ref = torch.func.jacfwd(lambda b: _mixes(attn, b, basis).flatten())(beta)
+        J = mix_jacobian(attn, beta, basis)
+        ref = torch.func.jacfwd(lambda b: mixes(attn, b, basis).flatten())(beta)
     assert float((J.reshape(ref.shape) - ref).abs().max() / ref.abs().max()) < 1e-12
 
 
@@ -384,9 +386,10 @@ def test_design_a_attention_outputs_give_the_embeddings_and_x_tilde(monkeypatch)
     every token's attention output and its gradient (as step 2 returns them from the roots)
     determine its embedding: from 10 % off the attention solve (the mixes, then c) converges to it;
     the embeddings then give x~'s unshuffled patches exactly and the shuffled set. From random starts
-    the same solve took 17-19 iterations on this photograph (docs/attacks.md)."""
+    the same solve took 17-19 iterations on this photograph (docs/results/structure.md)."""
     import attacks.structure.block0_roots as b0
-    from attacks.structure.block0_roots import attention_tokens
+    import attacks.structure.design_a as design_a
+    from attacks.structure.design_a import attention_tokens
 
     model, update, Z, C, dC, U, mask, x = _design_a_tokens()
     attn = model.blocks[0].attn
@@ -400,7 +403,7 @@ def test_design_a_attention_outputs_give_the_embeddings_and_x_tilde(monkeypatch)
     assert used == 1 and value < 1e-18
     assert float((got - Z).norm() / Z.norm()) < 1e-7
     # the rest of the read, the solve's answer standing in for its random starts
-    monkeypatch.setattr(b0, "attention_tokens", lambda *a, **k: (got, value, 1))
+    monkeypatch.setattr(design_a, "attention_tokens", lambda *a, **k: (got, value, 1))
     with torch.no_grad():
         out = b0.batch_from_roots(model, update, U, 1)
     keep = ~mask[0].reshape(8, 8).repeat_interleave(4, 0).repeat_interleave(4, 1)
@@ -414,11 +417,12 @@ def test_design_a_places_tokens_the_attention_solve_returns_at_its_floor(monkeyp
     for the true tokens of one photograph (any other position >= 0.04). Embeddings 1e-5 off (relative)
     are still placed, x~ coming back to 1e-3; embeddings 1e-2 off (a wrong solve) are not."""
     import attacks.structure.block0_roots as b0
+    import attacks.structure.design_a as design_a
 
     model, update, Z, C, dC, U, mask, x = _design_a_tokens()
     noise = torch.randn(Z.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     near = Z + 1e-5 * Z.norm(dim=1, keepdim=True) / 192 ** 0.5 * noise
-    monkeypatch.setattr(b0, "attention_tokens", lambda *a, **k: (near, 1e-16, 1))
+    monkeypatch.setattr(design_a, "attention_tokens", lambda *a, **k: (near, 1e-16, 1))
     with torch.no_grad():
         out = b0.batch_from_roots(model, update, U, 1)
     keep = ~mask[0].reshape(8, 8).repeat_interleave(4, 0).repeat_interleave(4, 1)
@@ -426,7 +430,7 @@ def test_design_a_places_tokens_the_attention_solve_returns_at_its_floor(monkeyp
     assert float(out.position_residual.max()) > 1e-6 and float(out.runner_up.min()) > 1e-2
     assert float((img - x[0]).abs()[:, keep].max()) < 1e-3 and torch.equal(out.shuffled, mask)
     off = Z + 1e-2 * Z.norm(dim=1, keepdim=True) / 192 ** 0.5 * noise
-    monkeypatch.setattr(b0, "attention_tokens", lambda *a, **k: (off, 1e-16, 1))
+    monkeypatch.setattr(design_a, "attention_tokens", lambda *a, **k: (off, 1e-16, 1))
     with pytest.raises(attacks.AttackFailure, match="fit no position"):
         with torch.no_grad():
             b0.batch_from_roots(model, update, U, 1)
@@ -438,7 +442,7 @@ def test_outputs_from_roots_read_c_again_and_measure_its_noise() -> None:
     plane; of noise added to c the reading keeps two directions of each token's 192 (~10 % of its
     norm), and the noisy c disagrees with it by nearly all the noise: the measure of step 2's noise
     the structured solve is held to."""
-    from attacks.structure.block0_roots import outputs_from_roots
+    from attacks.structure.linear import outputs_from_roots
 
     model, update, Z, C, dC, U, mask, x = _design_a_tokens()
     blk = model.blocks[0]
@@ -469,14 +473,15 @@ def test_the_structured_solve_reads_x_tilde_from_a_wrong_point_of_the_attention_
     off, most tokens still nearest their true position), the position-structured solve assigns each
     token a position, solves for its patch there, polishes freely and assigns again. Here (a real
     photograph at 16 px, the shipped design-A weights, 4 of 16 shuffled: the solve's logic at a
-    size the suite affords; photograph 3 at 32 px is docs/attacks.md's) the attention solve is made to
+    size the suite affords; photograph 3 at 32 px is docs/results/structure.md's) the attention solve is made to
     return a wrong point: every token 20 % off, two tokens' positions exchanged, 3 misplaced. The
     first round's fit cannot hold c (its assignment is wrong), its polish moves the tokens, the
     second places all 17 and x~ comes back exactly. With structured_rounds 0 the attack fails naming
     the option, with 1 the assignment has not repeated, and an answer above step 2's noise in c is
     refused."""
     import attacks.structure.block0_roots as b0
-    from attacks.structure.block0_roots import _assign_positions, _position_residuals, _token_offsets
+    import attacks.structure.design_a as design_a
+    from attacks.structure.placement import assign_positions, position_residuals, token_offsets
 
     model = _design_a_mjp_16()
     attn = model.blocks[0].attn
@@ -492,15 +497,15 @@ def test_the_structured_solve_reads_x_tilde_from_a_wrong_point_of_the_attention_
         h.remove()
     perm = torch.randperm(17, generator=torch.Generator().manual_seed(7))  # the tokens as the roots come
     Z, U = seen["z"][perm], seen["u"][perm]
-    We, off, _, Qm = _token_offsets(model)
-    true_pos = _assign_positions(_position_residuals(Z, off, Qm), 17)
+    We, off, _, Qm = token_offsets(model)
+    true_pos = assign_positions(position_residuals(Z, off, Qm), 17)
     i, j = [int(t) for t in ((true_pos > 0) & (true_pos < 17)).nonzero().flatten()[:2]]
     wrong = Z + 0.2 * Z.norm(dim=1, keepdim=True) / 192 ** 0.5 * torch.randn(
         Z.shape, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
     wrong[i] += off[true_pos[j]] - off[true_pos[i]]
     wrong[j] += off[true_pos[i]] - off[true_pos[j]]
-    assert int((_assign_positions(_position_residuals(wrong, off, Qm), 17) != true_pos).sum()) >= 2
-    monkeypatch.setattr(b0, "attention_tokens", lambda *a, **k: (wrong, 2.4e-6, 2))
+    assert int((assign_positions(position_residuals(wrong, off, Qm), 17) != true_pos).sum()) >= 2
+    monkeypatch.setattr(design_a, "attention_tokens", lambda *a, **k: (wrong, 2.4e-6, 2))
     with torch.no_grad():
         out = b0.batch_from_roots(model, update, U, 1)
     keep = ~mask[0].reshape(4, 4).repeat_interleave(4, 0).repeat_interleave(4, 1)
@@ -512,8 +517,8 @@ def test_the_structured_solve_reads_x_tilde_from_a_wrong_point_of_the_attention_
         with pytest.raises(attacks.AttackFailure, match=match):
             with torch.no_grad():
                 b0.batch_from_roots(model, update, U, 1, structured_rounds=rounds)
-    held = b0.StructuredTokens(Z, 1e-3, true_pos, 2, True)  # an answer far above step 2's noise
-    monkeypatch.setattr(b0, "structured_tokens", lambda *a, **k: held)
+    held = design_a.StructuredTokens(Z, 1e-3, true_pos, 2, True)  # an answer far above step 2's noise
+    monkeypatch.setattr(design_a, "structured_tokens", lambda *a, **k: held)
     with pytest.raises(attacks.AttackFailure, match="above .* the disagreement of step 2's two readings"):
         with torch.no_grad():
             b0.batch_from_roots(model, update, U, 1)
@@ -525,7 +530,7 @@ def test_the_span_polish_takes_a_close_answer_to_x_tilde() -> None:
     in the reduced coordinates of the qkv equations) takes such an answer to x~: here the shipped
     design-A weights at 16 px, a real photograph, 4 of 16 positions shuffled, x~ + noise at ~46 dB
     on every patch and the shuffled patches in another order (the update does not fix it)."""
-    from attacks.structure.block0_roots import span_polish
+    from attacks.structure.polish import span_polish
 
     model = _design_a_mjp_16()
     mask = torch.zeros(1, 16, dtype=torch.bool)

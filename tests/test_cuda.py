@@ -313,9 +313,9 @@ def test_mjp_adaptive_keeps_small_models_on_the_cpu_with_a_note():
     model = MJPVisionTransformer(variant="mjp", first_block="april", **{**TINY, "embed_dim": 96})
     shuffled = torch.zeros(64, dtype=torch.bool)
     attack = MJPAdaptive()
-    assert attack._solve_device(model, shuffled) == (torch.device("cpu"), None)
+    assert attack.device_for(model, shuffled) == (torch.device("cpu"), None)
     attack.device = torch.device("cuda", 0)  # as resolve_device("cuda") gives on a GPU machine
-    dev, note = attack._solve_device(model, shuffled)
+    dev, note = attack.device_for(model, shuffled)
     assert dev == torch.device("cpu") and "min_device_cost" in note and "cuda:0" in note
     attack.min_device_cost = 0.0
-    assert attack._solve_device(model, shuffled) == (torch.device("cuda", 0), None)
+    assert attack.device_for(model, shuffled) == (torch.device("cuda", 0), None)

@@ -225,6 +225,7 @@ def test_central_dp_leaves_the_tapped_update_unchanged():
 def _bench_cfg(tmp_path, **top) -> dict:
     """One design-A MJP row (surgery), 4 embedded images, 2 clients x 1 round, float64, no LPIPS."""
     from benchmark import config as C
+    from benchmark.validation import validate
 
     cfg = C.conform({
         "name": "tiny", "device": "cpu", "settings": ["c"], "gamma": 0.27,
@@ -234,24 +235,25 @@ def _bench_cfg(tmp_path, **top) -> dict:
                     "kwargs": {"depth": 2}, "april": "surgery"}],
         "attack": {"name": "april_analytic"}, "metrics": {"lpips": False}, "report": {"grid_images": 0},
         **top})
-    return C.validate(cfg)
+    return validate(cfg)
 
 
 def test_benchmark_defence_key_row_override_and_errors(tmp_path):
     from benchmark import cli
-    from benchmark import config as C
+    from benchmark.entries import model_spec
     from benchmark.errors import ConfigError
     from benchmark.inputs import ModelRow, client_run_config
+    from benchmark.validation import validate
 
     args = cli.build_parser().parse_args(["--set", "defence={name: local_dp, clip: 1.0, sigma: 0.5}",
                                           "--set", "defence.clip=2.0", "--output", str(tmp_path / "out")])
     cfg = cli.resolve(args)
     assert cfg.defence.as_dict() == {"name": "local_dp", "clip": 2.0, "sigma": 0.5, "noise": "gaussian"}
     cfg.models[0].defence = D.validate_defence({"name": "prune", "keep": 0.2})  # a row's own replaces the top one
-    cfg = C.validate(cfg)
-    row = ModelRow(0, cfg.models[0].name, "x", C.model_spec(cfg, 0), None, False)
+    cfg = validate(cfg)
+    row = ModelRow(0, cfg.models[0].name, "x", model_spec(cfg, 0), None, False)
     assert client_run_config(cfg, row, "shuffled").defence.as_dict() == {"name": "prune", "keep": 0.2}
-    row1 = ModelRow(1, cfg.models[1].name, "x", C.model_spec(cfg, 1), None, False)
+    row1 = ModelRow(1, cfg.models[1].name, "x", model_spec(cfg, 1), None, False)
     assert client_run_config(cfg, row1, "shuffled").defence.name == "local_dp"
     for bad, pattern in (("defence={name: dpp}", "valid: none, local_dp"), ("defence.sgima=1", "valid: name, clip"),
                          ("sweep={defence.sigma: [0, -1]}", "sweep point defence.sigma=-1")):
@@ -281,7 +283,8 @@ def test_sweep_writes_one_row_per_grid_point_and_the_plots(tmp_path):
 
 def test_sweep_point_list_keeps_values_typed_and_checks_each_point(tmp_path):
     from benchmark.errors import ConfigError
-    from benchmark.sweep import grid_points, point_config
+    from benchmark.sweep_points import grid_points
+    from benchmark.validation import point_config
 
     points = [{"defence": {"name": "local_dp", "sigma": 1e-6}}, {"gamma": 0.5}]
     cfg = _bench_cfg(tmp_path, sweep=points)

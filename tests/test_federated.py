@@ -238,7 +238,7 @@ def test_weighted_mean_is_the_float64_sum_of_count_weighted_updates():
                               "b": torch.randn(7, generator=g, dtype=dtype)}, n, {})
                for i, (n, dtype) in enumerate([(1, torch.float32), (3, torch.float64), (2, torch.float32)])]
     before = {(i, k): v.clone() for i, u in enumerate(updates) for k, v in u.arrays.items()}
-    mean = TappedFedAvg()._weighted_mean(updates)
+    mean = TappedFedAvg().weighted_mean(updates)
     for name in ("w", "b"):
         assert torch.equal(mean[name], _weighted_mean(updates, name))
     assert all(torch.equal(u.arrays[k], before[(i, k)]) for i, u in enumerate(updates) for k in u.arrays)
@@ -250,8 +250,8 @@ def test_fedsgd_with_zero_step_sends_the_same_weights_without_aggregating(monkey
     from server.strategy import FedSGD
 
     calls = []
-    original = FedSGD._weighted_mean
-    monkeypatch.setattr(FedSGD, "_weighted_mean", lambda self, u: calls.append(len(u)) or original(self, u))
+    original = FedSGD.weighted_mean
+    monkeypatch.setattr(FedSGD, "weighted_mean", lambda self, u: calls.append(len(u)) or original(self, u))
     taps = []
     result = run_federation(runconfig.resolve_config({**TINY, "lr": 0.0}), tap=taps.append, engine="inprocess",
                             num_supernodes=2)

@@ -391,15 +391,17 @@ def test_model_names_that_share_a_file_name_are_refused(tmp_path: Path, capsys) 
 # ---------------------------------------------------------------------------------- failed runs
 def test_failed_run_is_retried_and_the_fixed_checkpoint_runs(tmp_path: Path, capsys) -> None:
     from benchmark import config as C
+    from benchmark.entries import model_spec
     from benchmark.store import read_jsonl
+    from benchmark.validation import validate
     from fedmjp.factory import build_model
 
     row = dict(tiny_config()["models"][0])
-    spec = C.model_spec(C.validate(C.load_config(small_config(tmp_path / "spec"))), 0)
+    spec = model_spec(validate(C.load_config(small_config(tmp_path / "spec"))), 0)
     state = build_model(dict(spec, april=None)).state_dict()
     ckpt = tmp_path / "model.pth"
     # finite weights whose forward pass overflows: every client's update is non-finite (a NaN
-    # checkpoint is refused when it is read, exit 5, tests/test_hostile_inputs2.py)
+    # checkpoint is refused when it is read, exit 5, tests/test_non_finite_values.py)
     torch.save({k: torch.full_like(v, 3e38) if v.is_floating_point() else v for k, v in state.items()}, ckpt)
     config = small_config(tmp_path, models=[dict(row, checkpoint=str(ckpt))], **{"federation.precision": "float32"})
     out = tmp_path / "out"
@@ -504,6 +506,7 @@ def _env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("what", ["config", "rows"])  # the limit: config.yaml cannot be written; results.jsonl outgrows it
 def test_file_size_limit(tmp_path: Path, what: str) -> None:
     import math
@@ -511,8 +514,9 @@ def test_file_size_limit(tmp_path: Path, what: str) -> None:
 
     import torch
 
-    from benchmark.config import load_config, validate
+    from benchmark.config import load_config
     from benchmark.provenance import collect
+    from benchmark.validation import validate
 
     # ~1.2 kB per row (2 clients x 1 image per round); the "rows" limit lets config.yaml and
     # provenance.json (which grows with the project's files) through, and then rows outgrow it
@@ -541,6 +545,7 @@ def test_file_size_limit(tmp_path: Path, what: str) -> None:
     assert len(read_jsonl(out / "results.jsonl")) == 2 * rounds
 
 
+@pytest.mark.slow
 def test_sigterm_keeps_rows_and_says_how_to_resume(tmp_path: Path) -> None:
     config, out = small_config(tmp_path, **{"federation.rounds": 30}), tmp_path / "out"
     proc = subprocess.Popen(_script(out, config), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -582,10 +587,11 @@ def test_fuzz_config_values_give_a_config_error_or_a_config(key: str, text: str)
     never another exception (the CLI would print a traceback)."""
     from benchmark import config as C
     from benchmark.store import check_names
+    from benchmark.validation import validate
 
     base = C.apply_overrides(C.conform(tiny_config()), [])
     try:
-        cfg = C.validate(C.apply_overrides(base, [f"{key}={text}"]))
+        cfg = validate(C.apply_overrides(base, [f"{key}={text}"]))
         check_names(cfg)
     except C.ConfigError as err:
         assert str(err).strip() and "\n" not in str(err).strip(), str(err)

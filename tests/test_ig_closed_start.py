@@ -46,6 +46,7 @@ def test_clean_update_keeps_the_exact_closed_form_start() -> None:
     assert psnr(res.images, x) > 40.0  # float32 matching around an exact start
 
 
+@pytest.mark.slow
 def test_converges_records_the_curve_and_batching_changes_nothing() -> None:
     """A perturbed update (8-bit quantisation: no exact start), a short window: every update stops
     on its own before the cap once its best objective stalls, and the stored curve shows it; two
@@ -76,6 +77,7 @@ def test_converges_records_the_curve_and_batching_changes_nothing() -> None:
         assert torch.allclose(alone.images, res.images, atol=2e-3)
 
 
+@pytest.mark.slow
 def test_mjp_update_gets_the_detected_mask_and_an_mjp_aware_start() -> None:
     model = model_of("mjp")
     x = bundled_images(1, 32, start=2)
@@ -208,6 +210,7 @@ def test_defence_terms_vanish_at_the_clients_gradient() -> None:
         assert float(match.cosine(as_k(clean))[0]) > 0 or spec["name"] == "local_dp"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", [{"name": "quantize", "bits": 8, "stochastic": False}, {"name": "prune", "keep": 0.1}])
 def test_modelled_defence_does_at_least_as_well_as_ignoring_it(spec) -> None:
     """A real photograph, the same seeded start and budget: matching through the quantiser's bins or

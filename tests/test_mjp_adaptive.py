@@ -339,6 +339,7 @@ def test_layer_input_spans_hold_at_the_truth_and_not_off_it():
     assert truth < 1e-16 and off > 1e-6, (truth, off)
 
 
+@pytest.mark.slow
 def test_span_refinement_improves_the_unshuffled_region_with_sharp_attention():
     """On attention about as sharp as a trained model's (q/k weights x4), the deeper layers' spans
     move the unshuffled region well beyond the first layer plus the image prior (a real image; 300
@@ -377,6 +378,7 @@ def test_default_span_fit_is_skipped_where_it_does_not_fit_the_budget(monkeypatc
     assert torch.equal(res.images, prior.images)
 
 
+@pytest.mark.slow
 def test_estimate_is_shared_through_the_update_s_store_only():
     """A second call with the update's estimate store and the same options (ig_closed_start's start
     after the benchmark's mjp_adaptive row) takes the x~ estimate from it instead of recomputing it;

@@ -187,6 +187,7 @@ def test_mixed_architectures_are_one_error_line(tmp_path, capsys):
     assert str(small) in err and "one architecture" in err
 
 
+@pytest.mark.slow
 def test_error_exit_of_the_module_has_no_traceback(tmp_path):
     missing = tmp_path / "missing.safetensors"
     proc = subprocess.run([sys.executable, "-m", "experiments.pe_analysis", "--checkpoints", str(missing),

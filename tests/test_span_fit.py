@@ -100,9 +100,9 @@ def test_attack_runs_the_lm_stage_where_asked_and_not_on_a_shortened_fit(case):
     vec, _, _, _, _ = case
     T = vec.red.shuffled.numel() + 1
     attack = MJPAdaptive(span_iterations=10)
-    assert "off" in attack._lm_jacobians(vec.residual.work, T, vec.red, vec.residual.spans)
-    assert MJPAdaptive()._lm_jacobians(vec.residual.work, T, vec.red, vec.residual.spans) == LM_JACOBIANS
-    assert MJPAdaptive(lm_jacobians=2)._lm_jacobians(vec.residual.work, T, vec.red, vec.residual.spans) == 2
+    assert "off" in attack.planned_lm_jacobians(vec.residual.work, T, vec.red, vec.residual.spans)
+    assert MJPAdaptive().planned_lm_jacobians(vec.residual.work, T, vec.red, vec.residual.spans) == LM_JACOBIANS
+    assert MJPAdaptive(lm_jacobians=2).planned_lm_jacobians(vec.residual.work, T, vec.red, vec.residual.spans) == 2
     with pytest.raises(ValueError, match="lm_jacobians"):
         MJPAdaptive(lm_jacobians=-1)
 
@@ -156,10 +156,10 @@ def test_attack_picks_the_matrix_free_solver_where_the_dense_jacobian_does_not_f
 
     vec, _, _, _, _ = case
     T = vec.red.shuffled.numel() + 1
-    assert ma.MJPAdaptive()._lm_solver(T, vec.red, vec.residual.spans) == "dense"
+    assert ma.MJPAdaptive().planned_lm_solver(T, vec.red, vec.residual.spans) == "dense"
     monkeypatch.setattr(ma, "LM_MEMORY", 1e6)
-    assert ma.MJPAdaptive()._lm_solver(T, vec.red, vec.residual.spans) == "matrix_free"
-    assert ma.MJPAdaptive(lm_solver="dense")._lm_solver(T, vec.red, vec.residual.spans) == "dense"
+    assert ma.MJPAdaptive().planned_lm_solver(T, vec.red, vec.residual.spans) == "matrix_free"
+    assert ma.MJPAdaptive(lm_solver="dense").planned_lm_solver(T, vec.red, vec.residual.spans) == "dense"
     with pytest.raises(ValueError, match="lm_solver"):
         ma.MJPAdaptive(lm_solver="cholesky")
 

@@ -21,7 +21,7 @@ from helpers import register_condition_failure
 from benchmark.aggregate import STRONGEST, rows_frame, strongest_rows
 from fedmjp.stats import bootstrap_ci
 from benchmark.store import read_jsonl
-from benchmark.sweep import gather_rows, strongest, sweep_table
+from benchmark.sweep_table import gather_rows, strongest, sweep_table
 from run_benchmark import main
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,9 +14,10 @@ import pytest
 import torch
 import yaml
 
+from fedmjp.archives import resolve_data_path
 from fedmjp.train import main as train_main
 from fedmjp.train import run_training
-from fedmjp.train_data import build_transform, resolve_data_path
+from fedmjp.train_data import build_transform
 from fedmjp.trainconfig import TrainConfig, load_config, parse_overrides
 from fedmjp.trainutils import load_checkpoint_state, model_from_checkpoint
 

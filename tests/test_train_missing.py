@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import yaml
 from helpers import RECIPE, make_imagefolder
 
@@ -58,6 +59,7 @@ def test_train_missing_finishes_a_stopped_training_then_attacks(tmp_path: Path, 
     assert "trained: nothing" in capsys.readouterr().out and ckpt.stat().st_mtime_ns == before
 
 
+@pytest.mark.slow
 def test_train_missing_before_a_sweep(tmp_path: Path, capsys) -> None:
     """A sweep attacks the same checkpoints at every point: --train-missing trains them once, first."""
     config, _, ckpt = _setup(tmp_path)

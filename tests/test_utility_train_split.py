@@ -39,8 +39,9 @@ def _raw(source, **utility) -> dict:
 
 def _cfg(tmp_path, source, **utility):
     from benchmark import config as C
+    from benchmark.validation import validate
 
-    return C.validate(C.conform(_raw(source, **utility)))
+    return validate(C.conform(_raw(source, **utility)))
 
 
 @pytest.fixture(scope="module")
@@ -111,13 +112,15 @@ def test_a_real_sweep_writes_the_frontier_of_its_own_rows(tmp_path, dataset, one
     import yaml
 
     from benchmark.frontier import finished_points_csv
-    from benchmark.sweep import run_sweep, strongest
+    from benchmark.sweep import run_sweep
+    from benchmark.sweep_table import strongest
 
     from benchmark import config as C
+    from benchmark.validation import validate
 
     raw = {**_raw(dataset, rounds=1, curve=[]), "attacks": [{"name": "april_analytic"}, {"name": "pe_closed_form"}],
            "sweep": [{"defence": {"name": "none"}}, {"defence": {"name": "prune", "keep": 0.1}}]}
-    cfg = C.validate(C.conform(raw))
+    cfg = validate(C.conform(raw))
     out = run_sweep(cfg, str(tmp_path / "sweep"), progress=False)
     table = pd.read_csv(out["csv"])
     best = strongest(table)

@@ -197,7 +197,7 @@ class Attack:
     def reconstruct_many(self, model: nn.Module, updates: Sequence[Update],
                          metadatas: Union[Metadata, Sequence[Metadata], None] = None) -> list[AttackResult]:
         """Reconstruct several independent updates (default: one after the other)."""
-        mds = _expand_metadatas(metadatas, len(updates))
+        mds = expand_metadatas(metadatas, len(updates))
         return [self.reconstruct(model, u, m) for u, m in zip(updates, mds)]
 
     def _reconstruct(self, model: nn.Module, update: Update, meta: AttackMetadata) -> AttackResult:
@@ -209,7 +209,7 @@ class Attack:
         result, reason = self._run_guarded(fn)
         if reason is not None:
             return self._failed(model, metadata, reason)
-        return _check_finite(result, self.name, time.perf_counter() - t0)
+        return check_finite(result, self.name, time.perf_counter() - t0)
 
     def _run_guarded(self, fn: Callable[[], Any]) -> tuple[Any, Optional[str]]:
         """(fn(), None), or (None, reason) for an AttackFailure, an expected error, or (unless
@@ -250,7 +250,7 @@ class BatchedSolveAttack(Attack):
 
     def reconstruct_many(self, model: nn.Module, updates: Sequence[Update],
                          metadatas: Union[Metadata, Sequence[Metadata], None] = None) -> list[AttackResult]:
-        mds = _expand_metadatas(metadatas, len(updates))
+        mds = expand_metadatas(metadatas, len(updates))
         results: list[Optional[AttackResult]] = [None] * len(updates)
         metas: list[AttackMetadata] = []
         good: list[int] = []
@@ -265,11 +265,11 @@ class BatchedSolveAttack(Attack):
             solved, reason = self._run_guarded(lambda: self._solve(model, [updates[i] for i in good], metas))
             for j, i in enumerate(good):
                 results[i] = (self._failed(model, mds[i], reason) if reason is not None
-                              else _check_finite(solved[j], self.name, 0.0))
+                              else check_finite(solved[j], self.name, 0.0))
         return results  # type: ignore[return-value]
 
 
-def _check_finite(result: AttackResult, name: str, elapsed: float) -> AttackResult:
+def check_finite(result: AttackResult, name: str, elapsed: float) -> AttackResult:
     """Non-finite reconstructions become failures (images zeroed), per image."""
     bad = ~torch.isfinite(result.images.reshape(result.images.shape[0], -1)).all(dim=1)
     for i, s in enumerate(result.stats):
@@ -285,7 +285,7 @@ def _check_finite(result: AttackResult, name: str, elapsed: float) -> AttackResu
     return result
 
 
-def _expand_metadatas(metadatas: Union[Metadata, Sequence[Metadata], None], n: int) -> list[Optional[Metadata]]:
+def expand_metadatas(metadatas: Union[Metadata, Sequence[Metadata], None], n: int) -> list[Optional[Metadata]]:
     if metadatas is None or isinstance(metadatas, (Mapping, AttackMetadata)):
         return [metadatas] * n
     mds = list(metadatas)

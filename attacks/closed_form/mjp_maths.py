@@ -313,4 +313,4 @@ def lbfgs(objective: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], b: to
         return obj
 
     opt.step(closure)
-    return vb.detach(), va.detach(), int(opt.state[opt._params[0]].get("n_iter", 0))
+    return vb.detach(), va.detach(), int(opt.state[opt.param_groups[0]["params"][0]].get("n_iter", 0))

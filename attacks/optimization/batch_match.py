@@ -36,7 +36,7 @@ below a flat image of the normalisation mean colour; ``tv: 1`` lifts it above at
   training gamma implies are zero; the candidates get E_unk at that intersection only (the part of
   the client's forward the update reveals), the other shuffled positions keep their position
   embedding, no jigsaw is solved, and the notes say so. The client's forward changes setting (c)
-  little at B > 1, the candidates being near the flat image either way (docs/results/attacks.md);
+  little at B > 1, the candidates being near the flat image either way (docs/results/batches.md);
   tests/test_batch_attacks.py::test_batch_match_with_the_read_mask_beats_the_plain_forward pins
   that it beats the plain forward.
 """
@@ -323,7 +323,7 @@ class BatchMatch(Attack):
 
             opt.step(closure)
             val = float(data_term(x.detach()).detach())
-            runs.append({"objective_start": start, "objective": val, "iterations": int(opt.state[opt._params[0]].get("n_iter", 0))})
+            runs.append({"objective_start": start, "objective": val, "iterations": int(opt.state[opt.param_groups[0]["params"][0]].get("n_iter", 0))})
             if val < best_val:  # NaN never wins
                 best_x, best_val = x.detach().clone(), val
         if best_x is None:

@@ -205,13 +205,13 @@ class BreachingAttack(Attack):
     def _config_name(name: str) -> str:
         return name
 
-    def _setup(self) -> dict:
+    def device_setup(self) -> dict:
         return dict(device=self.device, dtype=torch.float32)
 
-    def _prepare(self, model: nn.Module, update: Update, meta: AttackMetadata):
+    def prepare(self, model: nn.Module, update: Update, meta: AttackMetadata):
         """(view, payload, shared_data, cfg, notes) for breaching."""
         grads, notes = update_to_gradients(update, meta)
-        dtype = self._setup()["dtype"]
+        dtype = self.device_setup()["dtype"]
         work = attack_copy(model, dtype, self.device)
         names = matched_names(work, grads, meta.image_size)
         view = BreachingView(work, names)
@@ -236,8 +236,8 @@ class BreachingAttack(Attack):
         import breaching.attacks
 
         t0 = time.perf_counter()
-        view, payload, shared, cfg, notes = self._prepare(model, update, meta)
-        attacker = breaching.attacks.prepare_attack(view, nn.CrossEntropyLoss(), cfg, setup=self._setup())
+        view, payload, shared, cfg, notes = self.prepare(model, update, meta)
+        attacker = breaching.attacks.prepare_attack(view, nn.CrossEntropyLoss(), cfg, setup=self.device_setup())
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             if self.seed is not None:
@@ -286,18 +286,18 @@ class BreachingApril(BreachingAttack):
         self.cfg = load_attack_config("april_analytic", {"solver": o.solver, "impl.dtype": o.dtype})
         self.seed, self.dryrun, self.device = None, False, torch.device("cpu")
 
-    def _setup(self) -> dict:
+    def device_setup(self) -> dict:
         return dict(device=self.device, dtype=getattr(torch, self.cfg.impl.dtype))
 
     def _reconstruct(self, model: nn.Module, update: Update, meta: AttackMetadata) -> AttackResult:
         import breaching.attacks
 
         t0 = time.perf_counter()
-        view, payload, shared, cfg, notes = self._prepare(model, update, meta)
+        view, payload, shared, cfg, notes = self.prepare(model, update, meta)
         if len(view.names) < 5 or view.names[1] != "pos_embed" or view.names[4] != "blocks.0.attn.qkv.weight":
             raise AttackFailure("breaching's AprilAttacker reads gradients [1] and [4] as pos_embed and "
                                 f"blocks.0.attn.qkv.weight; this model gives {view.names[:5]}")
-        attacker = breaching.attacks.prepare_attack(view, nn.CrossEntropyLoss(), cfg, setup=self._setup())
+        attacker = breaching.attacks.prepare_attack(view, nn.CrossEntropyLoss(), cfg, setup=self.device_setup())
         rec, _ = attacker.reconstruct([payload], [shared], server_secrets={})
         stats = dict(objective=float("nan"), iterations=0, time_s=time.perf_counter() - t0,
                      attack=self.name, failed=False, notes=notes)

@@ -38,8 +38,8 @@ from tqdm.auto import tqdm
 from fedmjp.config import Float, Int, option
 from fedmjp.devices import resolve_device
 
-from ..api.base import (Attack, AttackFailure, AttackOptions, AttackMetadata, AttackResult, Metadata, Update, _check_finite,
-                   _expand_metadatas, update_to_gradients)
+from ..api.base import (Attack, AttackFailure, AttackOptions, AttackMetadata, AttackResult, Metadata, Update, check_finite,
+                   expand_metadatas, update_to_gradients)
 from ..api.registry import register_attack
 from .breaching_adapter import attack_copy, matched_names
 from ..closed_form.labels import LABEL_STRATEGIES, recover_labels
@@ -132,7 +132,7 @@ class GradientMatching(Attack):
                          metadatas: Union[Metadata, Sequence[Metadata], None] = None) -> list[AttackResult]:
         """Attack K independent updates in one batched optimisation (updates of equal batch size;
         otherwise one batched run per batch size)."""
-        mds = _expand_metadatas(metadatas, len(updates))
+        mds = expand_metadatas(metadatas, len(updates))
         results: list[Optional[AttackResult]] = [None] * len(updates)
         groups: dict[int, list[tuple[int, AttackMetadata]]] = {}
         for i, md in enumerate(mds):
@@ -148,7 +148,7 @@ class GradientMatching(Attack):
                 lambda: self._attack(model, [updates[i] for i in idx], [m for _, m in members]))
             for j, i in enumerate(idx):
                 results[i] = (self._failed(model, mds[i], reason) if reason is not None
-                              else _check_finite(solved[j], self.name, time.perf_counter() - t0))
+                              else check_finite(solved[j], self.name, time.perf_counter() - t0))
         return results  # type: ignore[return-value]
 
     # ------------------------------------------------------------------------------- the attack

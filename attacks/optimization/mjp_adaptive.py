@@ -259,7 +259,7 @@ class MJPAdaptive(Attack):
             raise AttackFailure("update lacks 'blocks.0.attn.qkv.weight'")
         G_Z = gradient_of_Z(vit, grads, info)
         labels: Optional[torch.Tensor] = None
-        dev, device_note = self._solve_device(vit, S)
+        dev, device_note = self.device_for(vit, S)
         red = mjp_reduction(vit, G_Z, grads["blocks.0.attn.qkv.weight"], S, self.rcond).to(dev)
         stats = dict(red.stats)
         if device_note:
@@ -294,7 +294,7 @@ class MJPAdaptive(Attack):
             stats.update(mstats)
         return assemble(red, b, a, grid, C, p).cpu(), stats, labels
 
-    def _solve_device(self, vit: nn.Module, S: torch.Tensor) -> tuple[torch.device, Optional[str]]:
+    def device_for(self, vit: nn.Module, S: torch.Tensor) -> tuple[torch.device, Optional[str]]:
         """Where this update's solves run: ``device``, except on models whose forward costs less
         than ``min_device_cost`` multiply-adds, whose many small solves are faster on the CPU."""
         if self.device.type == "cpu":
@@ -346,7 +346,7 @@ class MJPAdaptive(Attack):
             iters += n
         out: dict[str, Any] = {}
         b, a = b[0], a[0]
-        lm = self._lm_jacobians(vit, T, red, residual.spans)
+        lm = self.planned_lm_jacobians(vit, T, red, residual.spans)
         if isinstance(lm, str):
             out["lm_note"] = lm
         elif lm > 0:
@@ -354,7 +354,7 @@ class MJPAdaptive(Attack):
 
             with torch.no_grad():
                 before = float(objective(b[None], a[None])[0])
-            solver = self._lm_solver(T, red, residual.spans)
+            solver = self.planned_lm_solver(T, red, residual.spans)
             b, a, lm_out = span_lm(residual, red, b, a, grid, C, p, max_jacobians=lm, solver=solver)
             out.update(lm_objective_first=before, lm_jacobians=lm_out.jacobians, lm_evaluations=lm_out.evaluations,
                        lm_solver=solver)
@@ -378,14 +378,14 @@ class MJPAdaptive(Attack):
         rows = sum((T if sp.rows is None else sp.rows) * (sp.basis.shape[0] - sp.basis.shape[1]) for sp in spans)
         return rows, unknowns
 
-    def _lm_solver(self, T: int, red: Reduction, spans: list[InputSpan]) -> str:
+    def planned_lm_solver(self, T: int, red: Reduction, spans: list[InputSpan]) -> str:
         """``dense`` or ``matrix_free``: the option, or under ``auto`` dense where its Jacobian fits :data:`LM_MEMORY`."""
         if self.lm_solver != "auto":
             return self.lm_solver
         rows, unknowns = self._lm_size(T, red, spans)
         return "dense" if 8.0 * rows * unknowns <= LM_MEMORY else "matrix_free"
 
-    def _lm_jacobians(self, vit: nn.Module, T: int, red: Reduction, spans: list[InputSpan]) -> int | str:
+    def planned_lm_jacobians(self, vit: nn.Module, T: int, red: Reduction, spans: list[InputSpan]) -> int | str:
         """Jacobians the final Levenberg-Marquardt stage gets, or a note saying why it is skipped."""
         if self.lm_jacobians is not None:
             return self.lm_jacobians

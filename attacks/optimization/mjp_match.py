@@ -79,7 +79,7 @@ def match_reduced(objective: Callable, b0: torch.Tensor, a0: torch.Tensor, round
                 return obj
 
             opt.step(closure)
-            iters += opt.state[opt._params[0]].get("n_iter", 0)
+            iters += opt.state[opt.param_groups[0]["params"][0]].get("n_iter", 0)
             b, a = vb.detach(), va.detach()
     last = float(objective(b, a).detach())
     _logger.debug("mjp_adaptive matching: %.3e -> %.3e in %d iterations", first, last, iters)

@@ -13,19 +13,20 @@ couple the tokens, so many starts run side by side (a batched Levenberg-Marquard
 span where a root is isolated, with exact Gauss-Newton terms: :class:`MLPSpans`), and each
 converged start is one token's fc1 input, without its position or its image.
 
-Measured (docs/attacks.md, "Block 0's MLP tokens as roots"): on the shipped CIFAR DeiT+MJP checkpoint
-at B = 1 every start that converges lands on a true token (no spurious roots); the starts' basins
-differ in size, so a few hundred starts find about half of the 65 tokens. What is left to an
-attacker is where each root sits (its position), which no part of this problem says.
+Every start that converges lands on a true token (tests/test_batch_attacks.py:
+test_batched_roots_of_the_per_token_mlp_problem_are_true_tokens); the starts' basins differ in size,
+which :func:`attacks.structure.roots.find_roots` steers around. What is left to an attacker is where
+each root sits (its position), which no part of this problem says.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, cast
+from typing import cast
 
 import torch
 from torch import nn
 
+from ..solvers.lm import ROOTS, batched_lm
 from ..solvers.spans import complement
 
 
@@ -53,8 +54,7 @@ def span_part(y: torch.Tensor, Y: torch.Tensor, S: torch.Tensor) -> tuple[torch.
     whose Jacobians in the unknowns are Y [K, N, p]. Returns r [K, N], J^T J [K, p, p] and J^T r
     [K, p]. With Y~ = Y - r (y^T Y) / ||y|| the Jacobian is J = P Y~ / ||y||, so
     J^T J = (Y~^T Y~ - (S^T Y~)^T (S^T Y~)) / ||y||^2: two products with N p^2 terms each instead of
-    the (N - k) N p of forming P Y~ (measured on the CIFAR geometry, N = 768, k = p = 130: 23 times
-    faster than forward-mode Jacobians of the same residual, the same roots)."""
+    the (N - k) N p of forming P Y~, and no forward-mode Jacobian."""
     n = y.norm(dim=-1, keepdim=True)
     r = (y - (y @ S) @ S.T) / n
     Yt = Y - r[:, :, None] * ((y / n)[:, None, :] @ Y)
@@ -66,36 +66,6 @@ def span_part(y: torch.Tensor, Y: torch.Tensor, S: torch.Tensor) -> tuple[torch.
 def span_value(y: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
     """||P y||^2 / ||y||^2 per row of y [K, N] (P projects off span(S)), as :func:`span_part`'s r."""
     return (y - (y @ S) @ S.T).pow(2).sum(-1) / y.pow(2).sum(-1)
-
-
-def gauss_newton_lm(system: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-                    value_of: Callable[[torch.Tensor], torch.Tensor], theta: torch.Tensor, iterations: int,
-                    settled: float = 1e-26) -> tuple[torch.Tensor, torch.Tensor]:
-    """Levenberg-Marquardt on every row of theta [K, p] at once (one damping per row).
-
-    ``system(theta)`` gives each row's squared residual, J^T J and J^T r (:func:`span_part`),
-    ``value_of(theta)`` the squared residual alone. A row whose value is below ``settled`` (the
-    rounding floor: true tokens sit at 1e-28 to 1e-25) takes no more steps, so converged starts
-    cost nothing. Written here rather than with scipy.optimize.least_squares: the K problems are
-    independent and small, and batched Gram matrices cost about what one problem's would in a loop."""
-    theta = theta.clone()
-    value = value_of(theta)
-    mu = torch.full_like(value, 1e-3)
-    eye = torch.eye(theta.shape[1], dtype=theta.dtype, device=theta.device)
-    for _ in range(iterations):
-        live = (value > settled).nonzero().flatten()
-        if live.numel() == 0:
-            break
-        x, m = theta[live], mu[live]
-        _, G, g = system(x)
-        scale = G.diagonal(dim1=1, dim2=2).amax(-1).clamp_min(1e-300)
-        step = -torch.linalg.solve(G + (m * scale)[:, None, None] * eye, g)
-        trial = value_of(x + step)
-        better = torch.isfinite(trial) & (trial < value[live])
-        theta[live] = torch.where(better[:, None], x + step, x)
-        value[live] = torch.where(better, trial, value[live])
-        mu[live] = torch.where(better, m / 3, m * 4).clamp(1e-15, 1e8)
-    return theta, value
 
 
 class MLPSpans:
@@ -149,9 +119,10 @@ class MLPSpans:
         return r.pow(2).sum(-1), G, g
 
     def solve(self, alpha: torch.Tensor, iterations: int, settled: float = 1e-26) -> tuple[torch.Tensor, torch.Tensor]:
-        """Levenberg-Marquardt from every row of alpha [K, r1]: (alpha, squared residual); a row below
-        ``settled`` stops (0: every row takes all ``iterations``, a polish)."""
-        return gauss_newton_lm(self.system, self.value, alpha, iterations, settled)
+        """Levenberg-Marquardt from every row of alpha [K, r1] (:func:`attacks.solvers.lm.batched_lm`,
+        the ROOTS schedule): (alpha, squared residual); a row at or below ``settled`` stops (the float64
+        rounding floor a true token sits at; 0: every row takes all ``iterations``, a polish)."""
+        return batched_lm(self.system, self.value, alpha, iterations, ROOTS, settled)
 
 
 def mlp_token_roots(block: nn.Module, fc1_basis: torch.Tensor, fc2_basis: torch.Tensor, starts: torch.Tensor,
@@ -166,7 +137,7 @@ def mlp_token_roots(block: nn.Module, fc1_basis: torch.Tensor, fc2_basis: torch.
         starts: [K, D] starting points of the LayerNorm's input v (any scale: h = norm2(v)).
         iterations: Levenberg-Marquardt iterations per start.
         chunk: starts solved together (memory ~ chunk x 4D x r1).
-        tol: a start converged where ||r||^2 < tol (the true tokens sit at ~1e-21 in float64).
+        tol: a start converged where ||r||^2 < tol (a true token's sits at float64 rounding, below it).
         distinct_cos: two roots are one token where their cosine exceeds this.
     """
     if starts.dim() != 2 or starts.shape[1] != fc1_basis.shape[0]:

@@ -1,0 +1,100 @@
+"""Step 2 of the block-0 read (:mod:`attacks.structure.block0_roots`): every token's backward
+quantities and attention output from its root, linearly.
+
+With every token's fc1 input u_t (a root) and so its activation a_t known, dL/dW_fc2 = sum_t g_t a_t^T
+gives each token's output gradient g_t (B T <= 4D), and with it the gradient reaching norm2's input
+up to the LayerNorm's scale 1/sigma_t, which dL/db_proj = sum_t dL/dh_t fixes (B T <= D unknowns);
+then dL/dW_proj = sum_t (dL/dh_t) c_t^T gives every token's attention output c_t (B T <= D).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping, cast
+
+import torch
+import torch.nn as nn
+
+
+def lstsq(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    """Least squares by SVD (gelsd: rank-revealing, the same answer on every LAPACK build)."""
+    return torch.linalg.lstsq(A, B, driver="gelsd").solution
+
+
+def gradient_of(vit: nn.Module, grads: Mapping[str, torch.Tensor]) -> Callable[[nn.Parameter], torch.Tensor]:
+    """The update's gradient of a parameter of ``vit``, looked up by the parameter itself, in float64."""
+    name = {id(p): n for n, p in vit.named_parameters()}
+    return lambda p: grads[name[id(p)]].to(torch.float64)
+
+
+@dataclass(frozen=True)
+class TokenEquations:
+    """Step 2's per-token quantities of block 0, one row per root [n, D] (:func:`token_equations`).
+
+    Attributes:
+        roots: the fc1 inputs u_t (norm2 outputs), float64.
+        normalized: (u_t - beta) / gamma = (h_t - mu_t) / sigma_t, norm2's input normalised.
+        output_grads: g_t, each token's block-0 output gradient (fc2's output).
+        scaled_grads: sigma_t dL/dh_t as the path through norm2 alone gives it.
+        inv_sigma: [n] 1 / sigma_t, norm2's scale per token (fixed by dL/db_proj).
+        h_grads: dL/dh_t, each token's gradient at norm2's input.
+        outputs: c_t, each token's attention output (the proj input).
+    """
+
+    roots: torch.Tensor
+    normalized: torch.Tensor
+    output_grads: torch.Tensor
+    scaled_grads: torch.Tensor
+    inv_sigma: torch.Tensor
+    h_grads: torch.Tensor
+    outputs: torch.Tensor
+
+
+def token_equations(vit: nn.Module, grads: Mapping[str, torch.Tensor], roots: torch.Tensor) -> TokenEquations:
+    """Step 2 (module doc) from all roots [n, D] (fc1 inputs) of block 0's MLP and the update.
+
+    GELU's slope is taken by autograd on a copy of the pre-activations; nothing else records a graph."""
+    blk = cast(nn.Module, vit.blocks[0])
+    attn, mlp = cast(nn.Module, blk.attn), cast(nn.Module, blk.mlp)
+    g = gradient_of(vit, grads)
+    U = roots.to(torch.float64)
+    W1, b1, W2 = mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight
+    gamma, beta = blk.norm2.weight, blk.norm2.bias
+    with torch.no_grad():
+        pre = U @ W1.T + b1
+    pre_r = pre.clone().requires_grad_(True)
+    with torch.enable_grad():
+        A = mlp.act(pre_r)
+        dact = torch.autograd.grad(A.sum(), pre_r)[0]
+    with torch.no_grad():
+        A = A.detach()
+        G2 = lstsq(A.T, g(mlp.fc2.weight).T)  # [n, D]: each token's block-0 output gradient
+        gu = ((G2 @ W2) * dact) @ W1  # dL/du per token
+        nh = (U - beta) / gamma  # (h - mu) / sigma
+        gn = gu * gamma
+        w = gn - gn.mean(1, keepdim=True) - nh * (gn * nh).mean(1, keepdim=True)  # sigma * dL/dh via norm2
+        s = lstsq(w.T, (g(attn.proj.bias) - G2.sum(0))[:, None])[:, 0]  # 1 / sigma per token
+        Dh = G2 + s[:, None] * w  # dL/dh per token
+        C = lstsq(Dh.T, g(attn.proj.weight))  # [n, D] attention outputs (proj inputs)
+    return TokenEquations(U, nh, G2, w, s, Dh, C)
+
+
+def outputs_from_roots(attn: nn.Module, C: torch.Tensor, nh: torch.Tensor) -> torch.Tensor:
+    """Design A: step 2's attention outputs C [n, D] read again through the roots themselves.
+
+    Without the residual around attention, block 0's norm2 input is h_t = W_proj c_t + b_proj, and
+    a root (fc1 input) gives h_t up to its LayerNorm's scale and shift: h_t = sigma_t nh_t + mu_t 1
+    (``nh`` = (u - beta) / gamma). So c_t lies on a plane of two unknowns, W_proj^-1 (sigma_t nh_t +
+    mu_t 1 - b_proj); the point of that plane nearest step 2's c_t is a second reading of it that
+    rests on the root alone. Its disagreement with step 2's c is the attacker's own measure of c's
+    noise, which :func:`attacks.structure.design_a.structured_tokens` is judged against
+    (tests/test_block0_roots.py, test_outputs_from_roots_read_c_again_and_measure_its_noise)."""
+    Wp, bp = attn.proj.weight.to(torch.float64), attn.proj.bias.to(torch.float64)
+    ones = torch.ones(Wp.shape[0], 1, dtype=torch.float64)
+    a = torch.linalg.solve(Wp, nh.T).T  # [n, D]: W_proj^-1 nh_t
+    o = torch.linalg.solve(Wp, ones)[:, 0]
+    c0 = -torch.linalg.solve(Wp, bp[:, None])[:, 0]
+    out = torch.empty_like(C)
+    for t in range(C.shape[0]):
+        plane = torch.stack([a[t], o], 1)
+        out[t] = c0 + plane @ lstsq(plane, (C[t] - c0)[:, None])[:, 0]
+    return out

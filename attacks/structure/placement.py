@@ -1,0 +1,203 @@
+"""Steps 3 and 4 of the block-0 read (:mod:`attacks.structure.block0_roots`): every token's position
+and patch, then its image, and the images assembled.
+
+3. **Positions and patches.** Every token's embedding z_t = W_e x_t + b_e + P_p is known up to a shift
+   mu_t (the standard block: through h_t = sigma_t n_t + mu_t and h_t = z_t + W_proj c_t + b_proj) or
+   exactly (design A: the attention solve's). For each position p, least squares in (mu_t, x_t)
+   (1 + C p^2 unknowns, D equations) leaves a residual at the rounding floor at the token's own
+   position only (the class token: z = cls + P_0). On MJP E_unk is one more candidate position.
+4. **Which image.** A token's attention output is its image's values averaged by its softmax weights:
+   sum_s m_s exp(q_t . k_s) (v_s - c_t) = 0 per head, linear in the indicators m_s of the tokens that
+   share its image (D equations, B T - 1 unknowns). Solved for each class token, it says which token
+   of every position belongs to which image (an optimal assignment per position); the E_unk tokens
+   go to the images with free positions, in root order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from scipy.optimize import linear_sum_assignment
+
+from ..api.base import AttackFailure
+from .linear import lstsq
+
+#: a token is placed where its relative position residual is below this: the true position's sits at
+#: the rounding floor, every other one orders of magnitude above (tests/test_block0_roots.py:
+#: test_the_batch_follows_exactly_from_the_true_roots_in_any_order, test_a_token_of_another_batch_fits_no_position)
+POSITION_TOL = 1e-6
+#: the same on design A, where the embeddings come through the attention solve and carry step 2's error
+#: in c: embeddings 1e-5 off (relative) are still placed, 1e-2 off are not
+#: (tests/test_block0_roots.py: test_design_a_places_tokens_the_attention_solve_returns_at_its_floor)
+DESIGN_A_POSITION_TOL = 1e-3
+
+
+def token_offsets(vit: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(W_e [D, C p^2], each candidate position's offset [T (+1 with MJP's E_unk), D] with the class
+    token's row cls + P_0 and every other row P_p + b_e, M [D, 1 + C p^2] the (mu, x) unknowns of
+    step 3, its orthonormal basis), detached in float64."""
+    D = int(vit.pos_embed.shape[-1])
+    f64 = lambda t: t.detach().to(torch.float64)  # noqa: E731
+    We = f64(vit.patch_embed.proj.weight).reshape(D, -1)
+    be = f64(vit.patch_embed.proj.bias)
+    P = f64(vit.pos_embed[0])
+    unk = getattr(vit, "unk_embed", None)
+    if unk is not None:  # MJP: a shuffled token's "position" is E_unk (index T here)
+        P = torch.cat([P, f64(unk).reshape(1, D)])
+    off = P + be
+    off[0] = f64(vit.cls_token[0, 0]) + P[0]
+    M = torch.cat([torch.ones(D, 1, dtype=torch.float64), -We], 1)
+    return We, off, M, torch.linalg.qr(M)[0]
+
+
+def position_residuals(base: torch.Tensor, off: torch.Tensor, Qm: torch.Tensor) -> torch.Tensor:
+    """[n, positions] each token's relative residual at each position (step 3): the class token's
+    up to a multiple of the ones vector, every other up to (mu, x)."""
+    D = base.shape[1]
+    one = torch.ones(D, dtype=torch.float64) / D ** 0.5
+    scale = base.norm(dim=1)
+    res = torch.empty(base.shape[0], off.shape[0], dtype=torch.float64)
+    r0 = base - off[0]
+    res[:, 0] = (r0 - (r0 @ one)[:, None] * one).norm(dim=1) / scale
+    for p in range(1, off.shape[0]):
+        r = base - off[p]
+        res[:, p] = (r - (r @ Qm) @ Qm.T).norm(dim=1) / scale
+    return res
+
+
+def assign_positions(res: torch.Tensor, T: int) -> torch.Tensor:
+    """Design A: one position per token [n] by an optimal assignment on the residuals ``res``
+    [n, T (+1 with E_unk)]: one class token, each patch position at most once, E_unk any number."""
+    n = res.shape[0]
+    cols = torch.arange(T)
+    if res.shape[1] > T:  # E_unk (index T) as often as there are tokens
+        cols = torch.cat([cols, torch.full((n,), T)])
+    rows, picked = linear_sum_assignment(res[:, cols].numpy())
+    pos = torch.empty(n, dtype=torch.long)
+    pos[torch.as_tensor(rows, dtype=torch.long)] = cols[torch.as_tensor(picked, dtype=torch.long)]
+    return pos
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Outcome of :func:`place_tokens`, one row per root: its position [n] (0: the class token, T:
+    E_unk), its relative residual there [n], its smallest at any other position [n], its embedding
+    Z [n, D] and its patch X [n, C p^2] (zero for the class token)."""
+
+    position: torch.Tensor
+    residual: torch.Tensor
+    runner_up: torch.Tensor
+    tokens: torch.Tensor
+    patches: torch.Tensor
+
+
+def place_tokens(vit: nn.Module, base: torch.Tensor, batch: int, tol: float) -> Placement:
+    """Step 3 (module doc): every token ``base`` [n, D] (its embedding up to a shift mu) at its best
+    position, refused where one fits none within ``tol`` or a position gets a wrong number of tokens."""
+    n, D = base.shape
+    We, off, M, Qm = token_offsets(vit)
+    T = int(vit.pos_embed.shape[1])
+    unk = getattr(vit, "unk_embed", None)
+    res = position_residuals(base, off, Qm)
+    best, pos = res.min(1)
+    runner_up = res.scatter(1, pos[:, None], float("inf")).min(1).values
+    bad = (best > tol).nonzero().flatten()
+    if bad.numel():
+        raise AttackFailure(f"{bad.numel()} of the {n} roots fit no position (best relative residual "
+                            f"{float(best.max()):.1e} > {tol:g}): not the client's tokens")
+    counts = torch.bincount(pos, minlength=off.shape[0])[:T]
+    # one token per image at every position, but where MJP's shuffle put E_unk instead
+    ok = (counts == batch) if unk is None else (counts <= batch)
+    ok[0] = counts[0] == batch  # the class tokens
+    if not bool(ok.all()):
+        p_bad = int((~ok).nonzero()[0])
+        raise AttackFailure(f"position {p_bad} holds {int(counts[p_bad])} roots where a batch of {batch} has "
+                            f"{batch}: roots missing or duplicated")
+    Z = torch.empty(n, D, dtype=torch.float64)
+    X = torch.zeros(n, We.shape[1], dtype=torch.float64)
+    for i in range(n):
+        p = int(pos[i])
+        if p == 0:
+            Z[i] = off[0]
+        else:
+            sol = lstsq(M, (off[p] - base[i])[:, None])[:, 0]
+            X[i], Z[i] = sol[1:], base[i] + sol[0]
+    return Placement(pos, best, runner_up, Z, X)
+
+
+def image_indicators(blk: nn.Module, Z: torch.Tensor, C: torch.Tensor, pos: torch.Tensor,
+                     batch: int) -> torch.Tensor:
+    """Step 4's indicators m [B, n] (module doc): for each class token, the tokens that share its image,
+    from block 0 ``blk``'s attention on the embeddings Z [n, D] and the attention outputs C [n, D]."""
+    attn = blk.attn
+    n, D = Z.shape
+    heads = int(attn.num_heads)
+    hd = D // heads
+    qkv = attn.qkv(blk.norm1(Z)).reshape(n, 3, heads, hd)
+    q, k, v = attn.q_norm(qkv[:, 0]), attn.k_norm(qkv[:, 1]), qkv[:, 2]
+    cls_rows = (pos == 0).nonzero().flatten()
+    m = torch.zeros(batch, n, dtype=torch.float64)
+    for j, t in enumerate(cls_rows.tolist()):
+        logits = torch.einsum("hd,shd->hs", q[t], k) * float(attn.scale)
+        wgt = torch.exp(logits - logits.max(1, keepdim=True).values)
+        E = (wgt[:, :, None] * (v.transpose(0, 1) - C[t].reshape(heads, hd)[:, None, :]))
+        E = E.permute(0, 2, 1).reshape(heads * hd, n)
+        others = (pos != 0).nonzero().flatten()  # the class tokens' own columns are all equal
+        m[j, others] = lstsq(E[:, others], -E[:, t:t + 1])[:, 0]
+        m[j, t] = 1.0
+    return m
+
+
+def assign_images(m: torch.Tensor, pos: torch.Tensor, T: int) -> tuple[torch.Tensor, float, torch.Tensor]:
+    """Step 4's assignment from the indicators ``m`` [B, n]: (each token's image [n], the smallest
+    |m - 0.5| the assignment used, the patch positions no placed token holds [B, T - 1] bool: the
+    shuffled ones, each taken by one E_unk token)."""
+    batch, n = m.shape
+    image = torch.empty(n, dtype=torch.long)
+    image[(pos == 0).nonzero().flatten()] = torch.arange(batch)
+    margin = 0.5
+    for p in range(1, T):  # at most one token of a position per image
+        idx = (pos == p).nonzero().flatten()
+        if idx.numel() == 0:
+            continue
+        score = m[:, idx]  # [image, token]
+        rows, cols = linear_sum_assignment(-score.numpy())
+        image[idx[cols]] = torch.as_tensor(rows, dtype=torch.long)
+        margin = min(margin, float((score[rows, cols] - 0.5).abs().min()))
+    free = torch.ones(batch, T - 1, dtype=torch.bool)  # patch positions no placed token holds
+    placed = (pos >= 1) & (pos < T)
+    free[image[placed], pos[placed] - 1] = False
+    idx = (pos == T).nonzero().flatten()
+    if idx.numel():  # E_unk tokens: as many to each image as it has free positions
+        if idx.numel() != int(free.sum()):
+            raise AttackFailure(f"{idx.numel()} roots carry E_unk where the placed tokens leave "
+                                f"{int(free.sum())} positions free: roots missing or duplicated")
+        slots = torch.repeat_interleave(torch.arange(batch), free.sum(1))
+        rows, cols = linear_sum_assignment(-m[slots][:, idx].numpy())
+        image[idx[cols]] = slots[torch.as_tensor(rows, dtype=torch.long)]
+        margin = min(margin, float((m[slots[rows], idx[cols]] - 0.5).abs().min()))
+    elif bool(free.any()):
+        raise AttackFailure("an image lacks tokens at some positions and no root carries E_unk")
+    return image, margin, free
+
+
+def assemble_images(vit: nn.Module, X: torch.Tensor, pos: torch.Tensor, image: torch.Tensor,
+                    free: torch.Tensor) -> torch.Tensor:
+    """The model inputs [B, C, H, W]: every token's patch X [n, C p^2] at its position in its image, the
+    E_unk tokens' in their image's ``free`` positions in root order."""
+    T = int(vit.pos_embed.shape[1])
+    batch = free.shape[0]
+    C_in = vit.patch_embed.proj.weight.shape[1]
+    ps = int(vit.patch_embed.patch_size[0])
+    gh, gw = (int(s_) for s_ in vit.patch_embed.grid_size)
+    images = torch.zeros(batch, C_in, gh * ps, gw * ps, dtype=torch.float64)
+    spots = [free[b].nonzero().flatten().tolist() for b in range(batch)]  # E_unk patches, in root order
+    for i in range(X.shape[0]):
+        p = int(pos[i])
+        if p == T:
+            p = 1 + spots[int(image[i])].pop(0)
+        if p:
+            r_, c_ = divmod(p - 1, gw)
+            images[image[i], :, r_ * ps:(r_ + 1) * ps, c_ * ps:(c_ + 1) * ps] = X[i].reshape(C_in, ps, ps)
+    return images
