@@ -4,9 +4,8 @@ The benchmark allocates and frees tens of megabytes per client update: a DeiT-S 
 sent and received as Flower messages (serialised to bytes and back), cloned, and the backward pass
 allocates a gradient of every weight. glibc serves blocks above its mmap threshold (128 KiB, raised
 dynamically up to 32 MiB) with fresh mmaps and gives freed heap memory back to the OS above its
-trim threshold, so each of those allocations faults its pages in again: measured on a 2-core
-machine, Flower's encode and decode of a DeiT-S state took 66 ms each, and 16-18 ms with the
-settings below; one DeiT-S/224 forward+backward 279 ms, and 219 ms.
+trim threshold, so each of those allocations faults its pages in again (docs/speed.md, "What the
+engine does for speed", measures what the settings below save).
 
 :func:`tune_malloc` sets ``M_MMAP_THRESHOLD`` to 32 MiB (glibc's maximum: every weight array and
 activation below it comes from the heap), ``M_TRIM_THRESHOLD`` to 1 GiB (freed heap memory is
@@ -19,13 +18,9 @@ limit binds threads that have not allocated yet).
 Why one arena: the clients of the in-process engine and the attack thread would each get a
 per-thread arena, made of 64 MiB heap mappings that the trim threshold does not cover: when a heap
 empties, ``heap_trim`` unmaps it whole. A DeiT-S client empties and refills its heaps every round
-(gradients, the 88 MB reply), so every round faulted its pages in again: measured on 2 cores
-(2026-11-24), ~9,000 page faults per forward+backward and ~16,000 per encoded reply, the reply's
-encoding 35-89 ms instead of 26-35 ms. ``M_TOP_PAD`` at a heap's size (64 MiB) keeps those heaps
-too, but each arena then holds its own peak: the paper preset at 18 images peaked at 10.0 GB
-against 7.2 GB before and 5.8 GB with one arena. At 45 images, run beside the code before: the
-kernel's time -60%, user time +3% (the threads share one arena's lock), CPU time -3.5%, peak RSS
--20% (2026-11-24; the current figures: docs/speed.md).
+(gradients, the 88 MB reply), so every round would fault its pages in again. ``M_TOP_PAD`` at a
+heap's size (64 MiB) keeps those heaps too, but each arena then holds its own peak, so one arena
+costs less memory as well (docs/speed.md).
 
 PyTorch's CPU tuning guide reaches the same end with jemalloc or tcmalloc preloaded; this needs no
 extra library. Trade-off: the process keeps its peak heap instead of returning it to the OS between

@@ -22,33 +22,14 @@ images at 224, 32 and 17 px against noisy, uniform-noise, constant, black, white
 other-image reconstructions, float32 inputs, constant references; scikit-image's bundled images;
 tests/test_ssim_torch.py checks 1e-10 / 1e-9).
 
-Why this design (one 224 px pair, 3 channels; ms per image; this 2-core AMD EPYC (AVX2) shared with
-another engineer's jobs, load average 1.5-3, so +-30% between runs; scikit-image 9.0 ms on one
-thread, 5.1-5.5 ms with its 2-thread pool when the load was lowest):
-
-* The previous torch code (float32 convolutions on an exact hi/lo split, to reach 1e-7): 27.6 ms
-  on one thread. Profile: 58% ``copy_`` (NCHW <-> channels_last and float64 <-> float32), 18% the
-  convolutions themselves (a depthwise 1x11 float32 convolution of 12 maps is only 0.39 ms
-  channels_last, 0.82 ms NCHW), the rest float64 elementwise passes. The split triples the
-  convolutions and needs the conversions; any float32 filter without it moves the mean by 1e-6..1e-5.
-* Float64 building blocks instead (12 maps of 224 x 224, one thread): grouped float64 ``conv2d``
-  6.3 ms per pass (1-channel batch: 32 ms), a dense banded float64 matmul 7.0 ms per pass,
-  ``rfft2`` + ``irfft2`` 5.1 ms for both passes (whole FFT SSIM 8.2 ms, error 7e-15), eleven shifted
-  views with fused multiply-adds (:func:`_filter_valid`) 1.7 ms per pass. Whole SSIM with the
-  shifted views: 5.3 ms (one image per chunk; 2 images 6.4 ms, 4 images 9.0 ms: the maps fall out
-  of the 1 MB L2 / into memory traffic), 2.8-3.2 ms with 2 torch threads on an idle machine:
-  :func:`ssim_torch`.
-* But torch's intra-op threads are OpenMP teams that meet at a barrier after each of the ~45 ops per
-  image; when another process holds a core, each barrier waits for a time slice: measured 34 ms
-  median [2.8, 80] per image (load 2.9), once 242 ms (load ~4), against scikit-image's 9.7-11.8 ms
-  in the same minutes; the 224 px test took 32 s instead of 1.4 s with OMP_NUM_THREADS=1.
-* So the CPU path (:func:`ssim_scipy`, used by :func:`metrics.ssim`) runs the same four-map
-  formula per image in NumPy/SciPy (one ``correlate1d`` per axis for all 12 maps, in-place
-  arithmetic: fresh temporaries cost page faults, 11.8 -> 8.3 ms on one thread) in a pool of Python
-  threads, which release the GIL in the filter and the ufuncs and degrade only in proportion to the
-  load: 3.5-3.8 ms per image with 2 threads against scikit-image's 5.1-5.5 (load ~2), 8.9 against
-  11.8 (load 2.9). :func:`ssim_torch` stays for tensors on a GPU (float64 there too) and as
-  ``metrics.ssim(backend="torch")`` for a machine with idle cores.
+Why SciPy on the CPU: torch's intra-op threads are OpenMP teams that meet at a barrier after each of
+the ~45 ops per image, so when another process holds a core every barrier waits for a time slice;
+the CPU path (:func:`ssim_scipy`, used by :func:`metrics.ssim`) runs the same four-map formula per
+image in NumPy/SciPy (one ``correlate1d`` per axis for all 12 maps, in-place arithmetic) in a pool
+of Python threads, which release the GIL in the filter and the ufuncs and degrade only in proportion
+to the load. :func:`ssim_torch` (float64, shifted views with fused multiply-adds) serves tensors on a
+GPU and ``metrics.ssim(backend="torch")`` on a machine with idle cores. The measurements behind
+this choice: docs/speed.md, "SSIM on the CPU".
 """
 from __future__ import annotations
 
@@ -151,7 +132,7 @@ def _ssim_map_numpy(x: np.ndarray, y: np.ndarray, mode: str) -> np.ndarray:
     Interior pixels (5 from every side) do not depend on ``mode``.
     """
     c = x.shape[0]
-    # In-place arithmetic on two buffers: fresh 1-5 MB temporaries cost page faults (measured).
+    # In-place arithmetic on two buffers: fresh 1-5 MB temporaries would each fault their pages in.
     maps = np.empty((4 * c,) + x.shape[1:])
     u, v, uu, vv = maps[:c], maps[c : 2 * c], maps[2 * c : 3 * c], maps[3 * c :]
     np.add(x, y, out=u)

@@ -48,18 +48,14 @@ MGC_RIDGE = 1e-3
 
 
 #: The default weight of the harmonic-fill term of :func:`solve_jigsaw` is INPAINT_SCALE / p^3 (the
-#: fill's error grows inwards from the known border, so larger patches need less of it). Measured on
-#: the solver given the true patches (ImageNet validation images, gamma 0.27): at 32 px / p = 4 (40
-#: images) weight 0 -> 23.5 dB median, 4 -> 24.6, 16 -> 25.3, 64 -> 24.8; at 224 px / p = 16 (10
-#: images) 0 -> 31.6 dB and 0/10 exact, 0.25 -> 35.9 dB and 2/10, 1 -> 29.4 dB, 4 -> 24.5 dB.
+#: fill's error grows inwards from the known border, so larger patches need less of it): the weight
+#: that placed the true patches best at 32 px and 224 px (docs/results/attacks.md, "The jigsaw").
 INPAINT_SCALE = 1024.0
 
 
-#: Patch side from which :func:`default_cost` is ``mgc``. The solver given the true patches
-#: (bench/jigsaw_bound.py --kicks 0, ImageNet-sample photographs, gamma 0.27, 2026-11-28): at 224 px /
-#: p = 16 (24 images) mgc 29.2 dB median and 63 % of patches placed right, lp 24.8 dB and 54 %, l2
-#: 23.5 dB and 41 %; at 32 px / p = 4 (40 images) l2 24.3 dB and 32 %, mgc 22.7 dB and 21 %. Only
-#: p = 4 and p = 16 were measured; the switch sits between them.
+#: Patch side from which :func:`default_cost` is ``mgc`` (Gallagher's gradient compatibility) rather
+#: than ``l2``: the cost that placed the true patches best at p = 16, where l2 did at p = 4
+#: (docs/results/attacks.md, "The jigsaw"); tests/test_jigsaw_oracle.py pins the switch.
 MGC_FROM_PATCH = 8
 
 
@@ -340,10 +336,8 @@ def _local_search(order: np.ndarray, unary: np.ndarray, pair: dict, links: list,
 
 
 #: Perturbations of :func:`solve_jigsaw`'s iterated local search by default, and the random swaps of
-#: each. The solver on the true patches of 24 photographs at 224 px / p = 16 (mgc, bench/jigsaw_bound.py,
-#: 2026-11-28): no kicks 29.2 dB median, 63 % of patches placed right, 5 exact, 13 search-limited,
-#: 0.36 s an image; 40 kicks 43.8 dB, 73 %, 8 exact, 3 search-limited, 1.4 s; 120 kicks 43.8 dB, 75 %,
-#: 8 exact, 2 search-limited, 3.1 s. At 32 px (every image model-limited) they change nothing.
+#: each: enough kicks to cross the pair swaps' local optima at 224 px, where more buy little
+#: (docs/results/attacks.md, "The jigsaw"); tests/test_jigsaw_oracle.py's kicks test runs them.
 KICKS = 40
 KICK_SWAPS = 3
 
