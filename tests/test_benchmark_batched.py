@@ -66,6 +66,7 @@ def test_batched_rounds_give_the_rows_of_one_update_at_a_time(one_at_a_time: lis
     assert min(float(r["psnr"]) for r in april if r["model"] == "DeiT" and r["setting"] == "a") > 100  # exact copies
 
 
+@pytest.mark.slow
 def test_two_ray_workers_give_the_same_rows_and_shut_down(one_at_a_time: list[dict], tmp_path: Path) -> None:
     import ray
 

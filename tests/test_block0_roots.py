@@ -190,6 +190,7 @@ def test_the_attack_on_an_mjp_update_returns_x_tilde_and_the_jigsaw_arrangement(
     assert any("E_unk" in n for n in res.stats[0]["notes"])
 
 
+@pytest.mark.slow
 def test_a_b2_update_of_the_model_as_trained_is_read_from_scratch() -> None:
     """The issue's bar, the attack as a user runs it: a B = 2 FedSGD update of the shipped CIFAR DeiT
     (block 0 as trained) on two real photographs, default options, no help: all 130 roots found and
@@ -354,6 +355,7 @@ def _design_a_tokens(photo: int = 2):
     return model, update, seen["z"][perm], seen["c"][perm], seen["dc"][perm], seen["u"][perm], mask, x
 
 
+@pytest.mark.slow
 def test_the_value_update_gives_each_heads_mixes_up_to_its_free_directions() -> None:
     """Y^h = A^h Z from dL/dW_v^h = dC^h^T Y^h and C^h = Y^h W_v^h^T + b_v^h (real photograph, trained
     weights): the truth's mixes differ from Y0 only along N L M^T (one direction per head here, n - d =
@@ -381,6 +383,7 @@ def test_the_value_update_gives_each_heads_mixes_up_to_its_free_directions() -> 
     assert float((J.reshape(ref.shape) - ref).abs().max() / ref.abs().max()) < 1e-12
 
 
+@pytest.mark.slow
 def test_design_a_attention_outputs_give_the_embeddings_and_x_tilde(monkeypatch) -> None:
     """APRIL's design A (shipped DeiT+MJP with the surgery, a real photograph, 17 of 64 shuffled):
     every token's attention output and its gradient (as step 2 returns them from the roots)
