@@ -83,7 +83,7 @@ def test_an_unknown_key_is_named_with_the_valid_ones(data, message) -> None:
     ({"section": {"lr": float("nan")}}, "config key 'section.lr' must be a number >= 0.0, got nan"),
     ({"section": {"lr": None}}, "config key 'section.lr' must be a number, got None"),
     ({"section": {"mode": "c"}}, "config key 'section.mode': unknown value 'c'; valid: a, b"),
-    # a string holding a number is that number ("3" -> 3, tests/test_numbers.py); other text is refused
+    # a string holding a number is that number ("3" -> 3, tests/test_number_keys.py); other text is refused
     ({"section": {"limit": "3 rounds"}}, "config key 'section.limit' must be an integer or null, got '3 rounds'"),
     ({"section": 5}, "config key 'section' must be a mapping, got 5"),
     ({"rows": [{"seed": 1}]}, "config key 'rows.0.name' is required (a string)"),

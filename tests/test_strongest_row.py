@@ -1,4 +1,4 @@
-"""The ``strongest`` row (issue 29, item 4): per image, the best reconstruction over every attacker
+"""The ``strongest`` row: per image, the best reconstruction over every attacker
 run on it, picked by PSNR against the ground truth, derived at report time from a real run's
 results.jsonl (never stored there).
 
