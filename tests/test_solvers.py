@@ -139,6 +139,16 @@ def test_matrix_free_lm_solves_rosenbrock_as_the_dense_solver_does(damping: Damp
     assert torch.allclose(free.theta, torch.ones(2, dtype=F64), atol=1e-10) and free.value < 1e-20
 
 
+def test_a_damping_already_at_its_ceiling_leaves_the_start() -> None:
+    """mu starts at or above ``high``: no trial is made, in either solver, and the start comes back."""
+    capped = Damping("geometric", first=1e9, high=1e8)
+    start = torch.tensor([-1.2, 1.0], dtype=F64)
+    free = matrix_free_lm(rosenbrock, start, sketch_rows=2, damping=capped)
+    dense = dense_lm(rosenbrock, rosenbrock_jacobian, start, damping=capped)
+    for out in (free, dense):
+        assert torch.equal(out.theta, start) and out.evaluations == 1 and out.jacobians == 1
+
+
 def test_a_schedule_an_entry_point_cannot_apply_is_refused_by_name() -> None:
     A, y, _ = ill_conditioned()
     with pytest.raises(ValueError, match="scale 'identity'"):

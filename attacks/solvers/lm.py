@@ -301,7 +301,7 @@ def matrix_free_lm(fun: Callable[[torch.Tensor], torch.Tensor], theta0: torch.Te
         pre = SketchPreconditioner(row_sketch(pullback, r.numel(), m, gen, chunk, r.dtype, r.device)) if m else None
         if mu is None:
             mu = damping.initial(float(pre.lam[0]) if pre is not None else float(g.norm()) ** 2 / max(value, 1e-300))
-        accepted, trials = False, 0
+        accepted, trials, h = False, 0, torch.zeros_like(theta)
         while trials < damping.max_trials and mu < damping.high:
             trials += 1
             step = damped_cg(jvp_fn, vjp_fn, g, mu, (lambda v: pre.apply(v, mu)) if pre is not None else None,
