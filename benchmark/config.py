@@ -76,11 +76,15 @@ def _resolve_path(value: Any) -> Any:
     if "\x00" in value:
         raise ConfigError(f"path {value!r} holds a NUL character; no file name can")
     if datadir.names_data_dir(value):
-        if datadir.data_dir() is None:
-            return value  # kept as written: loading the data says what to set
-        value = datadir.expand(value)
-    p = Path(value).expanduser()
-    return str(p if p.is_absolute() else (PROJECT_ROOT / p).resolve())
+        try:
+            value = datadir.expand(value)
+        except datadir.DataDirUnset:
+            return value  # kept as written (unset, or an unusable folder): loading the data says what to fix
+    try:
+        p = Path(value).expanduser()
+    except RuntimeError:  # pathlib's answer to a ~user of no known user
+        raise ConfigError(f"path {value!r}: its ~ prefix names no known home folder; write the path out") from None
+    return str(p if p.is_absolute() else datadir.resolved(PROJECT_ROOT / p, "path"))
 
 
 #: A path key of a config file: resolved against the project root when read (_resolve_path), so a

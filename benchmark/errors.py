@@ -14,7 +14,9 @@ code   meaning
        (non-empty, without ``config.yaml`` or ``provenance.json``; ``--force`` writes into it),
        holds a symbolic link where a run writes, or holds a damaged ``config.yaml`` /
        ``provenance.json``
-7      the federated run failed (no update reached the attacker)
+7      the federated run failed: no update reached the attacker, or some client updates did not (a
+       client raised, timed out or dropped out of SecAgg+): the tables were written, their rows are
+       failed with the reason, the same command resumes them
 8      an attack raised an unexpected error (a bug, not a condition failure): the run finished and
        wrote its tables, the failure rows are marked ``error``, tracebacks are in ``errors/``
 9      the output folder is in use by another run (its lock file is held)

@@ -7,24 +7,21 @@ never its target); an appended line goes through ``O_APPEND | O_NOFOLLOW``. A wr
 :class:`~benchmark.errors.OutputWriteError` (exit status 10) with the reason and what to do.
 
 This module sits below :mod:`benchmark.store` and :mod:`benchmark.provenance`, which both write
-files, so neither has to import the other for it.
+files, so neither has to import the other for it; the atomic writer itself is
+:func:`fedmjp.folder_lock.write_atomic`, which the federation server's ``out-dir`` shares.
 """
 from __future__ import annotations
 
-import contextlib
 import errno
 import io
 import os
-import secrets
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from .errors import OutputWriteError
+from fedmjp.folder_lock import MAX_NAME, write_atomic  # noqa: F401  (MAX_NAME: store.py's names)
 
-#: Longest file name component a run writes (most file systems allow 255 bytes; the rest is left
-#: for the temporary-file prefix and suffix).
-MAX_NAME = 200
+from .errors import OutputWriteError
 
 
 def write_error(path: Path, err: OSError) -> OutputWriteError:
@@ -42,36 +39,16 @@ def write_error(path: Path, err: OSError) -> OutputWriteError:
 
 
 def write_bytes(path: str | Path, data: bytes, sync: bool = False) -> None:
-    """Write ``path`` atomically without following a symbolic link.
-
-    The bytes go to a new temporary file beside ``path`` (``O_CREAT | O_EXCL | O_NOFOLLOW``: never an
-    existing file or link), which then replaces ``path`` (``os.replace`` replaces a link itself,
-    never its target). The temporary file is removed on every failure (a full disk, a file-size
-    limit, an interrupt). Hand-written because ``tempfile`` creates files readable by the owner only
-    (mode 0600), while a run's outputs follow the user's umask.
+    """Write ``path`` atomically without following a symbolic link
+    (:func:`fedmjp.folder_lock.write_atomic`: a temporary file beside it, then ``os.replace``).
 
     Raises:
         OutputWriteError: the file cannot be written (exit status 10).
     """
-    path = Path(path)
-    tmp = path.with_name(f".{path.name[:MAX_NAME]}.{secrets.token_hex(4)}.tmp")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        write_atomic(path, data, sync)
     except OSError as err:
-        raise write_error(path, err) from err
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            if sync:
-                os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException as err:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        if isinstance(err, OSError):
-            raise write_error(path, err) from err
-        raise
+        raise write_error(Path(path), err) from err
 
 
 def write_text(path: str | Path, text: str, sync: bool = False) -> None:

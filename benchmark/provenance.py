@@ -123,10 +123,12 @@ def images_record(images: torch.Tensor, labels: torch.Tensor, names: list[str]) 
 def collect(cfg: BenchmarkConfig, device: torch.device, images: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The provenance record of a run of ``cfg`` on ``device`` (``images``: :func:`images_record` of
     the attack set)."""
+    from fedmjp.checkpoint import checkpoint_sha256
+
     checkpoints = {}
     for row in cfg.models:
-        if row.checkpoint:
-            checkpoints[row.name] = sha256_file(row.checkpoint)
+        if row.checkpoint:  # in a run: the hash of the very bytes its rows' weights were read from
+            checkpoints[row.name] = checkpoint_sha256(row.checkpoint)
     backbone = cfg.metrics.lpips_backbone
     files = {"lpips_backbone": sha256_file(backbone)} if backbone and Path(backbone).is_file() else {}
     return {"code": {**code_version(), **code_fingerprint()}, "libraries": library_versions(), "device": device_record(device),

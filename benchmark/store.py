@@ -81,6 +81,15 @@ RETRIED = "results.retried.jsonl"
 RUN_MARKERS = (CONFIG, PROVENANCE)
 #: Sub-folders a run writes into: a symbolic link anywhere below them is refused.
 WRITTEN_FOLDERS = (IMAGES, "errors")
+#: Folders of the operating system: never an output folder, even with ``--force`` (with the root of
+#: a file system, :func:`system_folder`).
+SYSTEM_FOLDERS = frozenset({"/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/proc",
+                            "/run", "/sbin", "/srv", "/sys", "/usr", "/var", "/opt", "/home", "/mnt", "/media", "/tmp"})
+
+
+def system_folder(folder: Path) -> bool:
+    """Whether ``folder`` is the root of a file system (``/``, a drive) or one of :data:`SYSTEM_FOLDERS`."""
+    return folder.parent == folder or os.path.normpath(folder) in SYSTEM_FOLDERS
 
 
 def rec_kind(attack: str, setting: str) -> str:
@@ -92,6 +101,16 @@ def rec_kind(attack: str, setting: str) -> str:
 def slug(text: str) -> str:
     """A file-name-safe form of a row name (``DeiT+MJP`` -> ``DeiT+MJP``, spaces -> ``_``)."""
     return re.sub(r"[^A-Za-z0-9+\-.]+", "_", str(text)).strip("_") or "row"
+
+
+def distinct_slug(text: str) -> str:
+    """:func:`slug`, with ``~`` and a hash of ``text`` where the cleaning changed it: names that
+    clean up the same (``a b.png``, ``a_b.png``, ``a/b.png``) keep distinct files, and a name that
+    is already clean keeps its own (a clean name never holds ``~``, so it cannot meet a hashed one)."""
+    clean = slug(text)
+    if clean == str(text):
+        return clean
+    return f"{clean}~{hashlib.sha256(str(text).encode()).hexdigest()[:10]}"
 
 
 def short_name(name: str, limit: int = MAX_NAME) -> str:
@@ -174,6 +193,9 @@ class RunFolder:
                 it is a non-empty folder that is not a run folder (and ``force`` is off).
         """
         folder = self.folder
+        if system_folder(folder):
+            raise OutputConflictError(f"output folder {folder} is a system folder, not a run folder; it is refused "
+                                      "even with --force: choose a folder of the run's own, e.g. --output runs/NAME")
         if folder.is_symlink():
             raise OutputConflictError(f"output folder {folder} is a symbolic link; a run never writes through a "
                                       "link: pass the real folder's path or another --output folder")
@@ -193,6 +215,14 @@ class RunFolder:
         if existing != folder:
             return  # a new folder: nothing in it yet
         names = sorted(os.listdir(folder))
+        # not a run folder is what is wrong with it first (the links in it matter only with --force)
+        others = [n for n in names if n != LOCK and not (n.startswith(".") and ".tmp" in n)]
+        if others and not self.is_run() and not self.force:
+            raise OutputConflictError(
+                f"output folder {folder} is not empty and is not a fedmjp run folder (no {CONFIG}; it holds "
+                f"{', '.join(others[:5])}{', ...' if len(others) > 5 else ''}); choose a new or empty --output "
+                "folder, or pass --force to write into it (files of the names a run writes, e.g. table.csv, "
+                "are replaced)")
         links = [n for n in names if (folder / n).is_symlink()]
         for sub in WRITTEN_FOLDERS:
             if (folder / sub).is_dir() and not (folder / sub).is_symlink():
@@ -207,13 +237,6 @@ class RunFolder:
         if (folder / LOCK).exists() and not (folder / LOCK).is_file():
             raise OutputConflictError(f"output folder {folder}: {LOCK} is not a regular file; remove it or choose "
                                       "another --output folder")
-        others = [n for n in names if n != LOCK and not (n.startswith(".") and ".tmp" in n)]
-        if others and not self.is_run() and not self.force:
-            raise OutputConflictError(
-                f"output folder {folder} is not empty and is not a fedmjp run folder (no {CONFIG}; it holds "
-                f"{', '.join(others[:5])}{', ...' if len(others) > 5 else ''}); choose a new or empty --output "
-                "folder, or pass --force to write into it (files of the names a run writes, e.g. table.csv, "
-                "are replaced)")
 
     def is_run(self) -> bool:
         """The folder holds a run's ``config.yaml`` or ``provenance.json``."""
@@ -393,14 +416,17 @@ class RunFolder:
                    partition_id: int | None = None) -> Path:
         """``images/<model>/<group>/<image>__r<round>-p<partition>__<kind>.png`` (``kind``: x, xs, rec).
 
-        A name longer than :data:`MAX_NAME` bytes keeps its head and gets a hash of the whole
-        (:func:`short_name`), so a long image file name never fails a run mid-way.
+        An image name that is not file-name-safe gets a hash of itself (:func:`distinct_slug`: two
+        names that clean up the same never share a file), and a name longer than :data:`MAX_NAME`
+        bytes keeps its head and gets a hash of the whole (:func:`short_name`), so a long image file
+        name never fails a run mid-way.
         """
         where = "" if round_ is None else f"__r{round_}-p{partition_id}"
         tail = f"{where}__{slug(kind)}.png"
-        name = slug(image_id) + tail
+        stem = distinct_slug(image_id)
+        name = stem + tail
         if len(name.encode()) > MAX_NAME:
-            name = short_name(slug(image_id), MAX_NAME - len(tail.encode())) + tail
+            name = short_name(stem, MAX_NAME - len(tail.encode())) + tail
         return self.images_dir / short_name(slug(model)) / short_name(slug(group)) / name
 
     def save_image(self, path: Path, image: torch.Tensor) -> None:

@@ -8,6 +8,7 @@ checked config: :func:`benchmark.validation.point_config`.
 from __future__ import annotations
 
 import itertools
+import json
 import math
 from typing import Any
 
@@ -27,8 +28,14 @@ def grid_points(cfg: BenchmarkConfig) -> list[dict[str, Any]]:
     and an MJP gamma series side by side)."""
     sweep = cfg.sweep or {}
     if isinstance(sweep, list):
+        repeated = repeated_values(sweep)
+        if repeated:
+            raise ConfigError(f"sweep lists the point {point_label(repeated[0])} more than once; each point is a "
+                              "whole run: list every point once")
         return [dict(point) for point in sweep]
     keys = list(sweep)
+    for key in keys:
+        check_values(key, sweep[key], f"sweep key {key!r}")
     return [dict(zip(keys, combo)) for combo in itertools.product(*(sweep[k] for k in keys))]
 
 
@@ -41,6 +48,38 @@ def grid_size(cfg: BenchmarkConfig) -> int:
 def swept_keys(cfg: BenchmarkConfig) -> list[str]:
     """Every dotted key the sweep sets (a grid's keys, or those of each explicit point)."""
     return [k for p in cfg.sweep for k in p] if isinstance(cfg.sweep, list) else list(cfg.sweep)
+
+
+def same_value_key(value: Any) -> tuple[str, Any]:
+    """A hashable key equal for two sweep values that make the same point: numbers by value (``0.1``
+    and ``0.10`` parse to one float; ``1`` and ``1.0`` are one number), booleans and null apart from
+    numbers, mappings and lists by their canonical JSON (key order ignored)."""
+    if value is None or isinstance(value, bool):
+        return ("constant", value)
+    if isinstance(value, (int, float)):
+        return ("number", value)
+    return ("data", json.dumps(value, sort_keys=True, default=str))
+
+
+def repeated_values(values: list[Any]) -> list[Any]:
+    """The values of ``values`` that an earlier one already makes (:func:`same_value_key`), in order."""
+    seen: set[tuple[str, Any]] = set()
+    repeated = []
+    for value in values:
+        key = same_value_key(value)
+        if key in seen:
+            repeated.append(value)
+        seen.add(key)
+    return repeated
+
+
+def check_values(key: str, values: list[Any], where: str) -> None:
+    """Refuse a grid key's values that repeat one another: a repeated value would run the same point
+    twice (into two folders, counted twice in ``sweep.csv``). Raises ConfigError naming ``where``."""
+    repeated = repeated_values(values)
+    if repeated:
+        raise ConfigError(f"{where} lists {key}={repeated[0]!r} more than once (values are compared as parsed: "
+                          "0.1 and 0.10 are one value); list each value once")
 
 
 def point_label(point: dict[str, Any]) -> str:
@@ -68,4 +107,23 @@ def parse_sweep_flag(text: str) -> tuple[str, list[Any]]:
     values = [core.parse_value(v, f"--sweep {text!r}") for v in raw.split(",") if v.strip()]
     if not key.strip() or not values:
         raise ConfigError(f"--sweep {text!r} needs a key and at least one value")
+    check_values(key.strip(), values, f"--sweep {text!r}")
     return key.strip(), values
+
+
+def sweep_flags(texts: list[str]) -> dict[str, list[Any]]:
+    """The grid keys of every ``--sweep`` flag (:func:`parse_sweep_flag`), in the order given.
+
+    Raises:
+        ConfigError: a key given by two flags (the later one would silently replace the earlier
+            one's values), naming the key and both flags.
+    """
+    grid: dict[str, list[Any]] = {}
+    given: dict[str, str] = {}
+    for text in texts:
+        key, values = parse_sweep_flag(text)
+        if key in grid:
+            raise ConfigError(f"--sweep {key} is given twice ({given[key]!r} and {text!r}); give all its values "
+                              f"in one flag: --sweep {key}=v1,v2,...")
+        grid[key], given[key] = values, text
+    return grid

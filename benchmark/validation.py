@@ -29,9 +29,14 @@ def validate(cfg: Mapping[str, Any] | BenchmarkConfig) -> BenchmarkConfig:
     ``federation.options`` against the clients' run-config schema.
     """
     cfg = core.parse(BenchmarkConfig, plain(cfg))
-    # the keys given, their values as the clients read them ("1e-4" -> 1e-4)
+    # the keys given, their values as the clients read them ("1e-4" -> 1e-4), ranges checked
     options = core.conform(RunConfig, cfg.federation.options, "federation.options.")
     cfg.federation.options = {k: options[k] for k in cfg.federation.options}
+    owned = owned_run_keys()
+    for key in cfg.federation.options:
+        if key in owned:
+            raise ConfigError(f"federation.options.{key} is a run-config key the benchmark sets (from {owned[key]}); "
+                              f"set {owned[key]} instead (federation.options takes only the keys it does not set)")
     if not cfg.device.strip():
         raise ConfigError("device must be auto, cpu, cuda or cuda:N, got an empty string")
     cores = os.cpu_count() or 1
@@ -43,6 +48,35 @@ def validate(cfg: Mapping[str, Any] | BenchmarkConfig) -> BenchmarkConfig:
     _validate_attack_list(cfg)
     validate_sweep(cfg)
     return cfg
+
+
+#: Run-config keys the benchmark sets from its own keys besides the ``client=`` ones of the schema:
+#: the setting each federation's group runs, the row's defence and model spec, and the server's
+#: out-dir (the benchmark stores what it needs in its run folder, never in another folder).
+_OWNED_BESIDES_SCHEMA = {
+    "setting": "settings", "defence": "defence (or a model row's defence)", "model-name": "models[i].name",
+    "model-arch": "models[i].arch", "model-variant": "models[i].variant", "model-kwargs": "models[i].kwargs",
+    "model-checkpoint": "models[i].checkpoint", "model-april": "models[i].april", "model-seed": "models[i].seed",
+    "out-dir": "output (the run folder, --output)",
+}
+
+
+def owned_run_keys() -> dict[str, str]:
+    """Run-config key -> the benchmark key that sets it (every run-config key the benchmark owns:
+    a ``client=`` target of the schema, or one of :data:`_OWNED_BESIDES_SCHEMA`)."""
+    out: dict[str, str] = {}
+
+    def walk(section: core.Schema, prefix: str) -> None:
+        for key, info in type(section).model_fields.items():
+            value = getattr(section, key)
+            if isinstance(value, core.Schema):
+                walk(value, f"{prefix}{key}.")
+            targets: Any = (info.json_schema_extra or {}).get("client", ())  # type: ignore[union-attr]
+            for target in (targets,) if isinstance(targets, str) else targets:
+                out[target] = prefix + key
+
+    walk(BenchmarkConfig(), "")
+    return {**out, **_OWNED_BESIDES_SCHEMA}
 
 
 def point_config(cfg: BenchmarkConfig, point: dict[str, Any]) -> BenchmarkConfig:

@@ -23,7 +23,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,16 +39,120 @@ _logger = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _copy(value: Any) -> Any:
+    """A private copy of an update's entry (a tensor or an array; anything else as it is)."""
+    import numpy as np
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    return value.copy() if isinstance(value, np.ndarray) else value
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two entries hold the same values (NaN equal to NaN; tensors by dtype, shape, values)."""
+    import numpy as np
+    import torch
+
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        return a.shape == b.shape and a.dtype == b.dtype and bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"))
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return a is b
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        return False
+    if torch.equal(a, b):
+        return True
+    return a.is_floating_point() and bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+class ModelGuard:
+    """What the attackers of a round share, as it was before they ran: the model's state (parameters
+    and buffers), every module's train/eval mode and every parameter's ``requires_grad``.
+    :meth:`changed` says what an attacker changed in place and puts it back, so that the next
+    attacker is given the model the server sent."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        modules = getattr(model, "modules", None)
+        self.active = callable(modules)  # an nn.Module (a Ray ObjectRef or a stand-in has nothing to guard)
+        if self.active:
+            self.state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            self.modes = [m.training for m in model.modules()]
+            self.grads = [p.requires_grad for p in model.parameters()]
+
+    def changed(self) -> str | None:
+        """What differs from the snapshot (None: nothing), after putting the snapshot back."""
+        if not self.active:
+            return None
+        what = None
+        state = self.model.state_dict()
+        if set(state) != set(self.state):
+            what = f"its state's names ({len(state)} entries, were {len(self.state)})"
+        else:
+            bad = next((k for k, v in state.items() if not _same(v.detach(), self.state[k])), None)
+            if bad is not None:
+                what = f"the model's {bad!r}"
+        modes = [m.training for m in self.model.modules()]
+        if what is None and modes != self.modes:
+            what = "the model's train/eval mode"
+        grads = [p.requires_grad for p in self.model.parameters()]
+        if what is None and grads != self.grads:
+            what = "the model's requires_grad flags"
+        if what is not None:
+            self.model.load_state_dict(self.state, strict=False)
+            for m, mode in zip(self.model.modules(), self.modes):
+                m.training = mode
+            for p, flag in zip(self.model.parameters(), self.grads):
+                p.requires_grad_(flag)
+        return what
+
+
 def run_attack(attack: Any, model: Any, updates: Sequence[dict], metadatas: Sequence[AttackMetadata],
-               batched: bool = True) -> tuple[list, float]:
+               batched: bool = True, guard: ModelGuard | None = None) -> tuple[list, float]:
     """(results, seconds) of one attacker on one round's updates: one ``reconstruct_many`` call, or
-    one ``reconstruct`` per update (``batched=False``, the reference path the tests compare with)."""
+    one ``reconstruct`` per update (``batched=False``, the reference path the tests compare with).
+
+    The one boundary around an attack's call in the benchmark: the attack gets its own copy of each
+    update; whatever it raises (``SystemExit`` and its own ``KeyboardInterrupt`` included; the
+    user's interrupt is re-raised) fails its results with the reason; what it returns is checked
+    (:func:`attacks.api.base.check_results`); and one that changed the model in place (``guard``,
+    :class:`ModelGuard`; the model is put back) has its results failed saying so."""
+    from attacks.api.base import Attack, check_results, failed_result
+    from attacks.api.errors import ErrorReason
+    from fedmjp import plugins
+
+    if not isinstance(attack, Attack):
+        # Every attack the benchmark builds is an Attack (the registry and the plug-in loader refuse
+        # anything else); a stand-in object (the runners' own tests) is called as it is.
+        t0 = time.perf_counter()
+        if batched:
+            return attack.reconstruct_many(model, list(updates), list(metadatas)), time.perf_counter() - t0
+        return [attack.reconstruct(model, u, m) for u, m in zip(updates, metadatas)], time.perf_counter() - t0
+    name = attack.name or type(attack).__name__
+    guard = guard if guard is not None else ModelGuard(model)
+    given = [{k: _copy(v) for k, v in u.items()} if isinstance(u, Mapping) else u for u in updates]
     t0 = time.perf_counter()
-    if batched:
-        results = attack.reconstruct_many(model, list(updates), list(metadatas))
-    else:
-        results = [attack.reconstruct(model, u, m) for u, m in zip(updates, metadatas)]
-    return results, time.perf_counter() - t0
+    try:
+        if batched:
+            results: Any = attack.reconstruct_many(model, list(given), list(metadatas))
+        else:
+            results = [attack.reconstruct(model, u, m) for u, m in zip(given, metadatas)]
+    except (Exception, SystemExit, KeyboardInterrupt) as err:
+        if isinstance(err, KeyboardInterrupt) and plugins.interrupted_by_user():
+            raise
+        _logger.error("attack %s raised past its guard: %s", name, type(err).__name__)
+        results = [failed_result(m, ErrorReason.from_exception(err)) for m in metadatas]
+    seconds = time.perf_counter() - t0
+    results = check_results(results, name, list(metadatas), seconds)
+    # the update was the attack's own copy: whatever it did to it reaches no other attacker; the
+    # model is shared, so a change to it fails this attacker's results and is undone
+    changed = guard.changed()
+    if changed is not None:
+        reason = ErrorReason.of(f"attack {name!r} changed the model in place ({changed}); an attack must "
+                                "leave the model it is given as it is (work on a copy)")
+        _logger.error("%s", reason)
+        results = [failed_result(m, reason) for m in metadatas]
+    return results, seconds
 
 
 #: What a runner's job gives: the attack's results (one per update) and the seconds the call took.
@@ -65,8 +169,10 @@ class AttackCall:
 
 
 def run_calls(attacks: Sequence[Any], model: Any, calls: Sequence[AttackCall], batched: bool = True) -> list[JobResult]:
-    """:func:`run_attack` for each call, one after the other (what one job of a runner does)."""
-    return [run_attack(attacks[c.index], model, c.updates, c.metadatas, batched) for c in calls]
+    """:func:`run_attack` for each call, one after the other (what one job of a runner does); one
+    :class:`ModelGuard` of the model for all of them."""
+    guard = ModelGuard(model)
+    return [run_attack(attacks[c.index], model, c.updates, c.metadatas, batched, guard) for c in calls]
 
 
 class Runner(Protocol):

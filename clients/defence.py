@@ -14,6 +14,11 @@ Where each defence acts (:mod:`defences.spec` has the keys):
 * central_dp: nowhere on the client (the server's Flower wrapper, server/central_dp.py).
 * fedavg: the run config's mode/local-steps (set by :class:`clients.runconfig.RunConfig` from the spec).
 Randomness is seeded by (seed, partition, round), so a defended update is reproducible.
+
+What a defence sends is checked against the clean update in one place (:func:`check_sent_update`):
+the same names and shapes, the same real floating-point dtype, finite, every entry at most
+:data:`defences.spec.MAX_UPDATE_MAGNITUDE`. A defence that breaks it, exits or raises its own
+KeyboardInterrupt is a :class:`fedmjp.plugins.PluginError` naming it, not an update sent.
 """
 from __future__ import annotations
 
@@ -24,8 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from defences import apply_update_defence, cosine_similarity, dp_sgd_epsilon, mix_batch, private_gradient
-from defences.spec import DpSgd, Mixup
+from defences.spec import MAX_UPDATE_MAGNITUDE, DpSgd, Mixup
 
+from fedmjp import plugins
 from fedmjp.devices import resolve_device
 
 from .partition import PrivateBatch, partition_indices, private_image_set, stable_seed
@@ -86,6 +92,48 @@ def _mixup_update(model: torch.nn.Module, batch: PrivateBatch, cfg: RunConfig, s
     return local_sgd(model, loss, cfg.local_steps, cfg.lr)
 
 
+def sent_update_problem(clean: Mapping[str, torch.Tensor], sent: Any) -> Optional[str]:
+    """What is wrong with the update a defence sends instead of ``clean`` (None: nothing): a mapping
+    of the same names, each a torch tensor of its clean entry's shape and real floating-point dtype,
+    finite, with every entry at most :data:`defences.spec.MAX_UPDATE_MAGNITUDE` in magnitude."""
+    if not isinstance(sent, Mapping):
+        return f"a {type(sent).__name__} instead of a dict of tensors by parameter name"
+    missing, extra = sorted(set(clean) - set(sent), key=str), sorted(set(sent) - set(clean), key=str)
+    if missing or extra:
+        listed = "; ".join(part for part in (f"missing {missing[:3]}" + ("..." if len(missing) > 3 else "")
+                                             if missing else "",
+                                             f"unknown {extra[:3]}" + ("..." if len(extra) > 3 else "")
+                                             if extra else "") if part)
+        return f"its names differ from the update's ({listed})"
+    for name, ref in clean.items():
+        value = sent[name]
+        if not isinstance(value, torch.Tensor):
+            return f"{name!r} is a {type(value).__name__}, not a torch tensor"
+        if value.dtype != ref.dtype:
+            return f"{name!r} has dtype {value.dtype}, the update's is {ref.dtype}"
+        if value.shape != ref.shape:
+            return f"{name!r} has shape {tuple(value.shape)}, the update's is {tuple(ref.shape)}"
+        if not bool(torch.isfinite(value).all()):
+            return f"{name!r} holds non-finite values (NaN or inf)"
+        if value.numel() and float(value.abs().max()) > MAX_UPDATE_MAGNITUDE:
+            return (f"{name!r} holds {float(value.abs().max()):.3g}, beyond {MAX_UPDATE_MAGNITUDE:g} in magnitude "
+                    "(its norm and cosine to the clean update cannot be computed)")
+    return None
+
+
+def check_sent_update(spec: Any, clean: Mapping[str, torch.Tensor], sent: Any) -> dict[str, torch.Tensor]:
+    """``sent`` when it is an update the clean one may be replaced by (:func:`sent_update_problem`).
+
+    Raises:
+        PluginError: naming the defence (its label) and what was wrong.
+    """
+    problem = sent_update_problem(clean, sent)
+    if problem is not None:
+        raise plugins.PluginError(f"defence {spec.label!r} returned a bad update: {problem}; a defence must "
+                                  "return every entry of the update with its shape and dtype, finite")
+    return dict(sent)
+
+
 def defended_local_update(cfg: RunConfig, state: Mapping[str, torch.Tensor], partition_id: int,
                           server_round: int, num_partitions: Optional[int] = None,
                           device: Optional[torch.device] = None
@@ -114,13 +162,17 @@ def defended_local_update(cfg: RunConfig, state: Mapping[str, torch.Tensor], par
                 sent, loss = _dp_sgd_update(model, batch, cfg, spec, gen, device)
             else:
                 sent, loss = _mixup_update(model, batch, cfg, spec, partition_id, num_partitions, gen, device)
+        sent = check_sent_update(spec, clean, sent)
         if isinstance(spec, DpSgd):
             n_owned = len(partition_indices(cfg, partition_id, num_partitions))
             q = min(1.0, cfg.batch_size / n_owned)
             steps = server_round * (1 if cfg.mode == "fedsgd" else cfg.local_steps)
             info["dp-epsilon"] = dp_sgd_epsilon(q, spec.sigma, steps, spec.delta)
     else:
-        sent = apply_update_defence(clean, spec, gen)
+        # a copy: a defence that changes what it is given in place cannot change the clean reference
+        given = {k: v.clone() for k, v in clean.items()}
+        sent = check_sent_update(spec, clean, plugins.call(f"defence {spec.label!r}", apply_update_defence,
+                                                           given, spec, gen))
     norm = update_norm(clean)
     info["defence-cos"] = cosine_similarity(sent, clean)
     info["defence-norm-ratio"] = update_norm(sent) / norm if norm > 0 else 0.0

@@ -98,6 +98,8 @@ MAX_CLASSES = 100_000
 MAX_ROUNDS = 100_000
 MAX_CLIENTS = 100_000
 MAX_DATASET_IMAGES = 10_000_000
+#: A round's reply timeout, in seconds (a week: beyond it a run waits on a client that never comes).
+MAX_ROUND_TIMEOUT = 7 * 24 * 3600.0
 
 
 class RunConfig(Schema):
@@ -125,11 +127,11 @@ class RunConfig(Schema):
     seed: Int = 0
     images: str = "embedded"
     image_size: Int = option(32, ge=1, le=MAX_IMAGE_SIZE)
-    num_images: Int = 16  # 0: all images of the source
+    num_images: Int = option(16, ge=0, le=MAX_DATASET_IMAGES)  # 0: all images of the source
     num_classes: Int = option(10, ge=1, le=MAX_CLASSES)
     num_partitions: Int = option(2, ge=1, le=MAX_CLIENTS)
     partitioner: Partitioner = "iid"
-    dirichlet_alpha: Float = 0.5
+    dirichlet_alpha: Float = option(0.5, gt=0.0)
     model_name: str = "ViT+MJP"
     model_arch: str = "mjp_vit_cifar_patch4_32"
     model_variant: str = "mjp"
@@ -138,15 +140,15 @@ class RunConfig(Schema):
     model_april: str = ""
     model_seed: Int = 0
     precision: Precision = "float32"
-    fraction_train: Float = 1.0
-    min_nodes: Int = 2
-    round_timeout: Float = 600.0
+    fraction_train: Float = option(1.0, gt=0.0, le=1.0)  # share of the available clients sampled per round
+    min_nodes: Int = option(2, ge=1, le=MAX_CLIENTS)
+    round_timeout: Float = option(600.0, gt=0.0, le=MAX_ROUND_TIMEOUT)  # seconds a round waits for replies
     server_eval: bool = False
     device: str = "auto"
     out_dir: str = ""
-    fail_partition: Int = option(-1, round=True)
-    slow_partition: Int = option(-1, round=True)
-    slow_seconds: Float = option(0.0, round=True)
+    fail_partition: Int = option(-1, ge=-1, round=True)  # -1: none
+    slow_partition: Int = option(-1, ge=-1, round=True)
+    slow_seconds: Float = option(0.0, ge=0.0, le=MAX_ROUND_TIMEOUT, round=True)
     defence: Defence = option(NoDefence(), round=True)
     train_mode: bool = False
     drop_path: Float = option(0.0, ge=0.0, lt=1.0)  # 1 would drop every residual branch

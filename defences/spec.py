@@ -172,6 +172,10 @@ class NoDefence(DefenceSpec):
 #: overflow the clients' float32 updates (max 3.4e38) and the squared scale overflows float64, so no
 #: update would arrive; 1e30 is already pure noise for any model.
 MAX_NOISE_SCALE = 1e30
+#: The largest magnitude of an entry a defence may send (clients/defence.py checks every defence's
+#: update): room above MAX_NOISE_SCALE for the tails of its noise, while the update's squared norm
+#: in float64 (the defence_cos column) stays finite for any model (1e72 per entry).
+MAX_UPDATE_MAGNITUDE = 1e36
 
 
 class _NoiseBounded(DefenceSpec):
@@ -290,7 +294,9 @@ def validate_defence(spec: Any) -> DefenceSpec:
     # python/mypy#11470, type[C] is checked with C's unbound __hash__); every class is hashable.
     out = _parse(name, _plugin_schema(type(defence)), spec)  # type: ignore[arg-type]
     try:
-        defence.check(out.as_dict())
+        plugins.call(f"defence {name!r}", defence.check, out.as_dict())
+    except plugins.PluginError:
+        raise
     except ValueError as err:
         raise ValueError(f"defence {name!r}: {err}") from err
     return out

@@ -2,6 +2,11 @@
 
 Checkpoints are untrusted input: everything goes through ``torch.load(..., weights_only=True)``.
 
+Each read takes the file's bytes once, hashes them as read and parses the state dict from those
+same bytes (:func:`checkpoint_read`); inside :func:`read_once` (a benchmark run) every later read of
+the path returns that first read, so a file replaced mid-run changes neither the weights of a later
+federation nor the hash its provenance records.
+
 Official MJP format (github.com/yhlleo/MJP ``models/vit_timm.py``): with E_unk, the position table is
 an ``nn.Embedding`` (``pos_embed.weight``, [N + 2, D]: row 0 the cls position, rows 1..N the patches,
 row N + 1 the unknown embedding); an optional ``index_embed`` [1, N + 1, D]; the DAL head as
@@ -9,10 +14,15 @@ row N + 1 the unknown embedding); an optional ``index_embed`` [1, N + 1, D]; the
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import io
 import logging
+import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
+from typing import Iterator, Mapping
 
 import torch
 import torch.nn as nn
@@ -66,15 +76,104 @@ def missing_checkpoint(path: Path) -> str:
     return f"checkpoint {path} {what}; fix the path in the config or set it to null for a seeded fresh initialisation"
 
 
+@dataclass(frozen=True)
+class CheckpointRead:
+    """One read of a checkpoint file: the sha256 of the bytes read and the state dict parsed from
+    those same bytes (so the hash always names the weights that were used)."""
+
+    path: str
+    sha256: str
+    state: Mapping[str, torch.Tensor]
+
+
+#: The reads of the active :func:`read_once` block by absolute path (None outside one), and how
+#: deep such blocks are nested; one lock, held across a read, so that a second thread asking for
+#: the same file waits for the first read instead of reading the file again.
+_READS: dict[str, CheckpointRead] | None = None
+_READS_DEPTH = 0
+_READS_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def read_once() -> Iterator[None]:
+    """Within the block, each checkpoint path is read once: every :func:`read_state_dict`,
+    :func:`load_checkpoint` and :func:`checkpoint_sha256` of it (any thread) gets the first read's
+    state and hash, whatever happens to the file meanwhile. Re-entrant: a nested block (a sweep
+    point inside a sweep) shares the outer one's reads; they are dropped when the outermost ends."""
+    global _READS, _READS_DEPTH
+    with _READS_LOCK:
+        if _READS_DEPTH == 0:
+            _READS = {}
+        _READS_DEPTH += 1
+    try:
+        yield
+    finally:
+        with _READS_LOCK:
+            _READS_DEPTH -= 1
+            if _READS_DEPTH == 0:
+                _READS = None
+
+
+def checkpoint_read(path: str | Path) -> CheckpointRead:
+    """The checkpoint at ``path`` read once (bytes read, hashed as read, parsed from those bytes);
+    inside :func:`read_once`, the block's first read of that path.
+
+    Raises:
+        CheckpointError: not a readable file, or not a state dict of finite tensors.
+    """
+    key = os.path.abspath(os.fspath(path))
+    with _READS_LOCK:
+        if _READS is not None:
+            if key not in _READS:
+                _READS[key] = _read_checkpoint(Path(path))
+            return _READS[key]
+    return _read_checkpoint(Path(path))
+
+
+def checkpoint_sha256(path: str | Path) -> str:
+    """Hex sha256 of a checkpoint: inside :func:`read_once` the hash of the bytes the run's weights
+    were parsed from, else of the file's bytes now."""
+    with _READS_LOCK:
+        if _READS is not None:
+            return checkpoint_read(path).sha256
+    with Path(path).open("rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """Read a state dict from a checkpoint file (unwrapping ``{"model": ...}`` and DDP prefixes)."""
-    path = Path(path)
+    """Read a state dict from a checkpoint file (unwrapping ``{"model": ...}`` and DDP prefixes);
+    a new dict of the tensors of :func:`checkpoint_read` (callers may drop keys; tensors are shared
+    and never written: ``load_state_dict`` copies them)."""
+    return dict(checkpoint_read(path).state)
+
+
+def _read_checkpoint(path: Path) -> CheckpointRead:
     if not path.is_file():
         raise CheckpointError(missing_checkpoint(path))
-    if path.suffix == ".safetensors":  # the shipped weights (checkpoints/): see read_safetensors
-        return read_safetensors(path)[0]
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        data = path.read_bytes()
+    except OSError as err:
+        raise CheckpointError(f"cannot read checkpoint {path}: {err.strerror or err}") from err
+    digest = hashlib.sha256(data).hexdigest()
+    state = _safetensors_state(path, data) if path.suffix == ".safetensors" else _torch_state(path, data)
+    return CheckpointRead(str(path), digest, state)
+
+
+def _safetensors_state(path: Path, data: bytes) -> dict[str, torch.Tensor]:
+    """The float32 state dict of a ``.safetensors`` file's bytes (as :func:`read_safetensors`)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    try:
+        state = load(data)
+    except (SafetensorError, ValueError) as err:
+        raise CheckpointError(f"cannot read checkpoint {path}: not a valid safetensors file ({err})") from err
+    return {k.removeprefix("module."): (v.float() if v.is_floating_point() else v) for k, v in state.items()}
+
+
+def _torch_state(path: Path, data: bytes) -> dict[str, torch.Tensor]:
+    try:
+        obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as err:  # torch raises several types (pickle, zip, runtime); report them all alike
         raise CheckpointError(f"cannot read checkpoint {path}: {load_error_text(err)}") from err
     for key in _WRAPPER_KEYS:

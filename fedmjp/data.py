@@ -28,6 +28,7 @@ from torchvision.transforms import InterpolationMode
 
 from . import datadir
 from .archives import ARCHIVE_SUFFIXES, ArchiveError, resolve_data_path
+from .text import printable
 
 _logger = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ def open_image(fp: "str | Path | BinaryIO") -> Image.Image:
 def rgb_loader(path: str) -> Image.Image:
     """An RGB image for torchvision's ``ImageFolder(loader=...)`` (its default loader opens any format)."""
     with open_image(path) as img:
+        check_pixels(*img.size)
         return img.convert("RGB")
 
 # scikit-image images that ship inside its wheel (no pooch download). Colour first, then greyscale
@@ -86,11 +88,42 @@ class ImageSet:
         return ImageSet(self.images[idx], self.labels[idx], [self.names[i] for i in idx.tolist()], self.skipped)
 
 
-#: Largest image decoded, in pixels (8192 x 8192, 256 MB as 32-bit RGBA): a file whose header claims
-#: more (a "decompression bomb": a few kB that would decode to gigabytes) is a corrupt file, skipped or
-#: refused by ``on_corrupt``, before any pixel is decoded. Pillow's own guard (``Image.MAX_IMAGE_PIXELS``)
-#: only warns below twice its 89 MP default.
+#: Largest image held, in pixels (8192 x 8192, 256 MB as 32-bit RGBA), both as decoded and as
+#: resized by :func:`preprocess`: a file whose header claims more (a "decompression bomb": a few kB
+#: that would decode to gigabytes), or whose aspect ratio makes the short-side resize larger (a
+#: 300000 x 1 strip resized to a short side of 256 is 256 x 76.8M), is a corrupt file, skipped or
+#: refused by ``on_corrupt``, before any pixel is decoded. Pillow's own guard
+#: (``Image.MAX_IMAGE_PIXELS``) only warns below twice its 89 MP default.
 MAX_IMAGE_PIXELS = 8192 * 8192
+
+
+def resize_target(size: int) -> int:
+    """The short side :func:`preprocess` resizes to before its centre crop of ``size``."""
+    return int(round(size / 0.875))
+
+
+def resized_shape(width: int, height: int, size: int) -> tuple[int, int]:
+    """(width, height) of a ``width`` x ``height`` image after :func:`preprocess`'s resize (the
+    short side to :func:`resize_target`, the aspect ratio kept: torchvision's rule)."""
+    short, long = sorted((width, height))
+    target = resize_target(size)
+    new_long = int(target * long / short) if short else 0
+    return (target, new_long) if width <= height else (new_long, target)
+
+
+def check_pixels(width: int, height: int, size: Optional[int] = None) -> None:
+    """Raise ``ValueError`` when a ``width`` x ``height`` image is over :data:`MAX_IMAGE_PIXELS` as
+    decoded or, with ``size``, as :func:`preprocess` resizes it for ``size`` px: checked on the
+    header, before any pixel is decoded or allocated."""
+    if width * height > MAX_IMAGE_PIXELS:
+        raise ValueError(f"{width}x{height} pixels is more than the {MAX_IMAGE_PIXELS} this loader decodes "
+                         "(fedmjp.data.MAX_IMAGE_PIXELS)")
+    if size is not None:
+        w, h = resized_shape(width, height, size)
+        if w * h > MAX_IMAGE_PIXELS:
+            raise ValueError(f"{width}x{height} pixels would be resized to {w}x{h} for {size} px (its aspect "
+                             f"ratio kept), more than the {MAX_IMAGE_PIXELS} this loader holds "
+                             "(fedmjp.data.MAX_IMAGE_PIXELS)")
 
 
 def _scaled_to_8bit(img: Image.Image) -> Image.Image:
@@ -121,7 +154,11 @@ def preprocess(img: Image.Image, size: int) -> torch.Tensor:
     16-bit and float greyscale are scaled to 8 bits (:func:`_scaled_to_8bit`), images with an alpha
     channel (or a palette's transparency) are composited on white, CMYK/YCbCr/LAB/HSV/1-bit are
     converted to RGB by Pillow.
+
+    Raises:
+        ValueError: the image, or its resized form, is over :data:`MAX_IMAGE_PIXELS` (:func:`check_pixels`).
     """
+    check_pixels(*img.size, size)
     if img.mode in ("I", "F") or img.mode.startswith("I;16"):
         img = _scaled_to_8bit(img)
     if img.mode in ("La", "PA"):
@@ -131,7 +168,7 @@ def preprocess(img: Image.Image, size: int) -> torch.Tensor:
         background = Image.new("RGBA", img.size, (255, 255, 255, 255))
         img = Image.alpha_composite(background, img)
     img = img.convert("RGB")
-    resize = int(round(size / 0.875))
+    resize = resize_target(size)
     img = TF.resize(img, resize, interpolation=InterpolationMode.BICUBIC, antialias=True)
     img = TF.center_crop(img, [size, size])
     return TF.to_tensor(img).clamp_(0.0, 1.0)
@@ -202,7 +239,7 @@ def load_folder(
         raise ValueError(f"on_corrupt must be 'skip' or 'fail', got {on_corrupt!r}")
     folder = Path(folder)
     if not folder.is_dir():
-        raise DataError(f"image folder {folder} does not exist or is not a folder; pass --images DIR "
+        raise DataError(f"image folder {printable(folder)} does not exist or is not a folder; pass --images DIR "
                         "with image files, or leave it out for the embedded default")
     by_class = list_class_files(folder)
     if by_class is not None:
@@ -212,10 +249,10 @@ def load_folder(
         files, skipped = list_image_files(folder)
         file_labels = list(range(len(files)))
     if not files:
-        raise DataError(f"image folder {folder} holds no image files ({', '.join(IMAGE_EXTENSIONS)})")
+        raise DataError(f"image folder {printable(folder)} holds no image files ({', '.join(IMAGE_EXTENSIONS)})")
     if skipped:
-        _logger.warning("skipped %d non-image entries in %s: %s", len(skipped), folder,
-                        ", ".join(Path(s).name for s, _ in skipped[:10]))
+        _logger.warning("skipped %d non-image entries in %s: %s", len(skipped), printable(folder),
+                        ", ".join(printable(Path(s).name) for s, _ in skipped[:10]))
     tensors, labels, names = [], [], []
     for path, file_label in zip(files, file_labels):
         if num_images is not None and len(names) >= num_images:
@@ -224,24 +261,22 @@ def load_folder(
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", Image.DecompressionBombWarning)
                 with open_image(path) as img:
-                    width, height = img.size
-                    if width * height > MAX_IMAGE_PIXELS:  # checked on the header, before decoding
-                        raise ValueError(f"{width}x{height} pixels is more than the {MAX_IMAGE_PIXELS} "
-                                         "this loader decodes (fedmjp.data.MAX_IMAGE_PIXELS)")
+                    check_pixels(*img.size, size)  # on the header, before decoding or resizing
                     img.load()
                     tensors.append(preprocess(img, size))
         except (UnidentifiedImageError, Image.DecompressionBombError, OSError, SyntaxError, ValueError,
                 MemoryError) as err:
             if on_corrupt == "fail":
-                raise DataError(f"corrupt image {path}: {err} (use --on-corrupt skip to skip it)") from err
-            _logger.warning("skipping corrupt image %s: %s", path, err)
+                raise DataError(f"corrupt image {printable(path)}: {printable(err)} (use --on-corrupt skip to "
+                                "skip it)") from err
+            _logger.warning("skipping corrupt image %s: %s", printable(path), printable(err))
             skipped.append((str(path), f"corrupt: {err}"))
             continue
         labels.append(file_label % num_classes)
         names.append(path.name if by_class is None else f"{path.parent.name}/{path.name}")
     if not names:
-        raise DataError(f"no readable image in {folder}; skipped: "
-                        + "; ".join(f"{Path(s).name} ({r})" for s, r in skipped[:10]))
+        raise DataError(f"no readable image in {printable(folder)}; skipped: "
+                        + "; ".join(f"{printable(Path(s).name)} ({printable(r)})" for s, r in skipped[:10]))
     return ImageSet(torch.stack(tensors), torch.tensor(labels, dtype=torch.long), names, skipped)
 
 
@@ -265,13 +300,13 @@ def load_images(
         raise DataError(str(err)) from None
     if Path(source).is_file():
         if not str(source).endswith(ARCHIVE_SUFFIXES):
-            raise DataError(f"{source} is a file, not an image folder or a {'/'.join(ARCHIVE_SUFFIXES)} dataset archive")
+            raise DataError(f"{printable(source)} is a file, not an image folder or a {'/'.join(ARCHIVE_SUFFIXES)} dataset archive")
         try:
             root = resolve_data_path(source)
         except ArchiveError as err:
             raise DataError(str(err)) from None
         except OSError as err:  # the cache folder cannot be read or written
-            raise DataError(f"cannot use dataset archive {source}: {err}; set FEDMJP_CACHE to a writable "
+            raise DataError(f"cannot use dataset archive {printable(source)}: {printable(err)}; set FEDMJP_CACHE to a writable "
                             "folder") from None
         source = root / "val" if (root / "val").is_dir() else root / "train"
     return load_folder(source, size, num_images, num_classes, on_corrupt)

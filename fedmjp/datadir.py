@@ -24,19 +24,59 @@ import re
 from pathlib import Path
 from typing import Optional
 
+from .text import printable
+
 #: The environment variable naming the data folder.
 DATA_ENV = "FEDMJP_DATA"
 _PREFIX = re.compile(r"^\$(?:\{" + DATA_ENV + r"\}|" + DATA_ENV + r")(?=[/\\]|$)")
 
 
 class DataDirUnset(ValueError):
-    """A path names ``$FEDMJP_DATA`` but the variable is not set."""
+    """A path names ``$FEDMJP_DATA`` but the variable is not set, or names a path that cannot be
+    resolved (:class:`UnresolvablePath`)."""
+
+
+class UnresolvablePath(ValueError):
+    """A path given by a flag or an environment variable whose symbolic links lead nowhere (a loop
+    of links), or whose ``~user`` prefix names no known user."""
+
+
+def resolved(value: str | os.PathLike[str], what: str) -> Path:
+    """``value`` with ``~`` expanded, made absolute (a relative path: to the working directory) and
+    its symbolic links resolved: the one resolution of every path a flag or an environment
+    variable gives (``--images``, ``--output``, ``$FEDMJP_DATA``).
+
+    Args:
+        what: how the error names the path's origin (``"--images"``, ``"FEDMJP_DATA"``).
+    Raises:
+        UnresolvablePath: a loop of symbolic links, or an unknown ``~user`` (one line naming
+            ``what`` and the path; pathlib raises RuntimeError for both, which no caller expects).
+    """
+    shown = printable(os.fspath(value))
+    try:
+        path = Path(value).expanduser()
+    except RuntimeError:
+        raise UnresolvablePath(f"{what} {shown}: its ~ prefix names no known home folder; "
+                               "write the path out") from None
+    try:
+        return path.resolve()
+    except (RuntimeError, OSError) as err:
+        why = "a loop of symbolic links" if isinstance(err, RuntimeError) else printable(err.strerror or err)
+        raise UnresolvablePath(f"{what} {shown} cannot be resolved ({why}); fix the link or give another "
+                               "path") from None
 
 
 def data_dir() -> Optional[Path]:
-    """The folder ``$FEDMJP_DATA`` names (``~`` expanded, made absolute), or None when it is unset or empty."""
+    """The folder ``$FEDMJP_DATA`` names (``~`` expanded, made absolute), or None when it is unset or empty.
+
+    Raises:
+        DataDirUnset: the variable names a path that cannot be resolved (:func:`resolved`).
+    """
     value = os.environ.get(DATA_ENV, "").strip()
-    return Path(value).expanduser().resolve() if value else None
+    try:
+        return resolved(value, DATA_ENV) if value else None
+    except UnresolvablePath as err:
+        raise DataDirUnset(str(err)) from None
 
 
 def names_data_dir(value: object) -> bool:
@@ -60,7 +100,7 @@ def expand(value: str, what: str = "the path") -> str:
     root = data_dir()
     if root is None:
         raise DataDirUnset(
-            f"{what} {value} is inside the data folder, but {DATA_ENV} is not set: "
-            f"export {DATA_ENV}=/path/to/data (the folder that holds {rest or 'the data sets'}), "
+            f"{what} {printable(value)} is inside the data folder, but {DATA_ENV} is not set: "
+            f"export {DATA_ENV}=/path/to/data (the folder that holds {printable(rest) or 'the data sets'}), "
             f"or give {what} as a path of its own")
     return str(root / rest) if rest else str(root)

@@ -28,6 +28,7 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
 from . import models  # noqa: F401  (registers the mjp_* models)
 from .checkpoint import load_checkpoint
+from . import plugins
 from .models import VARIANTS, april_surgery, model_plugin
 
 _logger = logging.getLogger(__name__)
@@ -70,7 +71,8 @@ def create_model(arch: str, **kwargs: Any) -> nn.Module:
         raise ValueError(f"model kwargs {loaders} are not constructor arguments: name a checkpoint in the "
                          "model row's `checkpoint` key (train: `resume`/`initial_checkpoint`)")
     plugin = model_plugin(arch) if not timm.is_model(arch) else None
-    fn = functools.partial(plugin, pretrained=False) if plugin is not None else \
+    # a plug-in's constructor that exits or raises its own KeyboardInterrupt is a PluginError naming it
+    fn = functools.partial(plugins.call, f"model {arch!r}", plugin, pretrained=False) if plugin is not None else \
         functools.partial(timm.create_model, arch, pretrained=False)
     _check_model_memory(arch, fn, kwargs)
     try:
@@ -89,16 +91,25 @@ LOADER_KWARGS = frozenset({"checkpoint_path", "pretrained", "pretrained_cfg", "p
 #: Fraction of the machine's memory one model's parameters may take (its gradients, the optimiser's
 #: state, the attack's copies and the clients' copies need the rest).
 MODEL_MEMORY_FRACTION = 0.25
+#: Tokens one image may make, ``(img_size / patch_size)**2`` patches plus the prefix tokens (class,
+#: distillation, registers). Attention holds a T x T matrix per head and image (4,096 tokens: 64 MiB
+#: per head in float32, before the attacks' double backward keeps several), so memory and time grow
+#: with T^2: 1024 px at patch 4 (65,537 tokens) needs 16 GiB per head. Every shipped preset is far
+#: below (224 px at patch 16: 197 tokens; 32 px at patch 4: 65).
+MAX_TOKENS = 4096
 
 
 def _check_model_memory(arch: str, fn: Any, kwargs: Mapping[str, Any]) -> None:
     """Refuse kwargs whose model's parameters would take more than :data:`MODEL_MEMORY_FRACTION` of
     the available memory, counted on the meta device (no memory, no initialisation cost beyond
     shapes) before the real build allocates them (``embed_dim: 1e6`` would otherwise run the machine
-    out of memory first)."""
+    out of memory first); the same build's tokens per image are bounded (:func:`_check_tokens`)."""
+    built: list[nn.Module] = []
+
     def count(**kw: Any) -> int:
         with torch.device("meta"):
             meta = fn(**kw)
+        built.append(meta)
         return sum(p.numel() for p in meta.parameters()) + sum(b.numel() for b in meta.buffers())
 
     try:
@@ -112,6 +123,7 @@ def _check_model_memory(arch: str, fn: Any, kwargs: Mapping[str, Any]) -> None:
             numel = count(**kwargs)
     except Exception:  # noqa: BLE001 - a build that fails on meta fails the same way for real, with its message
         return
+    _check_tokens(arch, built[-1], kwargs)
     # The machine's memory, not what is free now: a bound that does not move with other processes.
     need, memory = numel * 4, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if need > MODEL_MEMORY_FRACTION * memory:
@@ -119,6 +131,25 @@ def _check_model_memory(arch: str, fn: Any, kwargs: Mapping[str, Any]) -> None:
                          f"GiB in float32), more than {MODEL_MEMORY_FRACTION:.0%} of this machine's "
                          f"{memory / 2**30:.1f} GiB of memory; choose smaller kwargs (embed_dim, depth, mlp_ratio, "
                          "num_classes)")
+
+
+def _check_tokens(arch: str, meta: nn.Module, kwargs: Mapping[str, Any]) -> None:
+    """Refuse a model that makes more than :data:`MAX_TOKENS` tokens per image (its patch grid and
+    prefix tokens, read from its meta-device build); a model without a timm-style ``patch_embed``
+    (a plug-in) is left to the memory check."""
+    patches = getattr(getattr(meta, "patch_embed", None), "num_patches", None)
+    if not isinstance(patches, int):
+        return
+    prefix = getattr(meta, "num_prefix_tokens", 0)
+    tokens = patches + (prefix if isinstance(prefix, int) else 0)
+    if tokens > MAX_TOKENS:
+        side = lambda v: "x".join(map(str, v)) if isinstance(v, (tuple, list)) else str(v)  # noqa: E731
+        size, patch = side(getattr(meta.patch_embed, "img_size", "?")), side(getattr(meta.patch_embed, "patch_size", "?"))
+        raise ValueError(f"model {arch!r} with kwargs {dict(kwargs)} makes {tokens:,} tokens per image "
+                         f"({patches:,} patches of {patch} px in {size} px, {tokens - patches} prefix), more than "
+                         f"{MAX_TOKENS:,} (fedmjp.factory.MAX_TOKENS: attention memory and time grow with the "
+                         "square of the tokens); use smaller images (data.image_size and img_size) or a larger "
+                         "patch_size")
 
 
 def spec_kwargs(spec: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,18 +1,60 @@
-"""One process at a time per output folder: an exclusive ``fcntl.flock`` on ``<folder>/.lock``.
+"""One process at a time per output folder, and whole files written into it safely.
 
-Used by the benchmark's result folders (``benchmark.store``) and training's ``--output-dir``
-(``fedmjp.train``). The OS releases the lock when the process ends, however it ends, so a killed
-run never leaves a folder locked. The lock file holds the owner's pid for people, not for logic.
+:func:`take_lock`: an exclusive ``fcntl.flock`` on ``<folder>/.lock``. Used by the benchmark's
+result folders (``benchmark.store``), training's ``--output-dir`` (``fedmjp.train``) and the
+federation server's ``out-dir`` (``server.outdir``). The OS releases the lock when the process
+ends, however it ends, so a killed run never leaves a folder locked. The lock file holds the
+owner's pid for people, not for logic.
+
+:func:`write_atomic`: a whole file written to a new temporary file beside it (created with
+``O_NOFOLLOW | O_EXCL``) and moved over it with ``os.replace`` (which replaces a link itself, never
+its target), so a reader sees the old file or the new one and a symbolic link planted in the
+folder is never written through. It sits in the core so that every package writing an output
+folder (the benchmark, the server) shares it.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
+import secrets
 from pathlib import Path
 from typing import IO, Optional
 
 LOCK = ".lock"
+
+#: Longest file name component written (most file systems allow 255 bytes; the rest is left for
+#: the temporary-file prefix and suffix).
+MAX_NAME = 200
+
+
+def write_atomic(path: str | Path, data: bytes, sync: bool = False) -> None:
+    """Write ``path`` atomically without following a symbolic link.
+
+    The bytes go to a new temporary file beside ``path`` (``O_CREAT | O_EXCL | O_NOFOLLOW``: never an
+    existing file or link), which then replaces ``path`` (``os.replace`` replaces a link itself,
+    never its target). The temporary file is removed on every failure (a full disk, a file-size
+    limit, an interrupt). Hand-written because ``tempfile`` creates files readable by the owner only
+    (mode 0600), while outputs follow the user's umask.
+
+    Raises:
+        OSError: the file cannot be written (a directory where the file should be: EISDIR).
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name[:MAX_NAME]}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            if sync:
+                os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 class FolderLocked(RuntimeError):

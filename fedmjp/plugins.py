@@ -18,15 +18,23 @@ what went wrong (module not found, attribute missing, wrong kind of object). See
 The processes that use a plug-in import it themselves: the clients (defences, models) and the
 attack workers (attacks), so on a Ray cluster or a deployed federation the package must be
 installed where they run (docs/plugins.md, "Where the plug-in must be installed").
+
+A plug-in's call may raise what ``except Exception`` does not catch: ``SystemExit`` (``sys.exit()``)
+or its own ``KeyboardInterrupt``. :func:`call` turns both into a :class:`PluginError` naming the
+plug-in, so that neither ends a run as a success nor passes for the user's Ctrl-C: the CLI's
+SIGINT and SIGTERM handlers record that a signal arrived, and a ``KeyboardInterrupt`` with no
+signal recorded is the plug-in's (:func:`interrupted_by_user`).
 """
 from __future__ import annotations
 
 import importlib
 import re
+import signal
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar
 
 #: Entry-point group of each kind of plug-in.
 GROUPS = {"attack": "fedmjp.attacks", "defence": "fedmjp.defences", "model": "fedmjp.models"}
@@ -40,7 +48,38 @@ REFERENCE_ORIGIN = "module reference"
 
 
 class PluginError(ValueError):
-    """A plug-in reference that cannot be loaded or is not the kind of object its group takes."""
+    """A plug-in reference that cannot be loaded or is not the kind of object its group takes, or a
+    plug-in's call that exited, raised its own KeyboardInterrupt or returned what its kind may not."""
+
+
+def interrupted_by_user() -> bool:
+    """Whether a ``KeyboardInterrupt`` just raised is the user's. A SIGINT or SIGTERM handler that
+    records the user's signals says so with a true ``records_signals`` attribute and sets its
+    ``received`` attribute to the signal when one arrives (run_benchmark.py installs such handlers):
+    with one installed, an interrupt is the user's only if a signal was received; with none, every
+    interrupt is taken as the user's."""
+    handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
+    recording = [h for h in handlers if getattr(h, "records_signals", False)]
+    return not recording or any(getattr(h, "received", None) is not None for h in recording)
+
+
+T = TypeVar("T")
+
+
+def call(what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)``, a plug-in's call: its ``SystemExit`` and its own ``KeyboardInterrupt``
+    (no user signal recorded) become a :class:`PluginError` naming ``what``; other exceptions pass.
+    The user's interrupt is re-raised as it is."""
+    try:
+        return fn(*args, **kwargs)
+    except SystemExit as err:
+        raise PluginError(f"{what} called sys.exit({err.code!r}); a plug-in must return or raise an "
+                          "exception") from None
+    except KeyboardInterrupt:
+        if interrupted_by_user():
+            raise
+        raise PluginError(f"{what} raised KeyboardInterrupt without a user interrupt; a plug-in must "
+                          "return or raise an exception") from None
 
 
 @dataclass(frozen=True)

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import random
+import threading
 import time
 import traceback
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional
 
@@ -71,6 +73,52 @@ class FederationResult(ServerOutcome):
     seconds: float = 0.0
 
 
+class DaemonPool:
+    """A fixed set of daemon worker threads running submitted calls, each with its Future.
+
+    Not :class:`concurrent.futures.ThreadPoolExecutor`: the interpreter joins its threads at exit,
+    so one client hung past the round timeout would keep the process alive after the run's
+    results are written (and after Ctrl-C). A daemon thread ends with the process.
+    """
+
+    def __init__(self, workers: int, name: str) -> None:
+        self._queue: queue.SimpleQueue[Optional[tuple[Future, Any, tuple]]] = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True)
+                         for i in range(max(1, workers))]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, fn: Any, *args: Any) -> Future:
+        future: Future = Future()
+        self._queue.put((future, fn, args))
+        return future
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            future, fn, args = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as err:  # noqa: BLE001  (the Future carries it to the caller)
+                future.set_exception(err)
+
+    def shutdown(self) -> None:
+        """Cancel the calls not started and let every thread end after its current call."""
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[0].cancel()
+        for _ in self._threads:
+            self._queue.put(None)
+
+
 class LocalGrid(Grid):
     """A Grid that delivers messages to a ClientApp object in this process (worker threads).
 
@@ -84,7 +132,8 @@ class LocalGrid(Grid):
         run_config: the nodes' ``context.run_config``.
         seed: seeds the (Flower-like, random 63-bit) node ids.
         max_workers: client threads running at once (default: the CPU count, at most all nodes:
-            more threads only oversubscribe the cores, and every client thread builds its own model).
+            more threads only oversubscribe the cores, and every client thread builds its own model);
+            daemon threads (:class:`DaemonPool`).
     """
 
     def __init__(self, client_app: ClientApp, num_nodes: int, run_config: Mapping[str, Any],
@@ -99,7 +148,7 @@ class LocalGrid(Grid):
             for i, node_id in enumerate(self.node_ids)
         }
         workers = max_workers or min(num_nodes, os.cpu_count() or 1)
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="clientapp")
+        self._pool = DaemonPool(workers, "clientapp")
         self._pending: dict[str, Future] = {}
 
     def set_run(self, run: Run) -> None:
@@ -159,8 +208,9 @@ class LocalGrid(Grid):
         return self.pull_messages(ids)
 
     def close(self) -> None:
-        """Stop accepting work; clients still running (timed out) finish in the background."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stop accepting work; clients still running (timed out) finish in the background, in
+        daemon threads that never keep the process alive."""
+        self._pool.shutdown()
 
 
 def _own_config_records(message: Message) -> Message:

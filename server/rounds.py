@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -24,12 +25,10 @@ from fedmjp.evaluate import loss_and_top1
 from fedmjp.factory import model_input_stats
 
 from .strategy import FedSGD, ServerOptimizer, TappedFedAvg
+from .outdir import FINAL_STATE_FILE, MARKER, OUTCOME_FILE, OutDir, OutDirError, read_marker
 from .tap import Failure, FolderTap, Tap
 
 _logger = logging.getLogger(__name__)
-
-OUTCOME_FILE = "federation.json"
-FINAL_STATE_FILE = "final_state.pt"
 
 
 @dataclass
@@ -42,12 +41,14 @@ class ServerOutcome:
         failures: every client that did not deliver a usable update.
         final_state: global state dict after the last round (CPU tensors).
         node_partitions: node id -> self-reported partition id.
+        recorded_ok: what a saved outcome's ``ok`` said (True for a run's own outcome).
     """
 
     history: list[dict[str, Any]]
     failures: list[Failure]
     final_state: dict[str, torch.Tensor]
     node_partitions: dict[int, int] = field(default_factory=dict)
+    recorded_ok: bool = True
 
     @property
     def failed_rounds(self) -> list[int]:
@@ -56,28 +57,82 @@ class ServerOutcome:
 
     @property
     def ok(self) -> bool:
-        return not self.failed_rounds
+        """The run made at least one round and every round had a usable update."""
+        return bool(self.history) and not self.failed_rounds and self.recorded_ok
 
-    def save(self, folder: str | Path) -> None:
-        """Write ``federation.json`` (history, failures) and ``final_state.pt`` to ``folder``."""
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
+    def save(self, out: OutDir) -> None:
+        """Write ``final_state.pt`` and then ``federation.json`` (history, failures) through the
+        out-dir's guarded writer, and mark the run finished."""
         summary = {
-            "ok": self.ok, "failed_rounds": self.failed_rounds, "history": self.history,
+            "run": out.run_id, "ok": self.ok, "failed_rounds": self.failed_rounds, "history": self.history,
             "failures": [f.to_dict() for f in self.failures],
             "node_partitions": {str(k): v for k, v in self.node_partitions.items()},
         }
-        (folder / OUTCOME_FILE).write_text(json.dumps(summary, indent=2, default=_json_default))
-        torch.save(self.final_state, folder / FINAL_STATE_FILE)
+        out.save_torch(FINAL_STATE_FILE, self.final_state)
+        out.write(OUTCOME_FILE, json.dumps(summary, indent=2, default=_json_default).encode())
+        out.finish()
 
     @classmethod
     def load(cls, folder: str | Path) -> "ServerOutcome":
+        """The outcome a finished run saved in its out-dir, every part checked.
+
+        Raises:
+            OutDirError: the folder is missing or not a finished run's out-dir, or a file is damaged
+                (the message names the file).
+        """
         folder = Path(folder)
-        summary = json.loads((folder / OUTCOME_FILE).read_text())
+        if not folder.is_dir():
+            raise OutDirError(f"{folder} is not a folder (a server run's out-dir)")
+        path = folder / OUTCOME_FILE
+        if not path.is_file():
+            raise OutDirError(f"{path} is missing or not a file: {folder} holds no finished run (was it killed?)")
+        try:
+            summary = json.loads(path.read_bytes().decode())
+        except (OSError, UnicodeDecodeError, ValueError) as err:
+            raise OutDirError(f"{path} is not the JSON a server run writes ({err})") from None
+        try:
+            history, failures, partitions, recorded_ok = _checked_summary(summary)
+        except (TypeError, ValueError, KeyError) as err:
+            raise OutDirError(f"{path} is damaged: {err}") from None
+        marker = read_marker(folder)
+        if marker and (not marker.get("finished") or summary.get("run", marker["run"]) != marker["run"]):
+            raise OutDirError(f"{path} is not of run {marker['run']}, which {folder / MARKER} names and which did "
+                              "not finish (was it killed?); re-run it")
         state_path = folder / FINAL_STATE_FILE
-        state = torch.load(state_path, map_location="cpu", weights_only=True) if state_path.exists() else {}
-        return cls(summary["history"], [Failure(**f) for f in summary["failures"]], state,
-                   {int(k): int(v) for k, v in summary["node_partitions"].items()})
+        state: dict[str, torch.Tensor] = {}
+        if os.path.lexists(state_path):
+            try:
+                state = torch.load(state_path, map_location="cpu", weights_only=True)
+            except Exception as err:  # noqa: BLE001  (torch raises many types for a damaged file)
+                raise OutDirError(f"{state_path} is not a state dict a server run wrote ({type(err).__name__})") \
+                    from None
+            if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+                raise OutDirError(f"{state_path} is not a state dict of tensors")
+        return cls(history, failures, state, partitions, recorded_ok=recorded_ok)
+
+
+def _checked_summary(summary: Any) -> tuple[list[dict[str, Any]], list[Failure], dict[int, int], bool]:
+    """History, failures and node partitions of a ``federation.json``, each checked (raises
+    TypeError, ValueError or KeyError naming the part)."""
+    if not isinstance(summary, dict):
+        raise TypeError(f"it holds a {type(summary).__name__}, not an object")
+    history = summary["history"]
+    if not isinstance(history, list) or not all(isinstance(h, dict) and isinstance(h.get("round"), int)
+                                                and isinstance(h.get("replies", 0), int) for h in history):
+        raise TypeError("'history' must be a list of rounds, each with an integer 'round' and 'replies'")
+    failures = summary.get("failures", [])
+    if not isinstance(failures, list) or not all(isinstance(f, dict) for f in failures):
+        raise TypeError("'failures' must be a list of objects")
+    parsed = [Failure(int(f["server_round"]), int(f["node_id"]),
+                      None if f.get("partition_id") is None else int(f["partition_id"]), str(f["reason"]))
+              for f in failures]
+    partitions = summary.get("node_partitions", {})
+    if not isinstance(partitions, dict):
+        raise TypeError("'node_partitions' must be an object")
+    ok = summary.get("ok", True)
+    if not isinstance(ok, bool):
+        raise TypeError(f"'ok' must be true or false, got {ok!r}")
+    return history, parsed, {int(k): int(v) for k, v in partitions.items()}, ok
 
 
 def _json_default(value: Any) -> Any:
@@ -93,6 +148,7 @@ def server_metadata(cfg: RunConfig, model: torch.nn.Module) -> dict[str, Any]:
     meta = {k: wire[k] for k in ("mode", "setting", "gamma", "per-sample", "batch-size", "local-steps", "lr",
                                 "dal-weight", "image-size")}
     meta.update({"input-mean": list(mean), "input-std": list(std), "model-spec": cfg.model_spec()})
+    meta["run-config"] = wire  # all of it: what an attack on a stored capture rebuilds the run from
     return meta
 
 
@@ -115,8 +171,17 @@ def run_rounds(grid: Grid, cfg: RunConfig, tap: Optional[Tap] = None) -> ServerO
     ``secagg`` the rounds run under Flower's SecAgg+ (:mod:`server.secagg`) and the tap sees one
     aggregate per round.
     """
+    out = OutDir.open(cfg.out_dir) if cfg.out_dir else None  # locked and checked before any work
+    try:
+        return _run_rounds(grid, cfg, tap, out)
+    finally:
+        if out is not None:
+            out.close()
+
+
+def _run_rounds(grid: Grid, cfg: RunConfig, tap: Optional[Tap], out: Optional[OutDir]) -> ServerOutcome:
     model = load_global_model(cfg)
-    taps = [t for t in (tap, FolderTap(Path(cfg.out_dir) / "updates") if cfg.out_dir else None) if t]
+    taps = [t for t in (tap, FolderTap(out) if out is not None else None) if t]
 
     def tap_all(update: Any) -> None:
         for t in taps:
@@ -126,7 +191,7 @@ def run_rounds(grid: Grid, cfg: RunConfig, tap: Optional[Tap] = None) -> ServerO
     # The public split (images of the source no client owns), never the clients' private images.
     eval_data = public_eval_set(cfg) if cfg.server_eval else None
     if cfg.secagg:
-        return _run_secagg_rounds(grid, cfg, model, tap_all if taps else None, metadata, eval_data)
+        return _run_secagg_rounds(grid, cfg, model, tap_all if taps else None, metadata, eval_data, out)
     common = dict(
         tap=tap_all if taps else None, metadata=metadata,
         fraction_train=cfg.fraction_train, fraction_evaluate=0.0,
@@ -154,13 +219,13 @@ def run_rounds(grid: Grid, cfg: RunConfig, tap: Optional[Tap] = None) -> ServerO
             row.update({k: float(v) for k, v in result.evaluate_metrics_serverapp[r].items()})
         history.append(row)
     final = decode_state(result.arrays) if result.arrays is not None else clone_state(model.state_dict())
-    return _finish(cfg, ServerOutcome(history, list(tapped.failures), final, dict(tapped.node_partitions)))
+    return _finish(out, ServerOutcome(history, list(tapped.failures), final, dict(tapped.node_partitions)))
 
 
-def _finish(cfg: RunConfig, outcome: ServerOutcome) -> ServerOutcome:
-    """Save the outcome where ``out-dir`` says and log each round."""
-    if cfg.out_dir:
-        outcome.save(cfg.out_dir)
+def _finish(out: Optional[OutDir], outcome: ServerOutcome) -> ServerOutcome:
+    """Save the outcome in the out-dir (if any) and log each round."""
+    if out is not None:
+        outcome.save(out)
     for row in outcome.history:
         _logger.info("round %d: %d/%d replies, train-loss %.4f", row["round"], row["replies"], row["sampled"],
                      row.get("train-loss", float("nan")))
@@ -168,7 +233,7 @@ def _finish(cfg: RunConfig, outcome: ServerOutcome) -> ServerOutcome:
 
 
 def _run_secagg_rounds(grid: Grid, cfg: RunConfig, model: torch.nn.Module, tap: Optional[Tap],
-                       metadata: dict[str, Any], eval_data: Any) -> ServerOutcome:
+                       metadata: dict[str, Any], eval_data: Any, out: Optional[OutDir]) -> ServerOutcome:
     """The rounds under Flower's SecAgg+ (:mod:`server.secagg`): the tap sees one aggregate per round."""
     from flwr.app import Context, RecordDict
 
@@ -185,5 +250,5 @@ def _run_secagg_rounds(grid: Grid, cfg: RunConfig, model: torch.nn.Module, tap: 
     run_secagg(grid, context, strategy)
     history = [dict(strategy.rounds.get(r, {"round": r, "sampled": 0, "replies": 0, "failures": 0}))
                for r in range(1, cfg.num_server_rounds + 1)]
-    return _finish(cfg, ServerOutcome(history, list(strategy.failures), clone_state(strategy.state),
+    return _finish(out, ServerOutcome(history, list(strategy.failures), clone_state(strategy.state),
                                       dict(strategy.node_partitions)))

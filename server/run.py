@@ -1,7 +1,10 @@
 """Command line: run federated rounds, or check a finished run, with an honest exit status.
 
 Flower's own CLI (``flwr run . --stream``) exits 0 even when every client failed; this wrapper
-exits 1 when a round had no usable client update (with ``--strict``: when any client failed).
+exits 1 when a round had no usable client update or the run made no round (with ``--strict``:
+when any client failed), 3 on a bad run-config key or value or an out-dir a run cannot use,
+130 on Ctrl-C. ``--check`` reads a finished run's out-dir and exits the same way (3 when the folder
+is missing, not a finished run, or damaged).
 
     python -m server.run --clients 2 -c "setting='c' gamma=0.27 num-server-rounds=3"
     python -m server.run --engine inprocess -c "mode='fedavg' local-steps=2"
@@ -14,11 +17,14 @@ import logging
 import sys
 from typing import Optional, Sequence
 
+from click import ClickException
 from flwr.common.config import parse_config_args
 
 from clients.runconfig import resolve_config
+from fedmjp.config import ConfigError
 
 from .federation import ENGINES, run_federation
+from .outdir import OutDirError
 from .rounds import ServerOutcome
 
 _logger = logging.getLogger("server.run")
@@ -38,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+EXIT_BAD_INPUT = 3
+EXIT_INTERRUPTED = 130
+
+
 def exit_code(failed_rounds: Sequence[int], num_failures: int, strict: bool) -> int:
     """1 if a round failed entirely (or, strict, if any client failed), else 0."""
     return 1 if failed_rounds or (strict and num_failures) else 0
@@ -46,15 +56,16 @@ def exit_code(failed_rounds: Sequence[int], num_failures: int, strict: bool) -> 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    if args.check:
-        outcome = ServerOutcome.load(args.check)
-        history, failures = outcome.history, outcome.failures
-        failed = outcome.failed_rounds
-    else:
-        result = run_federation(resolve_config(parse_config_args(args.run_config)), engine=args.engine,
-                                num_supernodes=args.clients, client_cpus=args.client_cpus)
-        history, failures, failed = result.history, result.failures, result.failed_rounds
-        _logger.info("finished in %.1f s (%s engine)", result.seconds, result.engine)
+    try:
+        outcome = _outcome(args)
+    except (ConfigError, OutDirError) as err:  # a user value: one line, no traceback
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("interrupted: the run stopped; its out-dir (if any) holds no finished outcome, re-run it",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
+    history, failures, failed = outcome.history, outcome.failures, outcome.failed_rounds
     for row in history:
         _logger.info("round %s: %s/%s usable replies, train-loss %s, eval-acc %s", row["round"], row.get("replies"),
                      row.get("sampled"), row.get("train-loss"), row.get("eval-acc"))
@@ -63,7 +74,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     code = exit_code(failed, len(failures), args.strict)
     if failed:
         _logger.error("rounds without any usable client update: %s", failed)
+    elif not outcome.ok:
+        _logger.error("the run did not succeed (%s)", "it made no round" if not history else "its outcome says ok: false")
+        code = 1
     return code
+
+
+def _outcome(args: argparse.Namespace) -> ServerOutcome:
+    """The outcome to report: the finished run's in ``--check``'s folder, or a new run's."""
+    if args.check:
+        return ServerOutcome.load(args.check)
+    try:
+        keys = parse_config_args(args.run_config)
+    except ClickException as err:  # Flower's own parser's error for a malformed -c
+        raise ConfigError(f"-c {' '.join(args.run_config)!r}: {err.message}") from None
+    result = run_federation(resolve_config(keys), engine=args.engine,
+                            num_supernodes=args.clients, client_cpus=args.client_cpus)
+    _logger.info("finished in %.1f s (%s engine)", result.seconds, result.engine)
+    return result
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .outdir import UPDATES, OutDir, OutDirError, read_marker
+
 _logger = logging.getLogger(__name__)
 
 UPDATE_KINDS = ("gradients", "delta")
@@ -90,42 +92,68 @@ Tap = Callable[[TappedUpdate], None]
 
 
 class FolderTap:
-    """A tap that stores every update under ``folder`` (for runs whose ServerApp lives in another
-    process, e.g. ``flwr run`` or the deployment engine).
+    """A tap that stores every update under the out-dir's ``updates/`` (for runs whose ServerApp
+    lives in another process, e.g. ``flwr run`` or the deployment engine), through the out-dir's
+    guarded writer (:class:`server.outdir.OutDir`: atomic, never through a link).
 
     Layout: ``round-0001-global.pt`` (the state sent in that round, once) and
-    ``round-0001-node-<id>.pt`` (arrays plus a JSON header with the other fields), or
-    ``round-0001-aggregate.pt`` for a secure-aggregation round's aggregate.
+    ``round-0001-node-<id>.pt`` (arrays plus a JSON header with the other fields, and the run id of
+    the out-dir's marker), or ``round-0001-aggregate.pt`` for a secure-aggregation round's aggregate.
     """
 
-    def __init__(self, folder: str | Path) -> None:
-        self.folder = Path(folder)
-        self.folder.mkdir(parents=True, exist_ok=True)
+    def __init__(self, out: OutDir) -> None:
+        self.out = out
         self._saved_globals: set[int] = set()
 
     def __call__(self, update: TappedUpdate) -> None:
         r = update.server_round
         if r not in self._saved_globals:
-            torch.save(update.global_state, self.folder / f"round-{r:04d}-global.pt")
+            self.out.save_torch(f"{UPDATES}/round-{r:04d}-global.pt", update.global_state)
             self._saved_globals.add(r)
         # The header's fields only (asdict would deep-copy the arrays and global state first).
         header = {f.name: getattr(update, f.name) for f in fields(update) if f.name not in ("arrays", "global_state")}
-        payload = {"header": json.dumps(header), "arrays": dict(update.arrays)}  # a dict: weights_only loads it
+        # a dict of str, tensors and a dict of tensors: weights_only loads it
+        payload = {"header": json.dumps(header), "run": self.out.run_id, "arrays": dict(update.arrays)}
         name = "aggregate" if update.is_aggregate else f"node-{update.node_id}"
-        torch.save(payload, self.folder / f"round-{r:04d}-{name}.pt")
+        self.out.save_torch(f"{UPDATES}/round-{r:04d}-{name}.pt", payload)
+
+
+def _load_pt(path: Path) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001  (torch raises many types for a damaged or foreign file)
+        raise OutDirError(f"{path} is not a tapped update a server run wrote ({type(err).__name__}: "
+                          f"{str(err).splitlines()[0] if str(err) else ''}); remove it or use the run's own out-dir") \
+            from None
 
 
 def load_tapped_updates(folder: str | Path) -> list[TappedUpdate]:
-    """Read back what :class:`FolderTap` stored, sorted by (round, node id); safe loading only."""
+    """Read back what :class:`FolderTap` stored in an out-dir's ``updates/``, sorted by (round,
+    node id); safe loading only. Only the updates of the run the out-dir's marker names are read
+    (a file of another run is skipped).
+
+    Raises:
+        OutDirError: the folder is missing, or a file is not an update a run wrote.
+    """
     folder = Path(folder)
+    if not folder.is_dir():
+        raise OutDirError(f"{folder} is not a folder of tapped updates (a server run's out-dir/updates)")
+    run = read_marker(folder.parent).get("run")
     globals_: dict[int, dict[str, torch.Tensor]] = {}
     updates = []
     paths = [*folder.glob("round-*-node-*.pt"), *folder.glob("round-*-aggregate.pt")]
     for path in sorted(paths):
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-        header = json.loads(payload["header"])
-        r = int(header["server_round"])
-        if r not in globals_:
-            globals_[r] = torch.load(folder / f"round-{r:04d}-global.pt", map_location="cpu", weights_only=True)
-        updates.append(TappedUpdate(arrays=payload["arrays"], global_state=globals_[r], **header))
+        payload = _load_pt(path)
+        if not isinstance(payload, dict) or not {"header", "arrays"} <= set(payload):
+            raise OutDirError(f"{path} is not a tapped update a server run wrote; remove it")
+        if run is not None and payload.get("run") != run:
+            continue  # another run's file (the marker names the run this folder holds)
+        try:
+            header = json.loads(payload["header"])
+            r = int(header["server_round"])
+            if r not in globals_:
+                globals_[r] = _load_pt(folder / f"round-{r:04d}-global.pt")
+            updates.append(TappedUpdate(arrays=payload["arrays"], global_state=globals_[r], **header))
+        except (TypeError, ValueError, KeyError) as err:
+            raise OutDirError(f"{path} has a damaged header ({err}); remove it") from None
     return sorted(updates, key=lambda u: (u.server_round, u.node_id))

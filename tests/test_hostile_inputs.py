@@ -423,9 +423,9 @@ def test_condition_failures_stay_failed(tmp_path: Path) -> None:
     assert not is_run_failure({"failed": True, "reason": "rank condition not met"})
     assert is_run_failure({"failed": True, "reason": "client failed: injected failure"})
     config, out = small_config(tmp_path), tmp_path / "out"
-    assert cli(config, out, "--set", "federation.options={fail-partition: 1}") == 0
+    assert cli(config, out, "--set", "federation.options={fail-partition: 1}") == 7  # rows to resume
     lines = (out / "results.jsonl").read_text()
-    assert cli(config, out, "--set", "federation.options={fail-partition: 1}") == 0
+    assert cli(config, out, "--set", "federation.options={fail-partition: 1}") == 7
     rows = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and sum(r["failed"] for r in rows) == 1  # retried, failed again, not doubled
     assert len(lines.splitlines()) == 2

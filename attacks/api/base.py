@@ -27,18 +27,21 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Hashable, Mapping, Optional, Sequence, TypeVar, Union
 
+import numpy as np
 import torch
 import torch.nn as nn
 from pydantic import ValidationInfo, field_validator
 
 from fedmjp import config as core
 
-from .errors import AttackFailure, ErrorReason
+from fedmjp import plugins
+
+from .errors import AttackFailure, ErrorReason, cap_reason
 from .metadata import AttackMetadata, LazyGradients, Metadata, Update, update_to_gradients
 
 __all__ = ["Attack", "AttackFailure", "AttackMetadata", "AttackOptions", "AttackResult", "BatchedSolveAttack",
-           "ErrorReason", "LazyGradients", "Metadata", "Update", "failed_result", "parse_options",
-           "update_to_gradients"]
+           "ErrorReason", "LazyGradients", "Metadata", "Update", "check_result", "check_results", "failed_result",
+           "parse_options", "update_to_gradients"]
 
 _logger = logging.getLogger(__name__)
 
@@ -79,6 +82,7 @@ def failed_result(meta: Optional[AttackMetadata], reason: str, num_images: int =
     :class:`ErrorReason`)."""
     n = meta.num_images if meta is not None else num_images
     size = meta.image_size if meta is not None else tuple(image_size)
+    reason = cap_reason(reason)
     stats = [dict(failed=True, reason=str(reason), notes=[]) for _ in range(n)]
     error = reason.traceback if isinstance(reason, ErrorReason) else None
     return AttackResult(torch.zeros(n, *size), stats, failed=True, reason=str(reason), error=error)
@@ -189,10 +193,12 @@ class Attack:
             update: gradients (or a FedAvg delta) by parameter name, names of ``model.named_parameters()``.
             metadata: see :class:`AttackMetadata`.
         Returns:
-            An :class:`AttackResult`; failures are returned, not raised.
+            An :class:`AttackResult` checked by :func:`check_result`; failures are returned, not raised.
         """
-        return self._guard(lambda: self._reconstruct(model, update, AttackMetadata.of(metadata, model)),
-                           model, metadata)
+        meta, reason = self._run_guarded(lambda: AttackMetadata.of(metadata, model))
+        if reason is not None:
+            return self._failed(model, metadata, reason)
+        return self._guard(lambda: self._reconstruct(model, update, meta), model, meta)
 
     def reconstruct_many(self, model: nn.Module, updates: Sequence[Update],
                          metadatas: Union[Metadata, Sequence[Metadata], None] = None) -> list[AttackResult]:
@@ -204,29 +210,38 @@ class Attack:
         raise NotImplementedError
 
     def _guard(self, fn: Callable[[], AttackResult], model: nn.Module, metadata: Optional[Metadata]) -> AttackResult:
-        """Run ``fn``; expected failures and errors become failed results with the reason logged."""
+        """Run ``fn``; expected failures and errors become failed results with the reason logged, and
+        what it returns is checked against the result contract (:func:`check_result`)."""
         t0 = time.perf_counter()
         result, reason = self._run_guarded(fn)
         if reason is not None:
             return self._failed(model, metadata, reason)
-        return check_finite(result, self.name, time.perf_counter() - t0)
+        try:
+            meta: Optional[AttackMetadata] = AttackMetadata.of(metadata, model)
+        except AttackFailure:
+            meta = None
+        return check_result(result, self.name or type(self).__name__, meta, time.perf_counter() - t0)
 
     def _run_guarded(self, fn: Callable[[], Any]) -> tuple[Any, Optional[str]]:
         """(fn(), None), or (None, reason) for an AttackFailure, an expected error, or (unless
-        raise_errors) any other error; the reason of the latter is an :class:`ErrorReason`."""
+        raise_errors) any other error; the reason of the latter is an :class:`ErrorReason`. A
+        ``SystemExit`` and a ``KeyboardInterrupt`` no user signal came with
+        (:func:`fedmjp.plugins.interrupted_by_user`) are the attack's errors too; the user's
+        interrupt is re-raised."""
+        name = self.name or type(self).__name__
         try:
             return fn(), None
         except AttackFailure as err:
-            _logger.warning("%s failed: %s", self.name, err)
-            return None, str(err)
+            _logger.warning("%s failed: %s", name, cap_reason(err))
+            return None, cap_reason(err)
         except self.expected_errors as err:
-            _logger.warning("%s failed (%s): %s", self.name, type(err).__name__, err)
-            return None, f"{type(err).__name__}: {err}"
-        except Exception as err:  # recorded with its traceback; the benchmark's exit status says so
-            if self.raise_errors:
+            _logger.warning("%s failed (%s): %s", name, type(err).__name__, cap_reason(err))
+            return None, cap_reason(f"{type(err).__name__}: {err}")
+        except (Exception, SystemExit, KeyboardInterrupt) as err:  # recorded with its traceback; exit status 8
+            if self.raise_errors or (isinstance(err, KeyboardInterrupt) and plugins.interrupted_by_user()):
                 raise
-            _logger.exception("%s raised an unexpected error; recorded as a failed result with its traceback",
-                              self.name)
+            _logger.error("%s raised an unexpected error (%s); recorded as a failed result with its traceback",
+                          name, cap_reason(f"{type(err).__name__}: {err}", 200))
             return None, ErrorReason.from_exception(err)
 
     def _failed(self, model: nn.Module, metadata: Optional[Metadata], reason: str) -> AttackResult:
@@ -263,15 +278,141 @@ class BatchedSolveAttack(Attack):
                 results[i] = self._failed(model, md, reason)
         if good:
             solved, reason = self._run_guarded(lambda: self._solve(model, [updates[i] for i in good], metas))
+            if reason is None and not (isinstance(solved, (list, tuple)) and len(solved) == len(good)):
+                reason = ErrorReason.of(f"attack {self.name!r} returned a bad result: {_describe(solved)} from "
+                                        f"_solve, expected a list of {len(good)} AttackResult(s)")
             for j, i in enumerate(good):
                 results[i] = (self._failed(model, mds[i], reason) if reason is not None
-                              else check_finite(solved[j], self.name, 0.0))
+                              else check_result(solved[j], self.name, metas[j], 0.0))
         return results  # type: ignore[return-value]
 
 
+def _describe(value: Any) -> str:
+    """What a value is, for a reason: ``None``, ``a str``, ``a tensor of shape (2, 3) and dtype torch.int64``."""
+    if value is None:
+        return "None"
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+    return f"a {type(value).__module__}.{type(value).__qualname__}".replace("a builtins.", "a ")
+
+
+def _image_problem(field_name: str, value: Any, shape: Optional[tuple[int, ...]]) -> Optional[str]:
+    """What is wrong with a result's image tensor (None: nothing): a real floating-point torch
+    tensor (B, C, H, W), of ``shape`` where the metadata fixes it."""
+    if not isinstance(value, torch.Tensor):
+        return f"{field_name} is {_describe(value)}, not a torch tensor (B, C, H, W)"
+    if not value.is_floating_point():
+        return f"{field_name} has dtype {value.dtype}, not a real floating-point dtype"
+    if value.dim() != 4:
+        return f"{field_name} has shape {tuple(value.shape)}, not (B, C, H, W)"
+    if shape is not None and tuple(value.shape) != shape:
+        return f"{field_name} has shape {tuple(value.shape)}, expected (B, C, H, W) = {shape}"
+    return None
+
+
+def _flag(value: Any) -> bool:
+    return isinstance(value, (bool, np.bool_)) or (isinstance(value, int) and value in (0, 1))
+
+
+def result_problem(result: Any, meta: Optional[AttackMetadata]) -> Optional[str]:
+    """What breaks the result contract (None: nothing), for :func:`check_result`: an
+    :class:`AttackResult` whose ``images`` are a real floating-point tensor (B, C, H, W) with B and
+    (C, H, W) of ``meta`` (where given), ``stats`` a list of B dicts (or empty: no stats), a bool
+    ``failed``, str or None ``reason``/``error``, ``labels`` None or B integers >= 0, and
+    ``unshuffled`` None or a tensor like ``images``."""
+    if not isinstance(result, AttackResult):
+        return f"{_describe(result)} instead of an AttackResult"
+    expected = None if meta is None else (int(meta.num_images), *(int(v) for v in meta.image_size))
+    problem = _image_problem("images", result.images, expected)
+    if problem is not None:
+        return problem
+    n = int(result.images.shape[0])
+    stats = result.stats
+    if not isinstance(stats, (list, tuple)):
+        return f"stats is {_describe(stats)}, not a list of one dict per image"
+    if stats and len(stats) != n:
+        return f"{len(stats)} stats dict(s) for {n} image(s)"
+    for i, st in enumerate(stats):
+        if not isinstance(st, dict):
+            return f"stats[{i}] is {_describe(st)}, not a dict"
+        if not _flag(st.get("failed", False)):
+            return f"stats[{i}]['failed'] is {_describe(st['failed'])}, not a bool"
+        if st.get("reason") is not None and not isinstance(st["reason"], str):
+            return f"stats[{i}]['reason'] is {_describe(st['reason'])}, not a str"
+        if not isinstance(st.get("notes", []), (list, tuple)):
+            return f"stats[{i}]['notes'] is {_describe(st['notes'])}, not a list of str"
+    if not _flag(result.failed):
+        return f"failed is {_describe(result.failed)}, not a bool"
+    for key in ("reason", "error"):
+        if getattr(result, key) is not None and not isinstance(getattr(result, key), str):
+            return f"{key} is {_describe(getattr(result, key))}, not a str or None"
+    labels = result.labels
+    if labels is not None:
+        if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.is_complex() \
+                or labels.dtype == torch.bool:
+            return f"labels is {_describe(labels)}, not an integer tensor [B] or None"
+        if labels.dim() != 1 or labels.numel() != n:
+            return f"labels has shape {tuple(labels.shape)}, expected ({n},)"
+        if labels.numel() and int(labels.min()) < 0:
+            return f"labels hold {int(labels.min())}, a class index must be >= 0"
+    if result.unshuffled is not None:
+        problem = _image_problem("unshuffled", result.unshuffled, tuple(result.images.shape))
+        if problem is not None:
+            return problem
+    return None
+
+
+def check_result(result: Any, name: str, meta: Optional[AttackMetadata] = None, elapsed: float = 0.0) -> AttackResult:
+    """The one check of what an attack returned: a result that breaks the contract
+    (:func:`result_problem`) becomes a failed result whose reason names the attack and what was
+    wrong (an unexpected error: a bug, exit status 8); a good one gets its tensors as float32 on the
+    CPU, one stats dict per image, its reasons capped (:func:`attacks.api.errors.cap_reason`) and
+    non-finite reconstructions failed per image."""
+    problem = result_problem(result, meta)
+    if problem is not None:
+        reason = ErrorReason.of(f"attack {name!r} returned a bad result: {problem}")
+        _logger.error("%s", reason)
+        if meta is None and isinstance(result, AttackResult) and isinstance(result.images, torch.Tensor) \
+                and result.images.dim() == 4:
+            return failed_result(None, reason, int(result.images.shape[0]), tuple(result.images.shape[1:]))
+        return failed_result(meta, reason)
+    result.images = result.images.detach().to("cpu", torch.float32)
+    if result.unshuffled is not None:
+        result.unshuffled = result.unshuffled.detach().to("cpu", torch.float32)
+    if result.labels is not None:
+        result.labels = result.labels.detach().to("cpu", torch.long)
+    result.failed = bool(result.failed)
+    if result.reason is not None:
+        result.reason = cap_reason(result.reason)
+    result.stats = [dict(st) for st in result.stats] or [{} for _ in range(result.images.shape[0])]
+    for st in result.stats:
+        if st.get("reason") is not None:
+            st["reason"] = cap_reason(st["reason"])
+        if "failed" in st:
+            st["failed"] = bool(st["failed"])
+    return check_finite(result, name, elapsed)
+
+
+def check_results(results: Any, name: str, metas: Sequence[Optional[AttackMetadata]],
+                  elapsed: float = 0.0) -> list[AttackResult]:
+    """:func:`check_result` of each of a ``reconstruct_many`` call's results: a list of one result
+    per update, else every update's result failed with what was returned instead."""
+    if not isinstance(results, (list, tuple)) or len(results) != len(metas):
+        got = _describe(results) if not isinstance(results, (list, tuple)) else f"{len(results)} result(s)"
+        reason = ErrorReason.of(f"attack {name!r} returned a bad result: {got} for {len(metas)} update(s), "
+                                "expected a list of one AttackResult per update")
+        _logger.error("%s", reason)
+        return [failed_result(m, reason) for m in metas]
+    share = elapsed / max(len(metas), 1)
+    return [check_result(r, name, m, share) for r, m in zip(results, metas)]
+
+
 def check_finite(result: AttackResult, name: str, elapsed: float) -> AttackResult:
-    """Non-finite reconstructions become failures (images zeroed), per image."""
+    """Non-finite reconstructions become failures (images zeroed), per image; ``time_s`` and
+    ``notes`` filled in."""
     bad = ~torch.isfinite(result.images.reshape(result.images.shape[0], -1)).all(dim=1)
+    if result.unshuffled is not None:
+        bad |= ~torch.isfinite(result.unshuffled.reshape(result.unshuffled.shape[0], -1)).all(dim=1)
     for i, s in enumerate(result.stats):
         s.setdefault("notes", [])
         s.setdefault("time_s", elapsed / max(len(result.stats), 1))
@@ -279,6 +420,9 @@ def check_finite(result: AttackResult, name: str, elapsed: float) -> AttackResul
             s["failed"], s["reason"] = True, "non-finite reconstruction"
     if bool(bad.any()):
         result.images = torch.where(bad[:, None, None, None], torch.zeros_like(result.images), result.images)
+        if result.unshuffled is not None:
+            result.unshuffled = torch.where(bad[:, None, None, None], torch.zeros_like(result.unshuffled),
+                                            result.unshuffled)
         _logger.warning("%s: %d non-finite reconstruction(s)", name, int(bad.sum()))
         if bool(bad.all()) and not result.failed:
             result.failed, result.reason = True, "non-finite reconstruction"
