@@ -20,8 +20,19 @@
 - :mod:`.tables`, :mod:`.pictures`: tables, distributions and grids built only from the output folder.
 - :mod:`.cli`: the command line; :mod:`.errors`: exit statuses.
 """
-from .config import DEFAULTS, SETTINGS, apply_overrides, load_config
-from .errors import BenchmarkError
-from .validation import validate
+import importlib
+from typing import Any
+
+# Re-exports are imported on first use: the config imports the model code (torch, timm), which
+# ``run_benchmark.py --help`` and the command line's parser do not need.
+_EXPORTS = {"DEFAULTS": "config", "SETTINGS": "config", "apply_overrides": "config", "load_config": "config",
+            "BenchmarkError": "errors", "validate": "validation"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+
 
 __all__ = ["DEFAULTS", "SETTINGS", "BenchmarkError", "apply_overrides", "load_config", "validate"]

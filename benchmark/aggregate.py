@@ -28,6 +28,8 @@ RECOGNISABLE_SSIM = 0.5
 RECOGNISABLE_LPIPS = 0.3
 #: Columns of table_full.csv that get a median and a bootstrap interval.
 SHAPE_METRICS = ("mse", "psnr", "ssim", "lpips")
+#: Suffix of a model row without a checkpoint, in the table's Model column and the plots' labels.
+UNTRAINED = " (untrained)"
 #: The ``attack`` column of the derived per-image best-of-all-attackers rows.
 STRONGEST = "strongest"
 #: PSNRs (dB) the strongest row ranks as equal: two attackers' reconstructions that close are the same

@@ -13,6 +13,28 @@ import pandas as pd
 from .files import save_figure
 
 BATCH_KEY = "federation.batch_size"
+#: Hollow markers and line styles cycled over the attackers of a plot, so that curves drawn over
+#: each other (attackers that reconstruct alike) stay apart.
+MARKERS = ("o", "s", "^", "v", "D", "P", "X", "<", ">")
+LINESTYLES = ("-", "-.", ":")
+
+
+def curve_style(index: int, attack: str = "") -> dict:
+    """Matplotlib keywords of the ``index``-th attacker's curve: a hollow marker of its own shape and
+    size (overlapping points all stay visible) and a line style; the ``strongest`` curve (it lies on
+    the winning attacker's) dashed, thicker and drawn on top."""
+    from .aggregate import STRONGEST
+
+    if attack == STRONGEST:
+        return dict(marker="o", ms=10, mfc="none", mew=1.4, linestyle="--", lw=2.0, zorder=5)
+    return dict(marker=MARKERS[index % len(MARKERS)], ms=8 - 1.5 * (index % 3), mfc="none", mew=1.2,
+                linestyle=LINESTYLES[index % len(LINESTYLES)], lw=1.2, zorder=3)
+
+
+def constant(values: pd.Series) -> bool:
+    """The values (NaN left out) hold one number: an axis of them collapses every point onto it."""
+    v = pd.to_numeric(values, errors="coerce").dropna()
+    return len(v) > 0 and float(v.max() - v.min()) <= 1e-12 * max(1.0, abs(float(v.max())))
 
 
 def batch_plot(frame: pd.DataFrame, path: Path) -> Path | None:
@@ -43,13 +65,15 @@ def batch_plot(frame: pd.DataFrame, path: Path) -> Path | None:
         return None
     fig, axes = plt.subplots(1, len(metrics), figsize=(5.0 * len(metrics), 3.8), squeeze=False)
     for ax, metric in zip(axes[0], metrics):
-        for (model, defence, setting), g in best.groupby(["model", "defence", "setting"]):
+        label = "label" if "label" in best else "model"  # the table's name of the row
+        for k, ((name, defence, setting), g) in enumerate(best.groupby([label, "defence", "setting"])):
             g = g.sort_values(col)
-            line, = ax.plot(pd.to_numeric(g[col]), g[metric], marker="o", label=f"{model}, {defence} ({setting})")
+            line, = ax.plot(pd.to_numeric(g[col]), g[metric], label=f"{name}, {defence} ({setting})",
+                            **curve_style(k))
             if metric == "psnr" and "flat_psnr" in g and g["flat_psnr"].notna().any():
-                # the floor of no information on the same images (benchmark.scoring.flat_psnr), dashed
-                ax.plot(pd.to_numeric(g[col]), g["flat_psnr"], linestyle="--", color=line.get_color(),
-                        label=f"{model}, {defence} ({setting}): flat image")
+                # the floor of no information on the same images (benchmark.scoring.flat_psnr), dotted grey-ish
+                ax.plot(pd.to_numeric(g[col]), g["flat_psnr"], linestyle=(0, (1, 2)), lw=1.0, color=line.get_color(),
+                        label=f"{name}, {defence} ({setting}): flat image")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch size B per client update")
         ax.set_ylabel(f"{metric} of the strongest attacker")

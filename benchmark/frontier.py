@@ -265,7 +265,7 @@ def frontier_plot(points: pd.DataFrame, path: str | Path, title: Optional[str] =
                                                                                      color=colours(k % 10))
             xerr = np.vstack([g["top1"] - g["top1_low"], g["top1_high"] - g["top1"]])
             ax.errorbar(g["top1"], np.minimum(g[metric], cap), xerr=np.nan_to_num(xerr), capsize=2, lw=1.2,
-                        label=f"{curve}: {model} ({setting})", **style)
+                        label=f"{curve}: {g['label'].iloc[0] if 'label' in g else model} ({setting})", **style)
             for _, p in g.iterrows():
                 if p["curve"] != NONE:
                     ax.annotate(p["point_label"], (p["top1"], min(p[metric], cap)), fontsize=6,

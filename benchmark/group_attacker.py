@@ -10,6 +10,7 @@ results are scored (:mod:`benchmark.scoring`) and appended to the run folder wit
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -23,6 +24,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from fedmjp.text import printable
+
 from . import scoring
 from .config import BenchmarkConfig
 from .errors import FederationFailed
@@ -34,6 +37,7 @@ from .workers import AttackCall
 
 if TYPE_CHECKING:
     from attacks.api.base import AttackMetadata
+    from attacks.api.progress import Reporter
     from clients.runconfig import RunConfig
 
     from .workers import Runner
@@ -41,6 +45,12 @@ if TYPE_CHECKING:
 _logger = logging.getLogger(__name__)
 
 _END, _ABORT = object(), object()  # what the federation's end tells the attack thread
+#: Longest a wait of the main thread blocks at once (a hand-over to the attack thread, its join): it
+#: wakes at least this often, so a signal (SIGTERM, Ctrl-C) is acted on while an attack runs long.
+WAKE_SECONDS = 0.2
+#: How long an aborted federation (an error, SIGTERM, Ctrl-C) waits for the attack thread to stop;
+#: one still inside a long attack step is left behind (a daemon thread: it never keeps the process).
+ABORT_GRACE_SECONDS = 1.0
 
 
 def grid_image_ids(cfg: BenchmarkConfig, run_config: RunConfig) -> set[str]:
@@ -222,6 +232,9 @@ class GroupAttacker:
         # attacker label -> its Attack.run_key on this row's model (None: never shared)
         self.run_keys: dict[str, Any] = {a.label: _run_key(a, self.model) for a in prepared.attackers}
         self.new_rows = self.failed_rows = self.error_rows = 0
+        self.client_failed_rows = 0  # rows of updates that never reached the attacker (retried on resume)
+        # round -> the partitions a SecAgg+ aggregate covered when some of the clients dropped out
+        self.partial_aggregates: dict[int, list[int]] = {}
         self.error: BaseException | None = None
         self.aborted = False
         # Updates on their way from the server's tap to the attack thread; a round and a half of
@@ -248,9 +261,10 @@ class GroupAttacker:
             finished = True
         finally:
             self.aborted = not finished  # an error or Ctrl-C: the thread drops what is queued
-            self.inbox.put(_END if finished else _ABORT)
-            worker.join()
-            self.model.load_state_dict(self.pristine, strict=True)
+            self.hand_over(_END if finished else _ABORT)
+            self.wait_for(worker, finished)
+            if not worker.is_alive():  # a thread left inside a long attack step still holds the model
+                self.model.load_state_dict(self.pristine, strict=True)
         self.bar.close()
         if self.error is not None:
             raise self.error
@@ -262,12 +276,44 @@ class GroupAttacker:
             _logger.info("LPIPS features so far: %(computed)d image(s) computed, %(reused)d reused; %(kept_images)d "
                          "reference(s) kept (%(kept_bytes)d bytes)", self.p.scorer.lpips_cache.stats())
 
+    def hand_over(self, marker: object) -> None:
+        """Put the end marker in ``inbox`` after every queued update, waiting for room in waits of
+        :data:`WAKE_SECONDS` (a signal ends the wait); the abort marker never waits: queued updates,
+        which the thread would drop anyway, make room for it."""
+        while True:
+            try:
+                if marker is _ABORT:
+                    self.inbox.put_nowait(marker)
+                else:
+                    self.inbox.put(marker, timeout=WAKE_SECONDS)
+                return
+            except queue.Full:
+                if marker is _ABORT:
+                    with contextlib.suppress(queue.Empty):
+                        self.inbox.get_nowait()
+
+    def wait_for(self, worker: threading.Thread, finished: bool) -> None:
+        """Join the attack thread in joins of :data:`WAKE_SECONDS` (a signal ends the wait): until
+        it has attacked every update of a finished federation, at most :data:`ABORT_GRACE_SECONDS`
+        after an abort (an attack inside a long step is not waited for)."""
+        deadline = None if finished else time.monotonic() + ABORT_GRACE_SECONDS
+        while worker.is_alive() and (deadline is None or time.monotonic() < deadline):
+            worker.join(timeout=WAKE_SECONDS)
+
     def tap(self, update: Any) -> None:
         """The server's tap: hands the update to the attack thread (:meth:`work`) and returns, so
         that the clients compute the next round while this one is attacked and scored. Waits while
         ``inbox`` is full (the updates held in memory stay bounded). An error of the attack thread
         is raised here (aborting the federation) and again after the federation returns, so that an
-        engine running the ServerApp in a thread cannot swallow it."""
+        engine running the ServerApp in a thread cannot swallow it.
+
+        A SecAgg+ aggregate that misses some clients (they dropped out) is not the round's update
+        the config describes (the mean of all its clients' batches): it is not attacked, and the
+        round's images become failed rows (:meth:`record_client_failures`), tried again on resume."""
+        covers = getattr(update, "partition_ids", None)
+        if getattr(update, "is_aggregate", False) and len(set(covers or ())) < self.cfg.federation.clients:
+            self.partial_aggregates[int(update.server_round)] = sorted(set(covers or ()))
+            return
         while True:
             if self.error is not None:
                 raise self.error
@@ -308,6 +354,7 @@ class GroupAttacker:
     def submit_round(self, updates: list) -> None:
         """Top-1 of the round's images, then one runner job per attacker over the updates that
         still miss rows of that attacker; the round goes to :attr:`dispatch` until they are done."""
+        from attacks.api import progress
         from attacks.api.estimates import EstimateStore
 
         rnd = int(updates[0].server_round)
@@ -356,10 +403,25 @@ class GroupAttacker:
                         for i in mine]
             calls.append(AttackCall(index, [updates[i].arrays for i in mine], metadata))
             mines.append((attacker, mine))
-        jobs = self.dispatch.submit(model, calls) if calls else []
+        with progress.reporting(self.attack_progress(rnd, [int(u.partition_id) for u in updates])):
+            jobs = self.dispatch.submit(model, calls) if calls else []
+        self.bar.set_postfix_str("", refresh=False)
         round_.jobs = [(attacker, job, mine) for (attacker, mine), job in zip(mines, jobs)]
         round_.jobs += [(attacker, _SameRun(mines[at][0].label, jobs[at]), mine) for attacker, at, mine in same]
         self.dispatch.add(round_, jobs)
+
+    def attack_progress(self, rnd: int, partitions: list[int]) -> Reporter:
+        """Where the attacks of round ``rnd`` (its ``partitions``' updates) report their iterations
+        (:mod:`attacks.api.progress`): the bar's postfix where the bar shows, else a log line every
+        :data:`attacks.api.progress.LOG_EVERY_S` seconds. Attacks on Ray workers report to no one."""
+        from attacks.api import progress
+
+        if not self.bar.disable:
+            return progress.Reporter(lambda step: self.bar.set_postfix_str(step.short()), progress.BAR_EVERY_S)
+        where = f"round {rnd}, partition{'s' if len(partitions) > 1 else ''} {', '.join(map(str, partitions))}"
+        return progress.Reporter(lambda step: _logger.info(
+            "%s/%s: attack %s on %s: %s, %.0f s", printable(self.row.name), self.group, printable(step.attack), where,
+            step.text(), step.seconds), progress.LOG_EVERY_S)
 
     def finish_round(self, r: _Round) -> None:
         """Score every attacker's results of the round under each setting; append the rows and
@@ -414,7 +476,7 @@ class GroupAttacker:
         path = self.run_folder.write_error(f"{slug(self.row.name)}__{self.group}__{slug(attack)}__r{rnd}-p{part}.txt",
                                            text)
         _logger.error("%s/%s: attack %s raised an unexpected error (round %d, partition %d); traceback in %s",
-                      self.row.name, self.group, attack, rnd, part, path)
+                      printable(self.row.name), self.group, printable(attack), rnd, part, printable(path))
 
     def record_client_failures(self, result: Any) -> None:
         """Updates that never reached the attacker (a client raised, timed out or sent a malformed
@@ -423,14 +485,20 @@ class GroupAttacker:
         partition; the missing (round, partition) pairs are what was expected and not tapped. A
         federation where no update reached the attacker at all is an error."""
         failures = list(getattr(result, "failures", None) or [])
+        clients = self.cfg.federation.clients
         for f in failures:
-            _logger.warning("%s/%s: round %d, node %d: %s", self.row.name, self.group, f.server_round, f.node_id,
-                            f.reason)
+            _logger.warning("%s/%s: round %d, node %d: %s", printable(self.row.name), self.group, f.server_round,
+                            f.node_id, printable(f.reason))
         rows = []
         attackers = [(a.label, a.name) for a in self.p.attackers]
         for rnd, part in self.rounds.missing():
             reasons = sorted({f.reason for f in failures if f.server_round == rnd and f.partition_id in (None, part)})
-            batch = tapped_batch(self.resolved, part, rnd, self.cfg.federation.clients)
+            if rnd in self.partial_aggregates:
+                covered = self.partial_aggregates[rnd]
+                dropped = sorted(set(range(clients)) - set(covered))
+                reasons.append(f"SecAgg+ dropout: the aggregate covers partitions {covered} of {clients}, partitions "
+                               f"{dropped} dropped out")
+            batch = tapped_batch(self.resolved, part, rnd, clients)
             rows += [r for r in client_failure_rows(self.ctx, rnd, part, batch, reasons, attackers, self.settings)
                      if r.key not in self.done]
         if rows:
@@ -438,7 +506,9 @@ class GroupAttacker:
             self.done.update(r.key for r in rows)
             self.new_rows += len(rows)
             self.failed_rows += len(rows)
-        if not self.rounds.seen and self.rounds.wanted:
+            self.client_failed_rows += len(rows)
+        # (an aggregate that missed dropped clients reached the server: its round's rows are failed above)
+        if not self.rounds.seen and not self.partial_aggregates and self.rounds.wanted:
             counts = Counter(f.reason for f in failures)
             listed = "; ".join(f"{reason} ({n} update(s))" for reason, n in counts.most_common(3))
             more = f"; and {len(counts) - 3} other reason(s)" if len(counts) > 3 else ""

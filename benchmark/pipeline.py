@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from fedmjp.data import DataError, ImageSet, load_images
 from fedmjp.devices import resolve_device
 from fedmjp.settings import SETTING_GROUPS
+from fedmjp.text import printable
 
 from . import scoring
 from .config import BenchmarkConfig
@@ -32,6 +33,7 @@ from .entries import LabelledAttack, attack_entries, model_spec
 from .errors import (
     AttackErrors,
     ConfigError,
+    FederationFailed,
     InputDataError,
     ModelCheckpointError,
 )
@@ -58,6 +60,7 @@ class RunSummary:
     seconds: float
     tables: Tables
     grids: list[str] = field(default_factory=list)
+    client_failed_rows: int = 0  # rows of client updates that never reached the attacker
 
 
 def pick_device(name: str) -> torch.device:
@@ -79,7 +82,7 @@ def load_attack_images(cfg: BenchmarkConfig) -> ImageSet:
         raise InputDataError(str(err)) from err
     if images.skipped:
         _logger.warning("skipped %d file(s) of the image folder: %s", len(images.skipped),
-                        "; ".join(f"{path} ({why})" for path, why in images.skipped))
+                        "; ".join(f"{printable(path)} ({printable(why)})" for path, why in images.skipped))
     n_needed = cfg.federation.clients
     if len(images) < n_needed:
         raise InputDataError(f"{len(images)} usable image(s) cannot be split over {n_needed} clients; "
@@ -236,17 +239,22 @@ def run_benchmark(cfg: BenchmarkConfig, output: str, federate: Callable[..., Any
     Raises:
         BenchmarkError subclasses for bad input (before any work) and a failed federation.
     """
+    from fedmjp.checkpoint import read_once
+
     t0 = time.perf_counter()
     run = RunFolder(output, force=force)
     run.check(cfg)  # a conflicting folder fails before any loading
-    prepared = prepare(cfg)  # every bad input fails here, before the folder is touched
-    from .provenance import collect
+    # each checkpoint is read once for the whole run: the model rows, every federation's global model
+    # and provenance.json all take the state and hash of that one read
+    with read_once():
+        prepared = prepare(cfg)  # every bad input fails here, before the folder is touched
+        from .provenance import collect
 
-    run.init(cfg, collect(cfg, prepared.device, prepared.images_record))
-    try:
-        return _run_locked(cfg, run, prepared, federate, progress, t0, batched)
-    finally:
-        run.unlock()
+        run.init(cfg, collect(cfg, prepared.device, prepared.images_record))
+        try:
+            return _run_locked(cfg, run, prepared, federate, progress, t0, batched)
+        finally:
+            run.unlock()
 
 
 def _run_locked(cfg: BenchmarkConfig, run: RunFolder, prepared: Prepared, federate: Callable[..., Any] | None,
@@ -261,7 +269,7 @@ def _run_locked(cfg: BenchmarkConfig, run: RunFolder, prepared: Prepared, federa
     groups = sorted({SETTING_GROUPS[s] for s in cfg.settings}, key=["clean", "shuffled"].index)
     jobs = [(row, g) for row in prepared.rows for g in groups]
     quiet_flower(_logger.isEnabledFor(logging.DEBUG))
-    new_rows = failed = federations = errors = 0
+    new_rows = failed = federations = errors = client_failed = 0
     bar = tqdm(jobs, desc="federations", unit="fed", disable=None if progress else True)  # None: off a terminal
     runner = None
     try:
@@ -281,6 +289,7 @@ def _run_locked(cfg: BenchmarkConfig, run: RunFolder, prepared: Prepared, federa
             new_rows += attacker.new_rows
             failed += attacker.failed_rows
             errors += attacker.error_rows
+            client_failed += attacker.client_failed_rows
     finally:
         if runner is not None:
             runner.close()
@@ -288,17 +297,27 @@ def _run_locked(cfg: BenchmarkConfig, run: RunFolder, prepared: Prepared, federa
     tables = write_tables(run)
     grids = write_grids(run, cfg.settings, cfg.report.grid_images, cfg.report.tile)
     grids += write_distributions(run, cfg.settings)
+    from .report import write_report
+
+    write_report(run.folder)  # report.html: verdict, table, pictures, failures, command, provenance
     return RunSummary(str(run.folder), new_rows, kept, failed, federations, errors, time.perf_counter() - t0,
-                      tables, [str(g) for g in grids])
+                      tables, [str(g) for g in grids], client_failed)
 
 
 def raise_for_errors(summary: RunSummary) -> None:
     """After a finished run: :class:`AttackErrors` (exit status 8) if any attack raised an
-    unexpected error; its rows are stored as failures and the tracebacks are in ``errors/``."""
+    unexpected error; its rows are stored as failures and the tracebacks are in ``errors/``.
+    :class:`FederationFailed` (exit status 7) if client updates never reached the attacker: their
+    rows are stored failed with the reason and the same command resumes them."""
     if summary.error_rows:
         raise AttackErrors(f"{summary.error_rows} row(s) failed on an unexpected attack error (a bug, not a "
                            f"condition failure); tracebacks: {summary.folder}/errors/. The tables were written "
                            "but count these rows as failures: fix the attack and re-run into a new folder")
+    if summary.client_failed_rows:
+        raise FederationFailed(f"{summary.client_failed_rows} row(s) are marked failed because their client update "
+                               "never reached the attacker (a client raised, timed out or dropped out; the reasons are "
+                               f"in the rows' 'reason' of {summary.folder}/results.jsonl). The tables were written; run "
+                               "the same command again to resume: those rows are tried again, the others are kept")
 
 
 def _shutdown_ray() -> None:

@@ -18,9 +18,19 @@ A column is either a field of the dataclass or one of two open groups:
 
 A field set to :data:`ABSENT` is not written: a row for a client that never replied
 (:func:`client_failure_rows`) has no scores, prediction or attack statistics, and columns written
-``null`` stay ``null``. The JSON form keeps the column order of the dataclass, plain JSON values
-(:func:`jsonable`: tensors as lists, NaN as ``null``, +-inf as ``"inf"``/``"-inf"``), so a stored line
-read with :meth:`ResultRow.from_json` is written back byte for byte.
+``null`` stay ``null``.
+
+A failed row carries no score of the attacker: its metric columns are ``null`` and what the scorer
+measured on the image the failed attack returned (its fallback, e.g. a flat start) is kept as
+``fallback_<metric>`` (:func:`failed_scores`), so a mean over a metric column needs no filter on
+``failed``. ``flat_psnr`` is the image's own floor, no reconstruction's, and stays.
+
+The JSON form keeps the column order of the dataclass and is strict JSON (:func:`jsonable`: tensors
+as lists, NaN as ``null``; a +-inf column holds its cap, :data:`CAPS` (``psnr: 100.0`` for an exact
+copy), or ``null``, and a column ``<name>_raw`` beside it says ``"inf"``/``"-inf"``), so a stored line
+read with :meth:`ResultRow.from_json` is written back byte for byte. Rows written before these rules
+(``"psnr": "inf"``, scores on failed rows) stay readable: :func:`benchmark.aggregate.rows_frame` reads
+``"inf"`` as infinity, and a row read back is written in the current form.
 """
 from __future__ import annotations
 
@@ -35,6 +45,7 @@ import numpy as np
 import torch
 
 from defences.spec import DefenceSpec, DpSgd
+from metrics.scoring import PSNR_CAP_DB
 
 
 class RowKey(NamedTuple):
@@ -103,21 +114,54 @@ class Absent:
 ABSENT = Absent()
 
 
-def jsonable(value: Any) -> Any:
-    """Plain JSON data: tensors/arrays to lists, NaN to None, +-inf to "inf"/"-inf"."""
+#: The value a column of +inf is written as, by metric (a column named ``psnr``, ``psnr_<region>``,
+#: ``<x>_psnr``): PSNR of an exact copy counts as the cap, as in every table. Other infinite values
+#: are written ``null``; either way ``<column>_raw`` holds ``"inf"`` or ``"-inf"``.
+CAPS = {"psnr": PSNR_CAP_DB}
+#: Prefix of the scores a failed row keeps of the image its attack returned (:func:`failed_scores`).
+FALLBACK_PREFIX = "fallback_"
+#: Score columns of a failed row that are no reconstruction's and stay as they are.
+NOT_ATTACKER_SCORES = frozenset({"flat_psnr"})
+
+
+def _plain(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
-        value = value.detach().cpu().tolist()
-    elif isinstance(value, np.ndarray):
-        value = value.tolist()
-    elif isinstance(value, np.generic):
-        value = value.item()
+        return value.detach().cpu().tolist()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def _infinite(value: Any) -> bool:
+    value = _plain(value)
+    return isinstance(value, float) and math.isinf(value)
+
+
+def cap_of(column: str) -> float | None:
+    """What +inf in ``column`` is written as (:data:`CAPS`), or None."""
+    words = str(column).split("_")
+    return next((cap for metric, cap in CAPS.items() if metric in words), None)
+
+
+def jsonable(value: Any) -> Any:
+    """Strict JSON data: tensors/arrays to lists, NaN to None; +-inf in a mapping to its column's
+    cap (:func:`cap_of`) or None with ``<key>_raw`` ``"inf"``/``"-inf"`` beside it, elsewhere None."""
+    value = _plain(value)
     if isinstance(value, float):
-        # JSON has no inf/NaN: +-inf (e.g. PSNR of an exact copy) is kept as a string pandas reads back
-        if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
         return value if math.isfinite(value) else None
     if isinstance(value, Mapping):
-        return {str(k): jsonable(v) for k, v in value.items()}
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            if _infinite(v):
+                v = _plain(v)
+                cap = cap_of(str(k))
+                out[str(k)] = cap if (cap is not None and v > 0) else None
+                out[f"{k}_raw"] = "inf" if v > 0 else "-inf"
+            else:
+                out[str(k)] = jsonable(v)
+        return out
     if isinstance(value, (list, tuple)):
         return [jsonable(v) for v in value]
     if isinstance(value, (str, int, bool)) or value is None:
@@ -175,6 +219,8 @@ class ResultRow:
             clash = [k for k in getattr(self, group) if k in _FIELD_OF]
             if clash:
                 raise ValueError(f"ResultRow.{group} holds schema column(s) {clash}; set the fields instead")
+        if self.failed:
+            object.__setattr__(self, "scores", failed_scores(self.scores))
 
     @property
     def key(self) -> RowKey:
@@ -216,8 +262,11 @@ class ResultRow:
             if name is not None:
                 kwargs[name] = value
                 after_failed = after_failed or column == "failed"
-            else:
-                (extra if after_failed else scores)[column] = value
+            elif after_failed:
+                extra[column] = value
+            else:  # a row written before the strict form: "inf" read as the number it stood for
+                old = value in _OLD_INFINITIES and not column.endswith("_raw")
+                scores[column] = float(value) if old else value
         return cls(**kwargs, scores=scores, extra=extra)
 
     @classmethod
@@ -227,6 +276,31 @@ class ResultRow:
         if not isinstance(data, dict):
             raise TypeError(f"a result row is a JSON object, got {type(data).__name__}")
         return cls.from_mapping(data)
+
+
+#: How rows written before the strict form held an infinite score.
+_OLD_INFINITIES = ("inf", "-inf")
+
+
+def _is_score(column: str, value: Any) -> bool:
+    value = _plain(value)
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and column not in NOT_ATTACKER_SCORES
+            and not column.startswith(FALLBACK_PREFIX) and not column.endswith("_raw"))
+
+
+def failed_scores(scores: Mapping[str, Any]) -> dict[str, Any]:
+    """The scores of a failed row: each metric of the attacker ``None`` in its place, what was
+    measured on the fallback image as ``fallback_<metric>`` after them (``<metric>_raw`` of an
+    infinite value moves with it); columns already so (a row read back) are kept as they are."""
+    scores = dict(scores)
+    moved = [k for k, v in scores.items() if _is_score(k, v)]
+    fallback: dict[str, Any] = {}
+    for k in moved:
+        fallback[FALLBACK_PREFIX + k] = scores[k]
+        if f"{k}_raw" in scores:
+            fallback[f"{FALLBACK_PREFIX}{k}_raw"] = scores.pop(f"{k}_raw")
+        scores[k] = None
+    return {**scores, **fallback}
 
 
 #: Fields written as another column name (``class`` is a Python keyword).

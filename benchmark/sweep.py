@@ -38,7 +38,7 @@ import pandas as pd
 from .config import BenchmarkConfig
 from .errors import ConfigError
 from .files import append_line, save_figure, write_text
-from .rows import ResultRow
+from .rows import ResultRow, jsonable
 from .sweep_points import grid_points, point_folder_name, point_label
 from .sweep_table import SWEEP_METRICS, gather_rows, strongest, sweep_table
 from .validation import point_config
@@ -52,8 +52,18 @@ def run_sweep(cfg: BenchmarkConfig, output: str, federate: Callable[..., Any] | 
     ``results.jsonl``, ``sweep.csv`` and the plots in ``output``.
 
     Returns:
-        {"folder", "points": [point folders], "csv", "plots": [paths], "rows"}.
+        {"folder", "points": [point folders], "csv", "plots": [paths], "rows", "summaries": [each
+        point's RunSummary, for its exit status (pipeline.raise_for_errors)]}.
     """
+    from fedmjp.checkpoint import read_once
+
+    with read_once():  # every point (and its utility) uses the checkpoints as read once, at the first
+        return _run_points(cfg, output, federate, progress)
+
+
+def _run_points(cfg: BenchmarkConfig, output: str, federate: Callable[..., Any] | None,
+                progress: bool) -> dict[str, Any]:
+    """The body of :func:`run_sweep`, inside its :func:`fedmjp.checkpoint.read_once` block."""
     from .pipeline import run_benchmark
     from .store import RunFolder
 
@@ -63,12 +73,12 @@ def run_sweep(cfg: BenchmarkConfig, output: str, federate: Callable[..., Any] | 
     configs = [point_config(cfg, p) for p in points]  # every bad point fails before any work
     top = RunFolder(output)
     top.init(cfg)
-    folders = []
+    folders, summaries = [], []
     for i, (point, pcfg) in enumerate(zip(points, configs)):
         folder = top.folder / "points" / point_folder_name(i, point)
         pcfg.output = str(folder)
         _logger.info("sweep point %d/%d: %s", i + 1, len(points), point_label(point))
-        run_benchmark(pcfg, str(folder), federate=federate, progress=progress)
+        summaries.append(run_benchmark(pcfg, str(folder), federate=federate, progress=progress))
         if pcfg.utility.rounds > 0:
             point_utility(pcfg, folder, federate)
         folders.append(folder)
@@ -90,8 +100,11 @@ def run_sweep(cfg: BenchmarkConfig, output: str, federate: Callable[..., Any] | 
         # the MJP rows: every row of an MJP variant in any point (their undefended points form MJP's curve)
         mjp = sorted({m.name for pc in configs for m in pc.models if m.variant == "mjp"})
         plots.append(Path(write_frontier(csv, top.folder, mjp)["plot"]))
+    from .report import write_report
+
+    write_report(top.folder)  # report.html over sweep.csv and the plots, linking each point's report
     return {"folder": str(top.folder), "points": [str(f) for f in folders], "csv": str(csv),
-            "plots": [str(p) for p in plots], "rows": len(rows)}
+            "plots": [str(p) for p in plots], "rows": len(rows), "summaries": summaries}
 
 
 def point_utility(cfg: BenchmarkConfig, folder: Path, federate: Callable[..., Any] | None = None
@@ -111,7 +124,7 @@ def point_utility(cfg: BenchmarkConfig, folder: Path, federate: Callable[..., An
     for row in build_rows(cfg, torch.device("cpu")):
         if row.name not in stored:
             record = {"model": row.name, **defence_utility(cfg, row, federate)}
-            append_line(path, json.dumps(record))
+            append_line(path, json.dumps(jsonable(record), allow_nan=False))  # strict JSON (rows.jsonable)
             stored[row.name] = record
         out.append(stored[row.name])
     return out
@@ -131,16 +144,24 @@ def write_sweep_plots(frame: pd.DataFrame, folder: Path, keys: list[str]) -> lis
                  and pd.api.types.is_numeric_dtype(frame[f"sweep.{keys[0]}"]))
     xcol = f"sweep.{keys[0]}" if numeric_x else "sweep_index"
     for metric in [m for m in SWEEP_METRICS if m in frame and frame[m].notna().any()]:
-        fig, ax = plt.subplots(figsize=(5.5, 3.8))
-        for (model, setting, attack), g in frame.groupby(["model", "setting", "attack"]):
+        fig, ax = plt.subplots(figsize=(9.0, 4.2))
+        from .batch_plot import curve_style
+
+        # colour per (model row, setting), marker and line style per attacker, strongest dashed on top
+        colours: dict[tuple[str, str], str] = {}
+        attackers = list(dict.fromkeys(frame["attack"]))
+        for (name, setting, attack), g in frame.groupby(["label" if "label" in frame else "model", "setting",
+                                                         "attack"], sort=False):
             g = g.sort_values(xcol)
-            ax.plot(g[xcol], g[metric], marker="o", label=f"{model} ({setting}, {attack})")
+            colour = colours.setdefault((name, setting), f"C{len(colours) % 10}")
+            ax.plot(g[xcol], g[metric], color=colour, label=f"{name} ({setting}, {attack})",
+                    **curve_style(attackers.index(attack), attack))
         ax.set_xlabel(keys[0] if numeric_x else "grid point")
         if not numeric_x:
             labels = frame.drop_duplicates("sweep_index").sort_values("sweep_index")
             ax.set_xticks(labels["sweep_index"], labels["sweep"], rotation=30, ha="right", fontsize=7)
         ax.set_ylabel(metric)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.02, 1.0), ncol=1 + len(ax.lines) // 24)
         fig.tight_layout()
         path = folder / f"sweep_{metric}.png"
         save_figure(fig, path, dpi=120)
@@ -153,16 +174,33 @@ def write_sweep_plots(frame: pd.DataFrame, folder: Path, keys: list[str]) -> lis
 def privacy_utility_plot(frame: pd.DataFrame, path: Path) -> Path:
     """PSNR and LPIPS of the strongest attack (rows) against utility (columns: measured top-1 when
     present, and the cosine of the sent update to the clean one). One colour per model row and
-    defence, solid for setting a/b and dashed for c; points are numbered by grid index."""
+    defence, a marker and line style per setting (benchmark.batch_plot.curve_style); points are numbered by
+    grid index. A utility that is one value at every point gives way to the grid point on its axis."""
     import matplotlib.pyplot as plt
 
     best = strongest(frame)
+    from .batch_plot import constant, curve_style
+
     xs = [x for x in ("utility_top1", "defence_cos") if x in best and best[x].notna().any()]
+    # one value at every point (an MJP gamma sweep sends the clean update of x~: cosine 1.0) would
+    # stack every point on one x: such an axis gives way to the grid point, and its label says why
+    flat = {x: float(pd.to_numeric(best[x]).dropna().iloc[0]) for x in xs
+            if constant(best[x]) and best["sweep_index"].nunique() > 1}
+    if flat:
+        best = best.assign(**{x: best["sweep_index"] for x in flat})
     ys = [m for m in ("psnr", "lpips") if m in best and best[m].notna().any()]
     xlabel = {"utility_top1": "utility: top-1 after FedAvg with the defence",
               "defence_cos": "utility proxy: cosine(sent update, clean update)"}
+    if not xs or not ys:  # every row failed (no score), or no utility column: a figure that says so
+        fig, ax = plt.subplots(figsize=(6.0, 2.0))
+        ax.axis("off")
+        ax.text(0.5, 0.5, "no privacy-utility curve: " + ("no row of the strongest attack has a score (every "
+                "attack failed: see the table's failed rows)" if not ys else "no utility was measured"),
+                ha="center", va="center", wrap=True, fontsize=9)
+        save_figure(fig, path, dpi=130)
+        plt.close(fig)
+        return path
     curves = list(best.groupby(["label", "defence"]).groups)
-    colours = plt.get_cmap("tab20")
     fig, axes = plt.subplots(len(ys), len(xs), figsize=(5.0 * len(xs) + 3.2, 3.6 * len(ys)), squeeze=False)
     for r, metric in enumerate(ys):
         for c, x in enumerate(xs):
@@ -170,13 +208,16 @@ def privacy_utility_plot(frame: pd.DataFrame, path: Path) -> Path:
             for k, key in enumerate(curves):
                 for setting, g in best[(best["label"] == key[0]) & (best["defence"] == key[1])].groupby("setting"):
                     g = g.sort_values(x)
-                    ax.plot(g[x], g[metric], marker="o", ms=3, color=colours(k % 20),
-                            linestyle="--" if setting == "c" else "-",
+                    ax.plot(g[x], g[metric], color=f"C{k % 10}", **curve_style("abc".find(setting) + 1),
                             label=f"{key[0]} / {key[1]} ({setting})" if (r, c) == (0, len(xs) - 1) else None)
                     for _, row in g.iterrows():
                         ax.annotate(str(row["sweep_index"]), (row[x], row[metric]), fontsize=5,
                                     textcoords="offset points", xytext=(2, 2))
-            ax.set_xlabel(xlabel[x], fontsize=8)
+            if x in flat:
+                ticks = best.drop_duplicates("sweep_index").sort_values("sweep_index")
+                ax.set_xticks(ticks["sweep_index"], ticks["sweep"], rotation=30, ha="right", fontsize=7)
+            ax.set_xlabel(xlabel[x] if x not in flat else f"grid point ({xlabel[x]} is {flat[x]:.3g} at every "
+                          "point; utility.rounds > 0 measures top-1)", fontsize=8)
             ax.set_ylabel(f"{metric.upper()} of the strongest attack", fontsize=8)
     axes[0][-1].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.02, 1.0), ncol=1 + len(curves) // 16)
     fig.tight_layout()

@@ -81,3 +81,38 @@ def strongest(frame: pd.DataFrame) -> pd.DataFrame:
     keys = ["sweep_index", "model", "setting"]
     has = frame.groupby(keys)["attack"].transform(lambda a: (a == STRONGEST).any())
     return frame[(frame["attack"] == STRONGEST) | ~has]
+
+
+#: Decimals of sweep.csv's columns when printed (:func:`sweep_table_text`); the paper's metrics take
+#: the run table's (:data:`benchmark.tables.METRIC_COLUMNS`), the rest this default.
+TEXT_DECIMALS = {"psnr": 2, "flat_psnr": 2, "dp_epsilon": 2, "utility_dp_epsilon": 2}
+DEFAULT_DECIMALS = 4
+
+
+def sweep_table_text(frame: pd.DataFrame) -> str:
+    """sweep.csv as an aligned text table for the terminal: one line per (grid point, model,
+    setting, attack), each number rounded to its column's decimals, empty columns left out (the
+    ``sweep.<key>`` columns too: the ``sweep`` label names the point)."""
+    from tabulate import tabulate
+
+    from .tables import METRIC_COLUMNS
+
+    if frame.empty:
+        return "(no rows)"
+    decimals = {**{m: d for m, _, d in METRIC_COLUMNS}, **TEXT_DECIMALS}
+    shown = [c for c in frame.columns if not c.startswith("sweep.") and c not in ("sweep_index", "label")
+             and frame[c].notna().any()]
+    body = []
+    for _, row in frame[shown].iterrows():
+        line = []
+        for c in shown:
+            v = row[c]
+            if isinstance(v, float) and c not in ("n", "failed"):
+                line.append("" if pd.isna(v) else f"{v:.{decimals.get(c, DEFAULT_DECIMALS)}f}")
+            elif c in ("n", "failed") and not pd.isna(v):
+                line.append(str(int(v)))
+            else:
+                line.append("" if v is None or (isinstance(v, float) and pd.isna(v)) else str(v))
+        body.append(line)
+    return tabulate(body, headers=shown, tablefmt="simple", disable_numparse=True,
+                    colalign=["right" if pd.api.types.is_numeric_dtype(frame[c]) else "left" for c in shown])

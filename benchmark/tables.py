@@ -21,7 +21,7 @@ from tabulate import tabulate
 
 import metrics
 
-from .aggregate import STRONGEST_NOTE, aggregate
+from .aggregate import STRONGEST_NOTE, UNTRAINED, aggregate  # noqa: F401  (UNTRAINED: importable here too)
 from .files import write_text
 from .store import RunFolder
 
@@ -38,7 +38,6 @@ ACC_NOTE = ("Acc.: top-1 of the model as trained (block 0 unmodified) on the set
             "x~ for b/c). Rows with `april: surgery` were attacked on a copy whose block 0 had its norm1 and "
             "attention residual removed (APRIL design A); column `correct_attacked_model` of results.jsonl "
             "holds the top-1 of that modified model.")
-UNTRAINED = " (untrained)"
 #: The header arrows, which tabulate's LaTeX escaping leaves as Unicode (pdflatex has no glyph).
 _TEX_ARROWS = {"↑": r"$\uparrow$", "↓": r"$\downarrow$"}
 

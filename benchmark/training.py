@@ -11,6 +11,12 @@ A row whose checkpoint is a ``.safetensors`` file (the weights shipped in ``chec
 finished while that file exists; without it, ``--train-missing`` trains the recipe into the recipe's
 ``output_dir`` (resuming from its ``last.pth``) and then writes the weights file
 (:func:`fedmjp.trainutils.export_weights`).
+
+Without ``--train-missing``, a recipe row whose checkpoint does not exist yet (no training started)
+is left out of the run with a one-line note naming the row and the flag
+(:func:`leave_out_untrained`), and the other rows are attacked; a row whose training stopped part way
+still fails the run (a half-trained model is never attacked), and so does a run that would be left
+with no row.
 """
 from __future__ import annotations
 
@@ -131,3 +137,21 @@ def train_missing(cfg: BenchmarkConfig, progress: bool = True) -> list[TrainJob]
             export_weights(job.checkpoint, job.export_to)
             _logger.info("wrote %s from %s", job.export_to, job.checkpoint)
     return todo
+
+
+def leave_out_untrained(cfg: BenchmarkConfig) -> list[str]:
+    """Remove from ``cfg.models`` every recipe row whose checkpoint has not been trained at all.
+
+    Returns one note per row left out, naming the row, its checkpoint and ``--train-missing``. When
+    every row would go, none is removed (and no note returned): building the rows then fails with
+    the error that says how to get the checkpoints.
+    """
+    with_recipe = [row for row in cfg.models if row.recipe]  # train_jobs' rows, in its order
+    untrained = {id(row): job for row, job in zip(with_recipe, train_jobs(cfg))
+                 if job.epochs_done == 0 and not job.done}
+    if not untrained or len(untrained) == len(cfg.models):
+        return []
+    notes = [f"model row {job.row!r} left out: its checkpoint {job.export_to or job.checkpoint} does not exist; "
+             f"run_benchmark.py --train-missing trains it with {job.recipe}" for job in untrained.values()]
+    cfg.models = [row for row in cfg.models if id(row) not in untrained]
+    return notes

@@ -18,6 +18,7 @@ import argparse
 import csv
 import json
 import logging
+import math
 import random
 import sys
 from pathlib import Path
@@ -287,7 +288,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     main_row = {**rows[0], "checkpoint": str(args.checkpoint), "epoch": state.get("epoch")}
     with open(out / "eval.json", "w") as f:
-        json.dump(main_row, f, indent=1)
+        json.dump(strict_json(main_row), f, indent=1, allow_nan=False)
     _logger.info("gamma %.2f: top1 %.2f  top1(x~) %.2f  consistency %.2f  diff_norm %.4f", rows[0]["gamma"],
                  rows[0]["top1"], rows[0]["top1_shuffled"], rows[0]["consistency"], rows[0]["diff_norm"])
     if args.gamma_sweep:
@@ -295,6 +296,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         csv_path, png_path = write_sweep(sweep, out, title=f"{Path(args.checkpoint).parent.name}")
         _logger.info("sweep written to %s and %s", csv_path, png_path)
     return 0
+
+
+def strict_json(row: dict) -> dict:
+    """``row`` as strict JSON values: a NaN or infinite number is written ``null`` with
+    ``<key>_raw`` (``"nan"``, ``"inf"``, ``"-inf"``) beside it, like the benchmark's results rows."""
+    out: dict = {}
+    for key, value in row.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            out[key], out[f"{key}_raw"] = None, str(value)
+        else:
+            out[key] = value
+    return out
 
 
 def _open_inputs(args: argparse.Namespace, out: Path) -> tuple[nn.Module, dict, DataLoader, torch.device]:

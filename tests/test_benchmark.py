@@ -274,10 +274,11 @@ def test_flower_simulation_engine_gives_the_same_rows(full_run: Path, tmp_path: 
 
 
 def test_failed_client_becomes_failed_rows(tmp_path: Path) -> None:
-    """A client that raises: its images are failed rows with the server's reason, the run finishes."""
+    """A client that raises: its images are failed rows with the server's reason, the tables are
+    written, and the exit status (7) says the rows are to be resumed."""
     config = write_config(tmp_path, **{"federation.rounds": 1, "settings": ["a"]})
     out = tmp_path / "out"
-    assert run(config, out, "--models", "DeiT", "--set", "federation.options={fail-partition: 1}") == 0
+    assert run(config, out, "--models", "DeiT", "--set", "federation.options={fail-partition: 1}") == 7
     rows = read_jsonl(out / "results.jsonl")
     failed = [r for r in rows if r["failed"]]
     assert len(rows) == 2 and len(failed) == 1 and failed[0]["partition_id"] == 1
@@ -370,6 +371,7 @@ def test_without_any_lpips_weights_the_run_completes_and_says_why(tmp_path: Path
     monkeypatch.delenv(perceptual.BACKBONE_ENV, raising=False)
     monkeypatch.delenv(perceptual.DATA_ENV, raising=False)
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
+    monkeypatch.setattr(perceptual, "installed_trunk_file", lambda: tmp_path / "no_installed_trunk.pth")
     # nothing listens on port 9 of this machine: the download fails at once, as it does offline
     monkeypatch.setattr(perceptual, "TORCHVISION_ALEXNET_URL", "http://127.0.0.1:9/alexnet-owt-7be5be79.pth")
     config = write_config(tmp_path, **{"federation.rounds": 1, "metrics": {"lpips_backbone": None}})

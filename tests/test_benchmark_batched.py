@@ -63,7 +63,7 @@ def test_batched_rounds_give_the_rows_of_one_update_at_a_time(one_at_a_time: lis
     april_ref, ig_ref = _split(one_at_a_time)
     assert_same_scores(april, april_ref)
     _assert_close_ig(ig, ig_ref)
-    assert min(float(r["psnr"]) for r in april if r["model"] == "DeiT" and r["setting"] == "a") > 100  # exact copies
+    assert min(float(r["psnr"]) for r in april if r["model"] == "DeiT" and r["setting"] == "a") >= 100  # exact copies (the cap)
 
 
 @pytest.mark.slow

@@ -39,6 +39,8 @@ CAP = 100.0
 
 
 def _tolerance(column: str, table: dict[str, float] = TOLERANCE) -> float | None:
+    if column.endswith("_raw"):  # "inf" beside a capped PSNR: whether the digits above the cap were
+        return None              # infinite is below the noise floor (the module docstring)
     for prefix, tol in table.items():
         if column == prefix or column.startswith(prefix + "_"):
             return tol

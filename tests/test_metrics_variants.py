@@ -214,11 +214,12 @@ def test_lpips_resize_small_images(real: torch.Tensor, lpips_model) -> None:
 
 @pytest.fixture
 def no_local_weights(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
-    """No $FEDMJP_LPIPS_BACKBONE, no data folder, an empty torch hub cache; returns TORCH_HOME."""
+    """No $FEDMJP_LPIPS_BACKBONE, no data folder, no installed trunk, an empty torch hub cache; returns TORCH_HOME."""
     monkeypatch.delenv(M.BACKBONE_ENV, raising=False)
     monkeypatch.delenv(perceptual.DATA_ENV, raising=False)
     home = tmp_path / "torch_home"
     monkeypatch.setenv("TORCH_HOME", str(home))
+    monkeypatch.setattr(perceptual, "installed_trunk_file", lambda: tmp_path / "no_installed_trunk.pth")
     return home
 
 

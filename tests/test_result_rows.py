@@ -161,7 +161,9 @@ def test_unexpected_attack_error_is_recorded_and_fails_the_run(tmp_path: Path, c
 
     from benchmark.pictures import GridLayout, grid_columns
 
-    assert Image.open(out / "grid_c.png").size == GridLayout(4, len(grid_columns("c")), 32).size
+    width, height = Image.open(out / "grid_c.png").size
+    least = GridLayout(4, len(grid_columns("c")), 32).size  # titles and captions may wrap onto more lines
+    assert width == least[0] and height >= least[1]
 
 
 def test_condition_failures_alone_keep_exit_status_zero(tmp_path: Path) -> None:

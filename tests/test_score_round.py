@@ -40,7 +40,8 @@ FULL_LINE = (
     '5208383718651387203, "batch_index": 0, "image_id": "immunohistochemistry", "image_index": 5, "class": 5, '
     '"pred": 3, "correct": 0.0, "correct_attacked_model": 0.0, "gamma": 0.27, "attack": "mjp_adaptive", '
     '"attack_name": "mjp_adaptive", "seed": 0, "recon_index": 0, "scored_estimate": "unshuffled", "clamped": false, '
-    '"mse": 0.0011, "fft2d": 0.0002, "psnr": "inf", "ssim": 0.97, "lpips": null, "fft2d_hermitian": 0.99, '
+    '"mse": 0.0011, "fft2d": 0.0002, "psnr": 100.0, "psnr_raw": "inf", "ssim": 0.97, "lpips": null, '
+    '"fft2d_hermitian": 0.99, '
     '"mse_unshuffled": 1e-05, "psnr_unshuffled": 50.0, "ssim_unshuffled": 0.99, "mse_shuffled": 0.004, '
     '"psnr_shuffled": 23.9, "ssim_shuffled": 0.8, "failed": false, "reason": null, "error": false, "attack_stats": '
     '{"objective": 1.5e-07, "iterations": 200, "notes": ["a", "b"]}, "time_attack_s": 12.5, "time_score_s": 0.03, '
@@ -55,8 +56,17 @@ def test_a_full_row_reads_and_writes_back_byte_for_byte() -> None:
     row = ResultRow.from_json(FULL_LINE)
     assert row.to_json() == FULL_LINE
     assert row.image_class == 5 and row.scored_estimate == "unshuffled" and row.dp_epsilon == 3.2
-    assert list(row.scores)[:2] == ["clamped", "mse"] and row.scores["psnr"] == "inf" and row.extra == {}
+    assert list(row.scores)[:2] == ["clamped", "mse"] and row.scores["psnr"] == 100.0 and row.extra == {}
+    assert row.scores["psnr_raw"] == "inf"
     assert row.key == RowKey("DeiT+MJP", "mjp_adaptive", "c", 1, 2, 0, "immunohistochemistry")
+
+
+def test_a_row_of_the_old_form_is_read_and_written_strictly() -> None:
+    """A row stored before the strict form (``"psnr": "inf"``) is read as infinity and written back
+    as the cap with the raw value named."""
+    old = FULL_LINE.replace('"psnr": 100.0, "psnr_raw": "inf"', '"psnr": "inf"')
+    assert old != FULL_LINE
+    assert ResultRow.from_json(old).to_json() == FULL_LINE
 
 
 def test_every_reference_row_round_trips() -> None:
@@ -100,9 +110,10 @@ def test_non_finite_values_are_written_as_the_store_reads_them() -> None:
                     failed=False, scores={"psnr": math.inf, "mse": float("nan"), "ssim": np.float32(0.5)},
                     attack_stats={"residual": torch.tensor([1.0, -math.inf])})
     assert json.loads(row.to_json()) == {"model": "m", "setting": "a", "round": 1, "partition_id": 0,
-                                         "batch_index": 0, "image_id": "i", "attack": "x", "psnr": "inf",
-                                         "mse": None, "ssim": 0.5, "failed": False,
-                                         "attack_stats": {"residual": [1.0, "-inf"]}}
+                                         "batch_index": 0, "image_id": "i", "attack": "x", "psnr": 100.0,
+                                         "psnr_raw": "inf", "mse": None, "ssim": 0.5, "failed": False,
+                                         "attack_stats": {"residual": [1.0, None]}}
+    assert "Infinity" not in row.to_json() and "NaN" not in row.to_json()
 
 
 # ------------------------------------------------------------------------------------ fixtures

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import inspect
 import typing
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
 from pydantic import create_model
@@ -43,6 +44,48 @@ def attack_catalog() -> list[tuple[str, str]]:
     """(name, origin) of every attack: ``built-in``, or the entry point's package and version."""
     entries = plugins.entry_points("attack")
     return [(name, "built-in" if name in _REGISTRY else entries[name].origin) for name in attack_names()]
+
+
+@dataclass(frozen=True)
+class Threat:
+    """What an attack needs of the update it is given (its threat model), as an attack class
+    declares it in a ``threat`` class attribute; each field a short text, ``any`` where it needs nothing.
+
+    Attributes:
+        batch: the batch sizes it reads (``1``, ``any``, ``B T <= width``).
+        labels: whether the server must know the labels (``not needed``, ``known or counted``).
+        architecture: the model it reads (``ViT with a learned position embedding``).
+        precision: the client precision it needs to be exact (``float64``, ``any``).
+    """
+
+    batch: str = "any"
+    labels: str = "any"
+    architecture: str = "any"
+    precision: str = "any"
+
+    def text(self) -> str:
+        return (f"batch {self.batch}; labels {self.labels}; architecture: {self.architecture}; "
+                f"precision {self.precision}")
+
+
+def attack_threat(name: str) -> Optional[Threat]:
+    """The threat model attack ``name`` declares (its class's ``threat``), or None where it declares
+    none (a plug-in, an attack not yet described). Raises like :func:`attack_class`."""
+    threat = getattr(attack_class(name), "threat", None)
+    return threat if isinstance(threat, Threat) else None
+
+
+def attack_summary(name: str) -> str:
+    """One line on attack ``name``: its declared threat model, else its class docstring's first
+    sentence marked as such. A plug-in is not imported to describe it (listing runs no plug-in
+    code): its line says so."""
+    if name not in _REGISTRY:
+        return "a plug-in's threat model: see its package (not imported to list it)"
+    threat = attack_threat(name)
+    if threat is not None:
+        return threat.text()
+    doc = " ".join(((attack_class(name).__doc__ or "").strip().split("\n\n")[0]).split())
+    return f"threat model not declared; {doc}" if doc else "threat model not declared"
 
 
 def attack_class(name: str) -> Callable[..., Attack]:

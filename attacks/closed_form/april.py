@@ -36,7 +36,7 @@ from fedmjp.config import Float
 
 from ..api.base import (AttackFailure, AttackOptions, BatchedSolveAttack, AttackMetadata, AttackResult, Update,
                    update_to_gradients)
-from ..api.registry import register_attack
+from ..api.registry import Threat, register_attack
 from .first_layer import PRECISIONS, Precision, check_conditions, gradient_of_Z, unwrap_vit
 
 _logger = logging.getLogger(__name__)
@@ -83,6 +83,10 @@ class AprilAnalytic(BatchedSolveAttack):
         pe_mode: ``plain`` (subtract P everywhere; APRIL) or ``detect_unk`` (see module docstring).
         rcond: relative singular-value cut-off for the rank decisions (None: machine precision).
     """
+
+    threat = Threat(batch="1 per update", labels="not needed",
+                    architecture="design-A block 0 (april: surgery) with a learned position embedding, T <= width",
+                    precision="float64 clients for an exact copy")
 
     name = "april_analytic"
 

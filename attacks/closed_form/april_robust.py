@@ -44,7 +44,7 @@ from fedmjp.devices import resolve_device
 
 from .first_layer import check_conditions, gradient_of_Z, is_design_a, unwrap_vit
 from ..api.base import Attack, AttackFailure, AttackMetadata, AttackOptions, AttackResult, Update, update_to_gradients
-from ..api.registry import register_attack
+from ..api.registry import Threat, register_attack
 from .pe_closed_form import patches_to_images, pe_closed_form_system, pe_conditions
 from .priors import load_patch_prior
 from .robust_steps import (BiasEq, Equations, NoiseStd, PriorState, QkvEquation, Weights, cell_targets, chi2_per_entry,
@@ -94,6 +94,8 @@ class AprilRobust(Attack):
         device: where the solves run (float64 throughout): ``cpu``, ``cuda``, ``cuda:N`` or ``auto``
             (CUDA when available); the benchmark passes the run's ``--device``.
     """
+
+    threat = Threat(batch="1 per update", labels="not needed", architecture="any ViT with a learned position embedding (design A adds the qkv equations)", precision="any; the defence's parameters from the metadata or options")
 
     name = "april_robust"
 

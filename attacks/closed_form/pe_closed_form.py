@@ -42,7 +42,7 @@ from fedmjp.config import Float
 from .first_layer import PRECISIONS, Precision, unwrap_vit
 from ..api.base import (AttackFailure, AttackOptions, AttackMetadata, AttackResult, BatchedSolveAttack, Update,
                    update_to_gradients)
-from ..api.registry import register_attack
+from ..api.registry import Threat, register_attack
 
 
 @dataclass
@@ -196,6 +196,10 @@ class PEClosedForm(BatchedSolveAttack):
         precision: ``float64`` (default) or ``float32`` for the linear algebra.
         rcond: relative singular-value cut-off of the least squares (None: machine precision).
     """
+
+    threat = Threat(batch="1 per update", labels="not needed",
+                    architecture="any ViT with a learned additive position embedding",
+                    precision="float64 clients for an exact copy")
 
     name = "pe_closed_form"
 

@@ -55,7 +55,8 @@ from fedmjp.config import Float, Int, option
 from fedmjp.devices import resolve_device
 
 from ..api.base import Attack, AttackFailure, AttackMetadata, AttackOptions, AttackResult, Update, update_to_gradients
-from ..api.registry import register_attack
+from ..api.progress import report
+from ..api.registry import Threat, register_attack
 from .breaching_adapter import attack_copy, matched_names
 from ..closed_form.first_layer import unwrap_vit
 from ..solvers.jigsaw import unshuffle_image
@@ -208,6 +209,8 @@ class BatchMatch(Attack):
             return it in ``result.unshuffled`` (what setting c scores).
     """
 
+    threat = Threat(batch="any", labels="given, or counted from the head's gradient", architecture="any ViT", precision="any (never exact: local optimisation)")
+
     name = "batch_match"
 
     class Options(AttackOptions):
@@ -316,6 +319,8 @@ class BatchMatch(Attack):
                                     line_search_fn="strong_wolfe", tolerance_grad=1e-20, tolerance_change=1e-30)
 
             def closure() -> torch.Tensor:
+                report(self.name, opt.state[x].get("n_iter", 0), self.iterations,
+                       f"L-BFGS, restart {trial + 1} of {self.restarts}")
                 opt.zero_grad()
                 val = data_term(x) + (self.tv * tv_l2(x) if self.tv > 0 else 0.0)
                 val.backward()

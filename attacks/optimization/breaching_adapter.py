@@ -34,7 +34,8 @@ from fedmjp.config import Float, Int
 from fedmjp.devices import resolve_device
 
 from ..api.base import Attack, AttackFailure, AttackMetadata, AttackOptions, AttackResult, Update, update_to_gradients
-from ..api.registry import register_attack
+from ..api.progress import report
+from ..api.registry import Threat, register_attack
 
 _logger = logging.getLogger(__name__)
 
@@ -177,6 +178,9 @@ class BreachingAttack(Attack):
 
     takes_name = True
 
+    threat = Threat(batch="any", labels="given, or recovered (breaching's label strategy)", architecture="any",
+                    precision="any (never exact: local optimisation)")
+
     class Options(AttackOptions):
         iterations: Int = 100
         restarts: Int = 1
@@ -242,8 +246,11 @@ class BreachingAttack(Attack):
         with torch.random.fork_rng(devices=devices):
             if self.seed is not None:
                 torch.manual_seed(self.seed)
+            # breaching's attacker has no hook into its loop: its start and its end are reported
+            report(self.name, 0, int(cfg.optim.max_iterations), "breaching's attacker running")
             rec, stats = attacker.reconstruct([payload], [shared], server_secrets={}, dryrun=self.dryrun)
         elapsed = time.perf_counter() - t0
+        report(self.name, int(cfg.optim.max_iterations), int(cfg.optim.max_iterations), "breaching's attacker done")
         trace = [v for k, vals in stats.items() if k.startswith("Trial_") for v in vals]
         opt = stats.get("opt_value", float("nan"))
         opt = float(opt) if not isinstance(opt, list) else float("nan")
@@ -275,6 +282,10 @@ class BreachingApril(BreachingAttack):
     """breaching's own ``AprilAttacker`` (closed form, batch 1, gradients by *position*: [1] must be
     ``pos_embed`` and [4] ``blocks.0.attn.qkv.weight``; one prefix token). For comparison only:
     use ``april_analytic``."""
+
+    threat = Threat(batch="1 per update", labels="not needed",
+                    architecture="design-A block 0 with pos_embed and blocks.0.attn.qkv.weight as gradients [1], [4]",
+                    precision="float64 clients for an exact copy")
 
     class Options(AttackOptions):
         solver: str = "gelsd"

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from tqdm.auto import tqdm
 
+from ..api.progress import report
 from .graph_step import GraphedStep
 
 if TYPE_CHECKING:
@@ -96,6 +97,7 @@ class ConvergingTrial:
             active = [k for k in range(self.K) if not self.done[k]]
             if not active:
                 break
+            report(a.name, it, self.its, f"{len(active)} of {self.K} update(s) still converging")
             x, val, dval = self._evaluate(active)
             finite = torch.isfinite(val)
             self._record(it, active, x, val, dval, finite)

@@ -11,7 +11,7 @@ from pydantic import Field
 from fedmjp.config import Float, Int, option
 
 from ..api.base import AttackMetadata, AttackOptions, Update
-from ..api.registry import register_attack
+from ..api.registry import Threat, register_attack
 from ..closed_form.first_layer import unwrap_vit
 from .matching import GradientMatching
 from ..closed_form.mjp_update import read_mjp_update
@@ -71,6 +71,8 @@ class InvertingGradientsClosedStart(GradientMatching):
     tests/test_ig_closed_start.py::test_modelled_defence_does_at_least_as_well_as_ignoring_it pins
     that it does no harm.
     """
+
+    threat = Threat(batch="any", labels="given, or recovered", architecture="any ViT (MJP-aware where the model has E_unk)", precision="any (never exact: starts from the best closed form that applies)")
 
     name = "ig_closed_start"
 

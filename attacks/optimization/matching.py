@@ -40,7 +40,8 @@ from fedmjp.devices import resolve_device
 
 from ..api.base import (Attack, AttackFailure, AttackOptions, AttackMetadata, AttackResult, Metadata, Update, check_finite,
                    expand_metadatas, update_to_gradients)
-from ..api.registry import register_attack
+from ..api.progress import report
+from ..api.registry import Threat, register_attack
 from .breaching_adapter import attack_copy, matched_names
 from ..closed_form.labels import LABEL_STRATEGIES, recover_labels
 from .match_terms import MatchTerms, defence_match, total_variation, tv_kernel
@@ -376,6 +377,7 @@ class GradientMatching(Attack):
         trace = torch.full((its, K), float("nan"))
         lo5, hi5 = lo.unsqueeze(0), hi.unsqueeze(0)
         for it in tqdm(range(its), disable=None if self.progress else True, desc=self.name, leave=False):
+            report(self.name, it, its, f"restart {trial + 1} of {self.restarts}")
             opt.zero_grad(set_to_none=False)
             obj, _ = self._objective(per_group, match, y, x, lo)
             finite = torch.isfinite(obj.detach())
@@ -405,6 +407,8 @@ class GradientMatching(Attack):
 class InvertingGradientsBatched(GradientMatching):
     """Inverting Gradients (Geiping et al.) with breaching's settings, batched over updates."""
 
+    threat = Threat(batch="any", labels="given, or recovered", architecture="any", precision="any (never exact: local optimisation)")
+
     name = "invertinggradients_batched"
 
 
@@ -414,6 +418,8 @@ class AprilOptimization(GradientMatching):
 
     Defaults: pe_weight 1.0, Adam lr 0.1 (not signed), no schedule, TV 0.2, 200 iterations.
     """
+
+    threat = Threat(batch="any", labels="given, or recovered", architecture="any ViT with a learned position embedding", precision="any (never exact: local optimisation)")
 
     name = "april_optimization"
 

@@ -41,6 +41,7 @@ detected ``unk_mask``) from the same detection.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from typing import Any, Literal, Optional
@@ -54,7 +55,8 @@ from fedmjp.devices import resolve_device
 from ..closed_form.first_layer import check_conditions
 from ..closed_form.first_layer import gradient_of_Z, is_design_a, unwrap_vit
 from ..api.base import Attack, AttackFailure, AttackMetadata, AttackOptions, AttackResult, Update, update_to_gradients
-from ..api.registry import register_attack
+from ..api.progress import report
+from ..api.registry import Threat, register_attack
 from ..solvers.jigsaw import unshuffle_image
 from ..closed_form.labels import recover_labels
 from ..closed_form.mjp_maths import (Reduction, assemble, draw_shuffled, lbfgs, mjp_reduction, smoothness_prior_solve,
@@ -144,6 +146,8 @@ class MJPAdaptive(Attack):
             tests/test_cuda.py::test_mjp_adaptive_keeps_small_models_on_the_cpu_with_a_note.
             0: always on ``device``.
     """
+
+    threat = Threat(batch="1 per update", labels="not needed (the optimisation fallback: given or recovered)", architecture="design-A block 0 for the MJP reduction, else optimisation", precision="float64 clients for the reduction")
 
     name = "mjp_adaptive"
 
@@ -328,7 +332,10 @@ class MJPAdaptive(Attack):
         b = b0.expand(len(starts), -1, -1).clone()
         a = torch.stack(starts)
 
+        evaluations = itertools.count(1)  # the progress reports' count of residual evaluations
+
         def objective(vb: torch.Tensor, va: torch.Tensor) -> torch.Tensor:
+            report(self.name, next(evaluations), None, "span fit: L-BFGS evaluations")
             return residual.value(assemble(red, vb, va, grid, C, p))
 
         with torch.no_grad():
@@ -355,6 +362,7 @@ class MJPAdaptive(Attack):
             with torch.no_grad():
                 before = float(objective(b[None], a[None])[0])
             solver = self.planned_lm_solver(T, red, residual.spans)
+            report(self.name, 0, lm, f"span fit: Levenberg-Marquardt ({solver}), Jacobians")
             b, a, lm_out = span_lm(residual, red, b, a, grid, C, p, max_jacobians=lm, solver=solver)
             out.update(lm_objective_first=before, lm_jacobians=lm_out.jacobians, lm_evaluations=lm_out.evaluations,
                        lm_solver=solver)
@@ -402,7 +410,13 @@ class MJPAdaptive(Attack):
         """Gradient matching over (b, a) with the attacker's forward at unk_mask = S (float64,
         :mod:`attacks.optimization.mjp_match`)."""
         objective, matched = matching_objective(vit, grads, red, labels, grid, C, p, std, self.prior_weight)
-        b, a, out = match_reduced(objective, b0, a0, self.rounds, self.iterations)
+        evaluations = itertools.count(1)  # the progress reports' count of objective evaluations
+
+        def reported(vb: torch.Tensor, va: torch.Tensor) -> torch.Tensor:
+            report(self.name, next(evaluations), None, "gradient matching: L-BFGS evaluations")
+            return objective(vb, va)
+
+        b, a, out = match_reduced(reported, b0, a0, self.rounds, self.iterations)
         return b, a, dict(out, matched_parameters=matched)
 
     def _not_mjp(self, model: nn.Module, update: Update, meta: AttackMetadata) -> AttackResult:

@@ -50,7 +50,8 @@ import torch.nn as nn
 from fedmjp.config import Int, option
 
 from ..api.base import Attack, AttackFailure, AttackMetadata, AttackOptions, AttackResult, Update, update_to_gradients
-from ..api.registry import register_attack
+from ..api.progress import report
+from ..api.registry import Threat, register_attack
 from ..closed_form.first_layer import is_design_a, unwrap_vit
 from ..optimization.batch_match import batch_labels
 from ..solvers.jigsaw import unshuffle_image
@@ -212,6 +213,8 @@ class Block0Roots(Attack):
         seed: seed of the starts.
     """
 
+    threat = Threat(batch="B T <= width (B <= 2 on the CIFAR models); one local step", labels="not needed (read off the head)", architecture="standard pre-norm block 0 (the model as trained); design A at B = 1, T <= 100", precision="float64 clients for an exact copy")
+
     name = "block0_roots"
 
     class Options(AttackOptions):
@@ -276,9 +279,12 @@ class Block0Roots(Attack):
         check_model(vit, grads, B)
         work = cast(nn.Module, copy.deepcopy(vit)).to("cpu", torch.float64).eval().requires_grad_(False)
         gen = torch.Generator().manual_seed(self.seed)
+        report(self.name, 0, self.rounds, "root search")
         search = self._search(work, grads, B, gen)
+        report(self.name, 0, None, "positions, images and patches solved from the roots")
         out = batch_from_roots(work, grads, search.roots, B, self.attention_iterations, self.attention_starts, gen,
                                self.structured_rounds)
+        report(self.name, 0, self.span_polish, "span polish (Levenberg-Marquardt Jacobians)")
         polish, polish_failed = self._polish(work, grads, out)
         y, label_stats = batch_labels(model, grads, meta, self.seed)
         notes.append(f"block 0's {search.roots.shape[0]} MLP roots found in {search.starts} starts; "

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from ..api.progress import report
 from ..solvers.lm import ROOTS, batched_lm
 from ..solvers.spans import complement
 from .token_roots import MLPSpans, span_part, span_value
@@ -198,6 +199,8 @@ def find_roots(block: nn.Module, fc1_basis: torch.Tensor, fc2_basis: torch.Tenso
     modes: list[str] = []
     steering = steered
     for _ in range(rounds):
+        # the search of block0_roots (its one caller among the attacks): its rounds as progress
+        report("block0_roots", len(per_round), rounds, f"root search: {found.shape[0]} of {count} roots found")
         if steering or found.shape[0] == 0:
             v = _steered_starts(problem, fc2_basis, found, starts, steer_steps, steer_lr, generator)
             with torch.no_grad():
