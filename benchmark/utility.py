@@ -29,6 +29,8 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Optional
 
+from fedmjp.text import escape_log_output
+
 if TYPE_CHECKING:
     from clients.runconfig import RunConfig
 
@@ -261,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override (dotted key)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    escape_log_output()  # untrusted names in log records are printed escaped
     try:
         cfg = validate(apply_overrides(load_config(args.config), args.set))
         if args.point is not None:

@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader
 from torchvision import datasets
 from tqdm import tqdm
 
+from fedmjp.text import escape_log_output
 from .archives import resolve_data_path
 from .data import rgb_loader
 from .devices import resolve_device
@@ -272,6 +273,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="default: <checkpoint dir>/eval, or runs/eval/<name> for a .safetensors weights file")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    escape_log_output()  # untrusted names in log records are printed escaped
     if args.threads:
         torch.set_num_threads(args.threads)
     ckpt = Path(args.checkpoint)

@@ -39,6 +39,7 @@ import yaml
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.optim import create_optimizer_v2
 
+from fedmjp.text import escape_log_output
 from . import datadir
 from .allocator import tune_malloc
 from .config import ConfigError
@@ -451,6 +452,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return _bad_config(err)
     if args.export:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        escape_log_output()  # untrusted names in log records are printed escaped
         try:
             out = export_weights(args.export, args.to, source_commit=args.source_commit)
         except (OSError, ValueError, RuntimeError) as err:
@@ -466,6 +468,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     tune_malloc()
     rank0 = os.environ.get("RANK", "0") == "0"
     logging.basicConfig(level=logging.INFO if rank0 else logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    escape_log_output()  # untrusted names in log records are printed escaped
     try:
         result = run_training(cfg, resume=args.resume, progress=not args.no_progress,
                               allow_config_change=args.allow_config_change)

@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 from click import ClickException
 from flwr.common.config import parse_config_args
 
+from fedmjp.text import escape_log_output
 from clients.runconfig import resolve_config
 from fedmjp.config import ConfigError
 
@@ -56,6 +57,7 @@ def exit_code(failed_rounds: Sequence[int], num_failures: int, strict: bool) -> 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    escape_log_output()  # untrusted names in log records are printed escaped
     try:
         outcome = _outcome(args)
     except (ConfigError, OutDirError) as err:  # a user value: one line, no traceback
