@@ -91,12 +91,17 @@ def read_costs(path: Path = COSTS) -> list[dict[str, Any]]:
 
 
 def per_call(costs: Sequence[Mapping[str, Any]], name: str, device: str, size: ModelSize, batch: int,
-             image_size: int, iterations: Optional[int]) -> Optional[float]:
+             image_size: int, iterations: Optional[int], trained: bool = False) -> Optional[float]:
     """Estimated seconds of one call of attack ``name``: the nearest measured entry (log distance
-    over :data:`SIZE_KEYS`) of that attack on that device kind, scaled linearly; None: no entry."""
+    over :data:`SIZE_KEYS`) of that attack on that device kind, scaled linearly; None: no entry.
+    Entries measured on trained weights (``trained``: the row loads a checkpoint) are preferred for
+    a trained row and the others for fresh weights: an optimisation attack converges at another
+    pace on each (mjp_adaptive on the CIFAR DeiT+MJP checkpoint takes ~25x its time on fresh weights)."""
     mine = [c for c in costs if c.get("attack") == name and c.get("device") == device]
     if not mine:
         return None
+    alike = [c for c in mine if bool(c.get("trained", False)) == trained]
+    mine = alike or mine
     want = {"params": size.params, "tokens": size.tokens, "batch_size": batch, "image_size": image_size}
 
     def distance(c: Mapping[str, Any]) -> float:
@@ -153,7 +158,8 @@ def _plan_one(cfg: BenchmarkConfig, costs: Sequence[Mapping[str, Any]], sizes: d
             item.rows += updates * batch * len(cfg.settings)
             iterations = entry.options.get("iterations")
             each = None if size is None else per_call(costs, entry.name, device, size, batch, cfg.data.image_size,
-                                                       iterations if isinstance(iterations, int) else None)
+                                                       iterations if isinstance(iterations, int) else None,
+                                                       trained=cfg.models[index].checkpoint is not None)
             item.seconds = None if (each is None or item.seconds is None) else item.seconds + each * calls
 
 
@@ -207,6 +213,7 @@ def measure(folder: Path) -> list[dict[str, Any]]:
 
     options = {e.label: e.options for e in attack_entries(cfg)}
     specs = {m.name: model_spec(cfg, i) for i, m in enumerate(cfg.models)}
+    trained = {m.name: m.checkpoint is not None for m in cfg.models}
     device = device_kind(cfg)
     samples: dict[tuple, list[float]] = {}
     for row in rows:
@@ -223,7 +230,7 @@ def measure(folder: Path) -> list[dict[str, Any]]:
         if size is None:
             continue
         entry = {"attack": name, "device": device, "params": size.params, "tokens": size.tokens,
-                 "batch_size": batch, "image_size": cfg.data.image_size}
+                 "batch_size": batch, "image_size": cfg.data.image_size, "trained": trained[model]}
         if isinstance(iterations, int):
             entry["iterations"] = iterations
         entry_key = tuple(entry.items())
@@ -233,7 +240,8 @@ def measure(folder: Path) -> list[dict[str, Any]]:
 
 
 def _entry_key(entry: Mapping[str, Any]) -> tuple:
-    return tuple(entry.get(k) for k in ("attack", "device", *SIZE_KEYS, "iterations"))
+    return tuple(entry.get(k) for k in ("attack", "device", *SIZE_KEYS, "iterations")) + (
+        bool(entry.get("trained", False)),)
 
 
 def write_costs(entries: Sequence[Mapping[str, Any]], path: Path = COSTS) -> None:
@@ -241,7 +249,8 @@ def write_costs(entries: Sequence[Mapping[str, Any]], path: Path = COSTS) -> Non
     kept = {_entry_key(e): dict(e) for e in read_costs(path)}
     kept.update({_entry_key(e): dict(e) for e in entries})
     header = ("# Measured seconds of one attack call (one update) by attack, device kind, model size, batch\n"
-              "# size and image size; read by benchmark/estimate.py. Measured with:\n"
+              "# size, image size and trained (a checkpoint loaded) or fresh weights; read by\n"
+              "# benchmark/estimate.py. Measured with:\n"
               "#   python run_benchmark.py --setting all --output RUN   (any config)\n"
               "#   python -m benchmark.estimate measure RUN\n")
     body = yaml.safe_dump({"entries": sorted(kept.values(), key=lambda e: tuple(str(v) for v in _entry_key(e)))},

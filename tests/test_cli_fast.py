@@ -81,3 +81,19 @@ def test_every_built_in_attack_declares_its_threat_model() -> None:
     for name in sorted(built_in):
         assert isinstance(attack_threat(name), Threat), name
         assert not attack_summary(name).startswith("threat model not declared"), name
+
+
+def test_the_estimate_prefers_costs_measured_on_weights_like_the_rows() -> None:
+    """An optimisation attack's cost on trained weights is not its cost on fresh ones: a trained row
+    is estimated from trained entries, a fresh row from fresh ones, each scaled by its size."""
+    from benchmark.estimate import ModelSize, per_call
+
+    costs = [{"attack": "a", "device": "cpu", "params": 100, "tokens": 10, "batch_size": 1, "image_size": 32,
+              "trained": False, "seconds": 1.0},
+             {"attack": "a", "device": "cpu", "params": 100, "tokens": 10, "batch_size": 1, "image_size": 32,
+              "trained": True, "seconds": 60.0}]
+    size = ModelSize(200, 10)
+    assert per_call(costs, "a", "cpu", size, 1, 32, None, trained=False) == 2.0
+    assert per_call(costs, "a", "cpu", size, 1, 32, None, trained=True) == 120.0
+    assert per_call(costs[:1], "a", "cpu", size, 1, 32, None, trained=True) == 2.0  # none alike: the nearest
+    assert per_call(costs, "b", "cpu", size, 1, 32, None) is None
