@@ -71,7 +71,8 @@ ServerSchedule = Literal["constant", "cosine"]
 Partitioner = Literal["iid", "dirichlet"]
 Precision = Literal["float32", "float64"]
 #: Flower's SecAgg+ default quantisation levels (2**22) and its modulus (2**32, also its maximum):
-#: the masked sum of K clients stays exact while K * quantization-range <= modulus.
+#: the masked sum of K clients stays exact while K * quantization-range < modulus (at equality, 2
+#: clients of 2**31 levels, the aggregate comes back non-finite: tests/test_hostile_federation.py).
 SECAGG_QUANTIZATION_RANGE = 2 ** 22
 SECAGG_MODULUS = 2 ** 32
 
@@ -242,10 +243,10 @@ def _check_combinations(cfg: RunConfig) -> None:
     if cfg.min_nodes < 2:
         raise ConfigError(f"secagg=true needs min-nodes >= 2 (SecAgg+ masks each update with its "
                           f"neighbours'), got min-nodes={cfg.min_nodes}")
-    if cfg.min_nodes * cfg.secagg_quantization_range > SECAGG_MODULUS:
+    if cfg.min_nodes * cfg.secagg_quantization_range >= SECAGG_MODULUS:
         raise ConfigError(f"secagg-quantization-range={cfg.secagg_quantization_range} is too large for "
                           f"min-nodes={cfg.min_nodes}: the sum of the clients' quantised updates must stay "
-                          f"below SecAgg+'s modulus 2**32 (quantization-range * clients <= {SECAGG_MODULUS})")
+                          f"below SecAgg+'s modulus 2**32 (quantization-range * clients < {SECAGG_MODULUS})")
     if cfg.defence.name == "central_dp":
         raise ConfigError("secagg=true does not combine with defence central_dp (its server-side wrapper "
                           "clips each reply, which SecAgg+ hides); use local_dp for noise under SecAgg+")

@@ -130,6 +130,8 @@ def test_the_aggregate_reproduces_and_a_dropout_is_recovered(secagg_run) -> None
 @pytest.mark.parametrize("keys, message", [
     ({"min-nodes": 1}, "secagg=true needs min-nodes >= 2"),
     ({"min-nodes": 4, "secagg-quantization-range": 2 ** 31}, "secagg-quantization-range=2147483648 is too large"),
+    # 2 clients x 2**31 levels reach the modulus itself: the aggregate came back non-finite
+    ({"min-nodes": 2, "secagg-quantization-range": 2 ** 31}, "secagg-quantization-range=2147483648 is too large"),
     ({"defence": {"name": "central_dp", "sigma": 1.0, "clip": 1.0}}, "does not combine with defence central_dp"),
     ({"secagg-num-shares": 0.0}, "secagg-num-shares"),
     ({"secagg-reconstruction-threshold": 1.5}, "secagg-reconstruction-threshold"),

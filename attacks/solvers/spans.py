@@ -38,6 +38,16 @@ def complement(basis: torch.Tensor) -> torch.Tensor:
     return U[:, basis.shape[1]:].contiguous()
 
 
+def span_rank(G: torch.Tensor, num_tokens: int, noise_factor: float = 10.0) -> tuple[int, torch.Tensor]:
+    """(r, Vh) of a weight gradient G (float64): r counts the singular values above ``noise_factor``
+    times the (num_tokens+1)-th, the gradient's own noise floor (above 64 eps s_0 where G has no
+    such value); Vh holds the right singular vectors. A perturbed update (quantised, noised) raises
+    the floor, and the tokens whose singular values sink below it leave r < num_tokens."""
+    _, sv, Vh = torch.linalg.svd(G, full_matrices=False)
+    floor = float(sv[num_tokens]) if len(sv) > num_tokens else 64 * torch.finfo(G.dtype).eps * float(sv[0])
+    return int((sv > noise_factor * max(floor, torch.finfo(G.dtype).tiny)).sum()), Vh
+
+
 def input_spans(vit: nn.Module, grads: dict, num_tokens: int, noise_factor: float = 10.0) -> list[InputSpan]:
     """Known input spans of the linear layers of every block and of the classifier head.
 
@@ -64,9 +74,7 @@ def input_spans(vit: nn.Module, grads: dict, num_tokens: int, noise_factor: floa
         G = grads[name + ".weight"].to("cpu", torch.float64)
         if G.shape[1] <= num_tokens or float(G.abs().max()) == 0:
             continue  # fan-in <= T: the span is the whole input space (or nothing is known)
-        _, sv, Vh = torch.linalg.svd(G, full_matrices=False)
-        floor = float(sv[num_tokens]) if len(sv) > num_tokens else 64 * torch.finfo(G.dtype).eps * float(sv[0])
-        r = int((sv > noise_factor * max(floor, torch.finfo(G.dtype).tiny)).sum())
+        r, Vh = span_rank(G, num_tokens, noise_factor)
         if r >= num_tokens:
             rows = None
         elif token_pool and (name.startswith(last) or name == "head") and r > 0:

@@ -55,7 +55,7 @@ from ..api.registry import Threat, register_attack
 from ..closed_form.first_layer import is_design_a, unwrap_vit
 from ..optimization.batch_match import batch_labels
 from ..solvers.jigsaw import unshuffle_image
-from ..solvers.spans import input_spans
+from ..solvers.spans import input_spans, span_rank
 from .design_a import DESIGN_A_MAX_UNKNOWNS, STRUCTURED_ROUNDS, design_a_embeddings
 from .linear import token_equations
 from .placement import (DESIGN_A_POSITION_TOL, POSITION_TOL, assemble_images, assign_images, image_indicators,
@@ -242,9 +242,13 @@ class Block0Roots(Attack):
         spans = {sp.name: sp.basis for sp in input_spans(work, grads, B * T)}
         fc1, fc2 = "blocks.0.mlp.fc1", "blocks.0.mlp.fc2"
         if fc1 not in spans or fc2 not in spans or spans[fc1].shape[1] != B * T or spans[fc2].shape[1] != B * T:
-            got = {k: spans[k].shape[1] if k in spans else 0 for k in (fc1, fc2)}
-            raise AttackFailure(f"block 0's fc1/fc2 updates do not have rank B T = {B * T} (got {got}): "
-                                "tokens coincide or the update is not one plain gradient")
+            got = {k: (spans[k].shape[1] if k in spans
+                       else span_rank(grads[k + ".weight"].to("cpu", torch.float64), B * T)[0]
+                       if k + ".weight" in grads else 0) for k in (fc1, fc2)}
+            raise AttackFailure(f"block 0's fc1/fc2 updates do not have rank B T = {B * T} (numerical ranks "
+                                f"{got}): tokens coincide, the update is not one plain gradient, or it is "
+                                "perturbed (quantised, e.g. by SecAgg+, clipped or noised) so that its smaller "
+                                "singular values sink into the perturbation's floor")
         search = find_roots(work.blocks[0], spans[fc1], spans[fc2], grads[fc1 + ".weight"].to(torch.float64),
                             grads[fc2 + ".weight"].to(torch.float64), B * T, self.starts, self.rounds,
                             self.iterations, gen)
