@@ -13,13 +13,15 @@ files, so neither has to import the other for it; the atomic writer itself is
 from __future__ import annotations
 
 import errno
+import hashlib
 import io
 import os
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from fedmjp.folder_lock import MAX_NAME, write_atomic  # noqa: F401  (MAX_NAME: store.py's names)
+from fedmjp.folder_lock import MAX_NAME, write_atomic
 
 from .errors import OutputWriteError
 
@@ -92,3 +94,29 @@ def append_lines(path: Path, lines: Iterable[str]) -> int:
     except OSError as err:
         raise write_error(path, err) from err
     return n
+
+
+# ------------------------------------------------------------- file names of untrusted strings
+def slug(text: str) -> str:
+    """A file-name-safe form of a row name (``DeiT+MJP`` -> ``DeiT+MJP``, spaces -> ``_``)."""
+    return re.sub(r"[^A-Za-z0-9+\-.]+", "_", str(text)).strip("_") or "row"
+
+
+def distinct_slug(text: str) -> str:
+    """:func:`slug`, with ``~`` and a hash of ``text`` where the cleaning changed it: names that
+    clean up the same (``a b.png``, ``a_b.png``, ``a/b.png``) keep distinct files, and a name that
+    is already clean keeps its own (a clean name never holds ``~``, so it cannot meet a hashed one)."""
+    clean = slug(text)
+    if clean == str(text):
+        return clean
+    return f"{clean}~{hashlib.sha256(str(text).encode()).hexdigest()[:10]}"
+
+
+def short_name(name: str, limit: int = MAX_NAME) -> str:
+    """``name`` when it fits ``limit`` bytes, else its head and a hash of the whole (distinct names
+    stay distinct; the same name always gives the same file)."""
+    if len(name.encode()) <= limit:
+        return name
+    digest = hashlib.sha256(name.encode()).hexdigest()[:16]
+    head = name.encode()[: limit - len(digest) - 1].decode("utf-8", errors="ignore")
+    return f"{head}~{digest}"

@@ -6,7 +6,7 @@ feeding an attack thread; :class:`RoundCollector` groups the tapped updates into
 goes to the runner (:class:`benchmark.workers.RoundDispatch`) as one call per attacker, each update's
 metadata carrying the round's estimate store of that update, and once its attacks are done, its
 results are scored (:mod:`benchmark.scoring`) and appended to the run folder with the grid images.
-:func:`attack_metadata` is what the attacks are told besides an update.
+:func:`benchmark.federation_inputs.attack_metadata` is what the attacks are told besides an update.
 """
 from __future__ import annotations
 
@@ -20,25 +20,23 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import nn
 from tqdm.auto import tqdm
 
 from fedmjp.text import printable
 
 from . import scoring
-from .config import BenchmarkConfig
 from .errors import FederationFailed
+from .federation_inputs import attack_metadata, grid_image_ids, row_context
 from .inputs import Attacker, ModelRow, Prepared, client_run_config, expected_updates
-from .rows import RowContext, RowKey, client_failure_rows
+from .rows import RowKey, client_failure_rows
 from .secure_aggregation import tapped_batch
-from .store import RunFolder, slug
+from .files import slug
+from .store import RunFolder
 from .workers import AttackCall
 
 if TYPE_CHECKING:
-    from attacks.api.base import AttackMetadata
     from attacks.api.progress import Reporter
-    from clients.runconfig import RunConfig
 
     from .workers import Runner
 
@@ -51,60 +49,6 @@ WAKE_SECONDS = 0.2
 #: How long an aborted federation (an error, SIGTERM, Ctrl-C) waits for the attack thread to stop;
 #: one still inside a long attack step is left behind (a daemon thread: it never keeps the process).
 ABORT_GRACE_SECONDS = 1.0
-
-
-def grid_image_ids(cfg: BenchmarkConfig, run_config: RunConfig) -> set[str]:
-    """The fixed grid selection: the first ``report.grid_images`` images attacked, in (round,
-    partition, batch index) order. Private batches do not depend on the model row or the setting
-    group, so every grid row shows the same images."""
-    k = cfg.report.grid_images
-    ids: list[str] = []
-    for rnd, part in expected_updates(cfg):
-        if len(ids) >= k:
-            break
-        ids += tapped_batch(run_config, part, rnd, cfg.federation.clients).image_ids
-    return set(ids[:k])
-
-
-def attack_metadata(cfg: BenchmarkConfig, resolved: RunConfig, model: nn.Module, batch: Any) -> AttackMetadata:
-    """What the server knows besides an update, typed: batch size, input normalisation, image size,
-    the update type with its local SGD steps, the defence the clients run (its spec with parameters:
-    Kerckhoffs, the server configures the protocol) and, when the threat model grants them, the
-    labels, one per image.
-
-    Args:
-        cfg: the benchmark config; resolved: the federation's typed client config
-            (:func:`client_run_config`); model: the server's model; batch: the private batch.
-    """
-    from attacks.api.base import AttackMetadata
-    from fedmjp.factory import model_input_stats
-
-    mean, std = model_input_stats(model)
-    fed = cfg.federation
-    fedavg = resolved.mode != fed.algorithm  # the fedavg defence turns FedSGD into FedAvg
-    return AttackMetadata(
-        num_images=len(batch.image_ids), image_size=(3, cfg.data.image_size, cfg.data.image_size),
-        mean=torch.tensor(mean, dtype=torch.float64), std=torch.tensor(std, dtype=torch.float64),
-        labels=batch.labels.detach().to("cpu", torch.long).clone() if cfg.attack.labels == "known" else None,
-        update_type="gradient" if fed.algorithm == "fedsgd" and not fedavg else "delta",
-        lr=float(fed.lr), local_steps=resolved.local_steps if fedavg else fed.local_steps,
-        defence=resolved.defence)
-
-
-def row_context(cfg: BenchmarkConfig, row: ModelRow, group: str, resolved: RunConfig,
-                image_names: list[str]) -> RowContext:
-    """What every result row of one federation (model row, setting group) shares; ``resolved``: the
-    federation's run config. The flat image of the ``flat_psnr`` column has the colour the model
-    normalises its input with (:func:`fedmjp.factory.model_input_stats`), as the attacks are told."""
-    from fedmjp.factory import model_input_stats
-
-    return RowContext(model=row.name, label=row.label, trained=row.trained, arch=row.spec["arch"],
-                      variant=row.spec["variant"], april=row.spec["april"], group=group, seed=cfg.seed,
-                      defence=resolved.defence,
-                      image_index={name: i for i, name in enumerate(image_names)},
-                      federation={"batch_size": cfg.federation.batch_size, "local_steps": cfg.federation.local_steps,
-                                  "labels": "known" if cfg.attack.labels == "known" else "recovered"},
-                      flat_colour=tuple(float(v) for v in model_input_stats(row.model)[0]))
 
 
 def round_keys(model: str, attackers: list[Attacker], settings: list[str], rnd: int, part: int,

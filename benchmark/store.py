@@ -18,12 +18,10 @@ grids read only this folder.
 """
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import logging
 import os
-import re
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -51,6 +49,9 @@ from .errors import (
 # their names stay importable from here.
 from .files import (  # noqa: F401
     MAX_NAME,
+    distinct_slug,
+    short_name,
+    slug,
     open_append,
     write_error,
     append_line,
@@ -96,31 +97,6 @@ def rec_kind(attack: str, setting: str) -> str:
     """Stored-image kind of a reconstruction: per attacker and setting (an MJP-aware attack scores
     setting c on its own estimate of x, and batches are paired per setting)."""
     return f"rec-{slug(attack)}-{setting}"
-
-
-def slug(text: str) -> str:
-    """A file-name-safe form of a row name (``DeiT+MJP`` -> ``DeiT+MJP``, spaces -> ``_``)."""
-    return re.sub(r"[^A-Za-z0-9+\-.]+", "_", str(text)).strip("_") or "row"
-
-
-def distinct_slug(text: str) -> str:
-    """:func:`slug`, with ``~`` and a hash of ``text`` where the cleaning changed it: names that
-    clean up the same (``a b.png``, ``a_b.png``, ``a/b.png``) keep distinct files, and a name that
-    is already clean keeps its own (a clean name never holds ``~``, so it cannot meet a hashed one)."""
-    clean = slug(text)
-    if clean == str(text):
-        return clean
-    return f"{clean}~{hashlib.sha256(str(text).encode()).hexdigest()[:10]}"
-
-
-def short_name(name: str, limit: int = MAX_NAME) -> str:
-    """``name`` when it fits ``limit`` bytes, else its head and a hash of the whole (distinct names
-    stay distinct; the same name always gives the same file)."""
-    if len(name.encode()) <= limit:
-        return name
-    digest = hashlib.sha256(name.encode()).hexdigest()[:16]
-    head = name.encode()[: limit - len(digest) - 1].decode("utf-8", errors="ignore")
-    return f"{head}~{digest}"
 
 
 def _parse_line(raw: bytes) -> dict | None:

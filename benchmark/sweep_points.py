@@ -16,7 +16,7 @@ from fedmjp import config as core
 
 from .config import BenchmarkConfig
 from .errors import ConfigError
-from .store import short_name, slug
+from .files import short_name, slug
 
 #: The most points one sweep runs (each is a whole benchmark run into the same folder).
 MAX_SWEEP_POINTS = 1_000
