@@ -207,4 +207,6 @@ def _main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from fedmjp.threads import exit_process
+
+    exit_process(main())  # not sys.exit: a client or attack thread still running must not abort the exit

@@ -169,5 +169,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 2
 
 
+def entry() -> None:
+    """The ``fedmjp`` console script: :func:`main`, ended by :func:`fedmjp.threads.exit_process`."""
+    code = main()
+    from fedmjp.threads import exit_process
+
+    exit_process(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -24,6 +24,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from fedmjp.text import printable
+from fedmjp.threads import start_daemon
 
 from . import scoring
 from .errors import FederationFailed
@@ -191,8 +192,7 @@ class GroupAttacker:
         from server.federation import run_federation
 
         t0 = time.perf_counter()
-        worker = threading.Thread(target=self.work, name=f"attack-{self.row.name}-{self.group}", daemon=True)
-        worker.start()
+        worker = start_daemon(self.work, f"attack-{self.row.name}-{self.group}")
         finished = False
         try:
             if federate is None:

@@ -21,7 +21,6 @@ import logging
 import os
 import queue
 import random
-import threading
 import time
 import traceback
 import uuid
@@ -30,6 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional
 
 import torch
+
+from fedmjp.threads import start_daemon
 
 from .offline import keep_flower_offline
 
@@ -78,15 +79,13 @@ class DaemonPool:
 
     Not :class:`concurrent.futures.ThreadPoolExecutor`: the interpreter joins its threads at exit,
     so one client hung past the round timeout would keep the process alive after the run's
-    results are written (and after Ctrl-C). A daemon thread ends with the process.
+    results are written (and after Ctrl-C). A daemon thread ends with the process; the CLI's
+    :func:`fedmjp.threads.exit_process` first gives it a bounded time to finish its call.
     """
 
     def __init__(self, workers: int, name: str) -> None:
         self._queue: queue.SimpleQueue[Optional[tuple[Future, Any, tuple]]] = queue.SimpleQueue()
-        self._threads = [threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True)
-                         for i in range(max(1, workers))]
-        for thread in self._threads:
-            thread.start()
+        self._threads = [start_daemon(self._work, f"{name}_{i}") for i in range(max(1, workers))]
 
     def submit(self, fn: Any, *args: Any) -> Future:
         future: Future = Future()

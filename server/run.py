@@ -97,4 +97,6 @@ def _outcome(args: argparse.Namespace) -> ServerOutcome:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from fedmjp.threads import exit_process
+
+    exit_process(main())  # not sys.exit: a client thread still running must not abort the exit
