@@ -9,9 +9,9 @@ PSNR after pairing of ``block0_roots``, of ``batch_match`` (``--match-iterations
 flat image of the normalisation mean colour, and each attack's wall time; then the medians per B
 and the ratio of the wall times. ``--images`` takes a folder of JPEGs or an archive instead.
 
-``--membership B`` asks instead what B T > D leaves (docs/design.md, "What survives batching"):
-given every true fc1 input of a batch of B (the roots, which fc2's span still defines to
-B T <= 4D), block 0's fc1 inputs of candidate images are fitted to them (float64 L-BFGS from
+``--membership B`` asks instead what an oracle past B T = D - 1 would leave (docs/design.md,
+"What survives batching"): given every true fc1 input of a batch of B (which no layer's span
+holds there, so the update alone does not give them), block 0's fc1 inputs of candidate images are fitted to them (float64 L-BFGS from
 random images, ``--fit-iterations`` steps of 5) with each root at its true image and position,
 and with the roots assigned by the fit itself (one optimal assignment over all B T tokens,
 recomputed every step); it prints the PSNR after pairing of both.

@@ -207,9 +207,38 @@ def test_a_b2_update_of_the_model_as_trained_is_read_from_scratch() -> None:
         assert 10 * torch.log10(torch.tensor(1 / max(mse, 1e-30))) >= 20.0
 
 
+@pytest.mark.slow
+def test_past_d_minus_1_tokens_no_true_token_is_in_fc2s_span() -> None:
+    """The floor of every per-token span read (block0_roots.max_tokens): at B = 2 (130 tokens) the true
+    fc2 inputs lie in the row space of dL/dW_fc2 to the rounding floor; at B = 3 (195 > D - 1 = 191)
+    that matrix (D x 4D) has rank D - 1 (its output gradients are orthogonal to the ones vector)
+    and the true inputs lie off its row space (on three CIFAR-10 validation images: median relative
+    residual 9e-4, max 8e-2), so no true token is a root of the per-token problem."""
+    from attacks.structure.block0_roots import max_tokens
+
+    model = _deit()
+    D = int(model.embed_dim)
+    blk = model.blocks[0]
+    residual = {}
+    for B in (2, 3):
+        _, _, update, U = _update_and_tokens(model, B)
+        G = update["blocks.0.mlp.fc2.weight"].double()
+        with torch.no_grad():
+            A = blk.mlp.act(blk.mlp.fc1(U))
+        sv, Vh = torch.linalg.svd(G, full_matrices=False)[1:]
+        r = int((sv > 1e-10 * sv[0]).sum())
+        if B == 3:
+            assert r == max_tokens(D) == D - 1 < B * 65
+            assert float(G.sum(0).norm() / G.norm()) < 1e-12  # 1^T dL/dW_fc2 = 0: the output gradients are orthogonal to 1
+        V = Vh[:r].T
+        residual[B] = (A - A @ V @ V.T).norm(dim=1) / A.norm(dim=1)
+    assert float(residual[2].max()) < 1e-9
+    assert float(residual[3].median()) > 1e-5 and float(residual[3].max()) > 1e-3
+
+
 @pytest.mark.parametrize("case, match", [
     ("design_a", "design-A block 0 at B = 1 only"),
-    ("batch_3", r"B T <= D: 3 images x 65 tokens = 195 > width 192"),
+    ("batch_3", r"B T <= D - 1: 3 images x 65 tokens = 195 > 191 \(width 192\).*B <= 2 on this model"),
     ("fedavg", "local steps"),
     ("design_a_large", r"dense solve in T\^2 = 21025 unknowns \(145 tokens\); it takes at most 10000"),
 ])

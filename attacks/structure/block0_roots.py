@@ -1,8 +1,9 @@
 """``block0_roots``: a batch read off block 0 exactly, through its MLP's per-token roots.
 
 On a ViT whose block 0 is the standard pre-norm block (``norm1`` and a residual around attention,
-the model as trained; not APRIL's design A), a FedSGD update of B images with B T <= D tokens
-(T per image, D the width: B <= 2 on the CIFAR geometry, T = 65, D = 192) determines the batch.
+the model as trained; not APRIL's design A), a FedSGD update of B images with B T <= D - 1 tokens
+(T per image, D the width: B <= 2 on the CIFAR geometry, T = 65, D = 192; :func:`max_tokens`)
+determines the batch.
 No closed form of the first layer sees it (docs/design.md, "What survives batching"); block 0's MLP
 and attention projection do, in four steps, each in its own module:
 
@@ -33,7 +34,7 @@ in root order, ``unshuffled`` is the jigsaw solver's arrangement (setting c, :mo
 they are, the embeddings then come from the attention solve, or where c is too noisy for it, from the
 position-structured solve (:mod:`attacks.structure.design_a`), whose answer is polished on every
 layer's input span (:mod:`attacks.structure.polish`); step 3 then places them and checks every token.
-Refused, with the reason: design A at B > 1 (the solve needs each token's image), B T > D, a FedAvg
+Refused, with the reason: design A at B > 1 (the solve needs each token's image), B T > D - 1, a FedAvg
 delta of several local steps.
 """
 from __future__ import annotations
@@ -133,6 +134,17 @@ def batch_from_roots(vit: nn.Module, grads: Mapping[str, torch.Tensor], roots: t
                           0 if emb is None else emb.structured_rounds)
 
 
+def max_tokens(width: int) -> int:
+    """The most tokens B T whose inputs block 0's per-token span test still sees: D - 1.
+
+    A weight gradient sum_t g_t a_t^T has rank at most min(fan-in, fan-out); fc2 and proj write the
+    residual stream, whose gradients on a pre-norm ViT reach it through LayerNorms alone (the next
+    block's norms, the final norm) and so are orthogonal to the ones vector: rank <= D - 1. With more
+    tokens the row space is a proper subspace of span{a_t} and a true token's input lies off it
+    (tests/test_block0_roots.py: test_past_d_minus_1_tokens_no_true_token_is_in_fc2s_span)."""
+    return width - 1
+
+
 def check_model(vit: nn.Module, grads: Mapping[str, torch.Tensor], batch: int) -> None:
     """Raise AttackFailure naming the first condition the model or update does not meet."""
     blocks = getattr(vit, "blocks", None)
@@ -154,10 +166,13 @@ def check_model(vit: nn.Module, grads: Mapping[str, torch.Tensor], batch: int) -
                             "(the class tokens say which image each token belongs to)")
     D = int(vit.embed_dim)
     T = int(vit.pos_embed.shape[1])
-    if batch * T > D:
-        raise AttackFailure(f"block0_roots needs B T <= D: {batch} images x {T} tokens = {batch * T} > width {D} "
-                            f"(the attention projection's update then no longer separates the tokens; "
-                            f"B <= {D // T} on this model)")
+    if batch * T > max_tokens(D):
+        raise AttackFailure(f"block0_roots needs B T <= D - 1: {batch} images x {T} tokens = {batch * T} > "
+                            f"{max_tokens(D)} (width {D}): every weight gradient of block 0 has rank at most "
+                            f"D (fc2's and proj's at most D - 1: the residual stream's gradients are orthogonal "
+                            f"to the ones vector), so past D - 1 tokens no token's input lies in any layer's span "
+                            f"and no token is a root (docs/design.md, 'What survives batching'); "
+                            f"B <= {max_tokens(D) // T} on this model")
     if is_design_a(blk) and T * T > DESIGN_A_MAX_UNKNOWNS:
         raise AttackFailure(f"block0_roots reads design A through a dense solve in T^2 = {T * T} unknowns "
                             f"({T} tokens); it takes at most {DESIGN_A_MAX_UNKNOWNS} (T <= "
@@ -213,7 +228,7 @@ class Block0Roots(Attack):
         seed: seed of the starts.
     """
 
-    threat = Threat(batch="B T <= width (B <= 2 on the CIFAR models); one local step", labels="not needed (read off the head)", architecture="standard pre-norm block 0 (the model as trained); design A at B = 1, T <= 100", precision="float64 clients for an exact copy")
+    threat = Threat(batch="B T <= width - 1 (B <= 2 on the CIFAR models, B = 1 at 224 px); one local step", labels="not needed (read off the head)", architecture="standard pre-norm block 0 (the model as trained); design A at B = 1, T <= 100", precision="float64 clients for an exact copy")
 
     name = "block0_roots"
 

@@ -4,7 +4,8 @@ quantities and attention output from its root, linearly.
 With every token's fc1 input u_t (a root) and so its activation a_t known, dL/dW_fc2 = sum_t g_t a_t^T
 gives each token's output gradient g_t (B T <= 4D), and with it the gradient reaching norm2's input
 up to the LayerNorm's scale 1/sigma_t, which dL/db_proj = sum_t dL/dh_t fixes (B T <= D unknowns);
-then dL/dW_proj = sum_t (dL/dh_t) c_t^T gives every token's attention output c_t (B T <= D).
+then dL/dW_proj = sum_t (dL/dh_t) c_t^T gives every token's attention output c_t (B T <= D). The
+roots themselves need B T <= D - 1 (:func:`attacks.structure.block0_roots.max_tokens`).
 """
 from __future__ import annotations
 

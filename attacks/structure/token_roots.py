@@ -8,10 +8,11 @@ of
     r(v) = ( Q1^T h / ||h||,  Q2^T GELU(W1 h + b1) / ||GELU(W1 h + b1)|| ),   h = norm2(v),
 
 with Q1, Q2 orthonormal bases of the complements of fc1's and fc2's input spans: 2D - r1 + 4D - r2
-equations in D unknowns per token (r the spans' ranks, B T while B T <= D). The problem does not
-couple the tokens, so many starts run side by side (a batched Levenberg-Marquardt below, in fc1's
-span where a root is isolated, with exact Gauss-Newton terms: :class:`MLPSpans`), and each
-converged start is one token's fc1 input, without its position or its image.
+equations in D unknowns per token (r the spans' ranks, B T while B T <= D - 1: past that no true
+token is a root, :func:`attacks.structure.block0_roots.max_tokens`). The problem does not couple
+the tokens, so many starts run side by side (a batched Levenberg-Marquardt below, in fc1's span
+where a root is isolated, with exact Gauss-Newton terms: :class:`MLPSpans`), and each converged
+start is one token's fc1 input, without its position or its image.
 
 Every start that converges lands on a true token (tests/test_batch_attacks.py:
 test_batched_roots_of_the_per_token_mlp_problem_are_true_tokens); the starts' basins differ in size,
