@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Federated rounds -> gradient-inversion attacks -> privacy table and image grids "
                     "(settings a, b, c of the MJP paper). Defaults: configs/default.yaml (quick preset).",
         epilog="Exit status: 0 ok, 2 usage, 3 bad config/name, 4 bad input data, 5 checkpoint, "
-               "6 output folder holds another config or provenance or is not a run folder (see --force), 7 federation failed, 8 an attack raised an unexpected error (tables written, tracebacks in errors/), 9 output folder in use, 10 output cannot be written (read-only, disk full, file-size limit; rows kept), 130 interrupted, 143 terminated (re-run to resume).")
+               "6 output folder holds another config or provenance or is not a run folder (see --force), 7 federation failed, 8 an attack raised an unexpected error (tables written, tracebacks in errors/), 9 output folder in use, 10 output cannot be written (read-only, disk full, file-size limit; rows kept), 11 an attack worker died (rows kept), 130 interrupted, 143 terminated (re-run to resume).")
     p.add_argument("--setting", choices=SETTING_CHOICES, help="threat setting(s) to run (default: the config's)")
     p.add_argument("--config", metavar="FILE", help="YAML preset (default: configs/default.yaml)")
     p.add_argument("--images", metavar="DIR", help="attack image folder, or 'embedded' for scikit-image's bundled images")

@@ -22,6 +22,8 @@ code   meaning
 9      the output folder is in use by another run (its lock file is held)
 10     the output cannot be written: no permission, read-only, a file where a folder should be, a
        full disk or a file-size limit; the rows written so far are kept, the same command resumes
+11     an attack worker process died (``attack_workers``: Ray reports it killed, e.g. for want of
+       memory, or crashed): the rows written so far are kept, the same command resumes
 130    interrupted (Ctrl-C); finished rows are kept, re-run the same command to resume
 143    terminated (SIGTERM); finished rows are kept, re-run the same command to resume
 =====  ===================================================================================
@@ -32,7 +34,8 @@ from __future__ import annotations
 from fedmjp.config import ConfigError
 
 __all__ = ["AttackErrors", "BenchmarkError", "ConfigError", "FederationFailed", "InputDataError",
-           "ModelCheckpointError", "OutputConflictError", "OutputLockedError", "OutputWriteError"]
+           "AttackWorkerLost", "ModelCheckpointError", "OutputConflictError", "OutputLockedError",
+           "OutputWriteError"]
 
 
 class BenchmarkError(Exception):
@@ -81,6 +84,12 @@ class OutputWriteError(BenchmarkError):
     """The output folder cannot be written (permission, not a folder, disk full, file too large)."""
 
     exit_code = 10
+
+
+class AttackWorkerLost(BenchmarkError):
+    """An attack worker process died under the attack (Ray: killed for memory, crashed)."""
+
+    exit_code = 11
 
 
 EXIT_INTERRUPTED = 130

@@ -27,7 +27,7 @@ from fedmjp.text import printable
 from fedmjp.threads import start_daemon
 
 from . import scoring
-from .errors import FederationFailed
+from .errors import AttackWorkerLost, FederationFailed
 from .federation_inputs import attack_metadata, grid_image_ids, row_context
 from .inputs import Attacker, ModelRow, Prepared, client_run_config, expected_updates
 from .rows import RowKey, client_failure_rows
@@ -372,7 +372,7 @@ class GroupAttacker:
         store the grid images."""
         scored: list[scoring.ScoredImage] = []
         for attacker, job, mine in r.jobs:
-            results, seconds = job.result()
+            results, seconds = self.job_result(attacker, job, r.rnd)
             n_images = sum(len(r.batches[i].image_ids) for i in mine)
             for i, result in zip(mine, results):
                 if result.error is not None:
@@ -401,6 +401,23 @@ class GroupAttacker:
         self.failed_rows += sum(bool(x.failed) for x in rows)
         self.error_rows += sum(bool(x.error) for x in rows)
         self.bar.update(len(r.updates))
+
+    def job_result(self, attacker: Attacker, job: Any, rnd: int) -> Any:
+        """An attack job's (results, seconds). Its attack's own errors are already error rows
+        (:func:`benchmark.workers.run_attack`); a Ray worker process that died under it (killed for
+        memory, crashed) is not the attack's fault and not a bug here: :class:`AttackWorkerLost`,
+        after which the CLI keeps the rows written and the same command resumes."""
+        try:
+            return job.result()
+        except Exception as err:  # noqa: BLE001  (only Ray's own errors are translated; the rest re-raised)
+            if not type(err).__module__.startswith("ray."):
+                raise
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise AttackWorkerLost(
+                f"the attack worker running {printable(attacker.label)} on round {rnd} of "
+                f"{printable(self.row.name)} died ({type(err).__name__}: {printable(first)[:300]}); the rows "
+                "written so far are kept: run the same command to resume (with fewer attack workers, "
+                "--attack-workers, where it ran out of memory)") from None
 
     def acc_model_at(self, state: dict) -> nn.Module:
         """The model as trained at the global weights ``state``: the row's unmodified model with the

@@ -111,6 +111,26 @@ class HostileDefence(UpdateDefence):
         raise AssertionError(k)
 
 
+class DiesOnce(Attack):
+    """Kills its own process (an attack worker under ``attack_workers``: what Ray's memory monitor
+    does to a worker) the first time it runs, leaving ``marker``; afterwards it returns a flat image."""
+
+    name = "dies_once"
+
+    def __init__(self, marker: str = "", raise_errors: bool = False) -> None:
+        super().__init__(raise_errors)
+        self.marker = Path(marker)
+
+    def _reconstruct(self, model, update, meta):
+        import os
+        import signal
+
+        if not self.marker.exists():
+            self.marker.write_text("died")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return _good(meta)
+
+
 def small_config(folder: Path, **changes) -> Path:
     return write_config(folder, **{**SMALL, "models": [dict(tiny_config()["models"][0])], **changes})
 
@@ -321,3 +341,34 @@ def test_a_sweep_with_an_attack_error_fails_after_writing_its_tables(tmp_path: P
     out = tmp_path / "out"
     assert cli(config, out, "--sweep", "gamma=0.1,0.2") == 8
     assert (out / "sweep.csv").is_file() and len(list((out / "points").iterdir())) == 2
+
+
+@pytest.mark.slow
+def test_an_attack_worker_that_dies_is_exit_11_and_the_same_command_resumes(tmp_path: Path) -> None:
+    """A Ray attack worker killed under an attack (Ray's memory monitor does this when the machine
+    runs low) ends the run with one line naming the attacker and how to resume (exit 11), not a
+    traceback; the same command then finishes the run."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    marker = tmp_path / "died"
+    config = small_config(tmp_path, attacks=[{"name": "april_analytic"},
+                                             {"name": f"{MODULE}:DiesOnce", "options": {"marker": str(marker)}}])
+    out = tmp_path / "out"
+    command = [sys.executable, str(root / "run_benchmark.py"), "--config", str(config), "--output", str(out),
+               "--no-progress", "--attack-workers", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), str(root), os.environ.get("PYTHONPATH", "")])}
+    first = subprocess.run(command, capture_output=True, text=True, cwd=root, env=env, timeout=600)
+    assert first.returncode == 11, first.stderr[-3000:]
+    assert marker.exists()
+    assert "Traceback" not in first.stderr, first.stderr[-3000:]
+    line = next(x for x in first.stderr.splitlines() if x.startswith("error: "))
+    assert "DiesOnce" in line or "dies_once" in line, line
+    assert "died" in line and "resume" in line, line
+    again = subprocess.run(command, capture_output=True, text=True, cwd=root, env=env, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    rows = rows_of(out)
+    assert len(rows) == 4 and not any(r["failed"] for r in rows)
