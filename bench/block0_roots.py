@@ -9,10 +9,16 @@ PSNR after pairing of ``block0_roots``, of ``batch_match`` (``--match-iterations
 flat image of the normalisation mean colour, and each attack's wall time; then the medians per B
 and the ratio of the wall times. ``--images`` takes a folder of JPEGs or an archive instead.
 
-``--membership B`` asks instead what an oracle past B T = D - 1 would leave (docs/design.md,
-"What survives batching"): given every true fc1 input of a batch of B (which no layer's span
-holds there, so the update alone does not give them), block 0's fc1 inputs of candidate images are fitted to them (float64 L-BFGS from
-random images, ``--fit-iterations`` steps of 5) with each root at its true image and position,
+``--past-floor B`` reads the roots of a batch of B past B T = D - 1 (B >= 3 here), where no
+layer's span holds a true token: near-roots against fc2's incomplete span (2 ``--starts``
+steered starts), fc2's span completed from 3 k of them (k = B T - its rank;
+:mod:`attacks.structure.completion`), then ``--rounds`` rounds of the root search in the completed
+span. Per update: the completion's residual and its points' largest 1 - cos to a true token, the
+roots found of B T and how many are true tokens, each stage's wall time.
+
+``--membership B`` asks what the roots leave (docs/design.md, "What survives batching"): given every
+true fc1 input of a batch of B, block 0's fc1 inputs of candidate images are fitted to them
+(float64 L-BFGS from random images, ``--fit-iterations`` steps of 5) with each root at its true image and position,
 and with the roots assigned by the fit itself (one optimal assignment over all B T tokens,
 recomputed every step); it prints the PSNR after pairing of both.
 
@@ -41,6 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import attacks  # noqa: E402
+from attacks.api.base import AttackFailure  # noqa: E402
 from attacks.structure.design_a import STRUCTURED_ROUNDS  # noqa: E402
 from attacks.structure.polish import SPAN_POLISH_JACOBIANS  # noqa: E402
 import fedmjp  # noqa: E402,F401  (registers the models)
@@ -104,6 +111,46 @@ def membership(model: torch.nn.Module, x: torch.Tensor, mean: torch.Tensor, std:
     return out
 
 
+def past_floor(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, mean: torch.Tensor, std: torch.Tensor,
+               starts: int, rounds: int, seed: int) -> dict:
+    """``--past-floor``: fc2's span completed, then the root search in it, against the true tokens."""
+    from attacks.structure.completion import POINTS_PER_DIMENSION, complete_span, near_roots
+    from attacks.structure.roots import find_roots
+    from attacks.structure.token_roots import MLPSpans
+
+    B, D = x.shape[0], int(model.embed_dim)
+    xn = (x - mean[:, None, None]) / std[:, None, None]
+    update = attacks.compute_update(model, xn, y)
+    with torch.no_grad():
+        truth = fc1_inputs(model, xn)
+    unit = truth / truth.norm(dim=1, keepdim=True)
+    gap = lambda u: float((1 - ((u / u.norm(dim=1, keepdim=True)) @ unit.T).max(1).values).max())  # noqa: E731
+    blk, n = model.blocks[0], truth.shape[0]
+    G2 = update["blocks.0.mlp.fc2.weight"].double()
+    _, sv, Vh = torch.linalg.svd(G2, full_matrices=False)
+    r = int((sv > 1e-10 * sv[0]).sum())
+    full = torch.eye(D, dtype=torch.float64)  # B T > D: fc1's span is the whole input space
+    gen = torch.Generator().manual_seed(seed)
+    t0 = time.perf_counter()
+    points = near_roots(MLPSpans(blk, full, Vh[:r].T.contiguous()), POINTS_PER_DIMENSION * (n - r), 2 * starts, 60,
+                        gen)
+    t1 = time.perf_counter()
+    try:
+        done = complete_span(blk, Vh[:r].T.contiguous(), n, points)
+    except AttackFailure as e:  # too few distinct near-roots (raise --starts), or too large
+        return dict(failed=str(e), near_s=t1 - t0)
+    t2 = time.perf_counter()
+    search = find_roots(blk, full, done.basis, update["blocks.0.mlp.fc1.weight"].double(), G2, n, starts, rounds, 60,
+                        gen)
+    t3 = time.perf_counter()
+    hits = (search.roots / search.roots.norm(dim=1, keepdim=True)) @ unit.T
+    true = (1 - hits.max(1).values < 1e-10)
+    return dict(tokens=n, rank=r, points=int(points.shape[0]), value=done.value, points_gap=gap(done.points),
+                found=int(search.roots.shape[0]), true=int(true.sum()),
+                distinct=len(set(hits.max(1).indices[true].tolist())), near_s=t1 - t0, complete_s=t2 - t1,
+                search_s=t3 - t2)
+
+
 def design_a_model() -> torch.nn.Module:
     """The shipped DeiT+MJP with the design-A block 0, float64 (``--design-a``)."""
     torch.manual_seed(0)
@@ -151,6 +198,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--match-iterations", type=int, default=200, help="batch_match's L-BFGS iterations (0: skip it)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--membership", type=int, default=0, help="batch size B of the membership test (0: off)")
+    p.add_argument("--past-floor", type=int, default=0, help="batch size B of the roots read past B T = D - 1 "
+                   "(0: off; B T must exceed D - 1)")
     p.add_argument("--fit-iterations", type=int, default=40, help="--membership: L-BFGS steps")
     p.add_argument("--design-a", type=int, default=0, help="photographs to read off design A at B = 1 (0: off)")
     p.add_argument("--attention-iterations", type=int, default=40, help="--design-a: the attention solve's "
@@ -173,6 +222,8 @@ def main(argv: list[str] | None = None) -> None:
                                              span_polish=args.span_polish)
     except ValueError as e:
         p.error(str(e))
+    if not 0 <= args.past_floor <= args.pool:
+        p.error(f"--past-floor {args.past_floor}: give a batch size between 1 and --pool {args.pool} (0: off)")
     if not 0 <= args.membership <= args.pool:
         p.error(f"--membership {args.membership}: give a batch size between 1 and --pool {args.pool} (0: off)")
     for flag in ("updates", "pool", "starts", "rounds", "fit_iterations"):
@@ -182,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
         sizes = [int(b) for b in args.batch_sizes.split(",")]
     except ValueError:
         p.error(f"--batch-sizes {args.batch_sizes!r}: give comma-separated integers, e.g. 1,2")
-    if not (args.design_a or args.membership) and any(not 1 <= b <= args.pool for b in sizes):
+    if not (args.design_a or args.membership or args.past_floor) and any(not 1 <= b <= args.pool for b in sizes):
         p.error(f"--batch-sizes {args.batch_sizes}: each must be between 1 and --pool {args.pool}")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(1)
@@ -217,6 +268,24 @@ def main(argv: list[str] | None = None) -> None:
                          row["roots_per_round"], row["attention_residual"], how, row["time_s"])
         _logger.info("design A: %d of %d images read exactly (both parts >= 90 dB), %d read to unshuffled "
                      ">= 35 dB and shuffled set >= 30 dB", exact, args.design_a, read)
+        return
+    if args.past_floor:
+        if args.past_floor * int(model.pos_embed.shape[1]) <= int(model.embed_dim) - 1:
+            p.error(f"--past-floor {args.past_floor}: B T = {args.past_floor * int(model.pos_embed.shape[1])} is "
+                    f"within the floor D - 1 = {int(model.embed_dim) - 1}; give a larger B")
+        for u in range(args.updates):
+            idx = torch.randperm(len(ims), generator=gen)[:args.past_floor]
+            row = past_floor(model, ims.images[idx].double(), ims.labels[idx], mean, std, args.starts, args.rounds,
+                             args.seed + u)
+            if "failed" in row:
+                _logger.info("past the floor, B=%d update %d: failed: %s (%.0f s)", args.past_floor, u, row["failed"],
+                             row["near_s"])
+                continue
+            _logger.info("past the floor, B=%(B)d update %(u)d: fc2's span rank %(rank)d of %(tokens)d tokens, completed "
+                         "from %(points)d near-roots to a residual of %(value).1e (their largest 1 - cos to a true token "
+                         "%(points_gap).1e); roots found %(found)d of %(tokens)d, %(true)d true tokens (%(distinct)d "
+                         "distinct); near-roots %(near_s).0f s, completion %(complete_s).0f s, search %(search_s).0f s",
+                         dict(row, B=args.past_floor, u=u))
         return
     if args.membership:
         x = ims.images[torch.randperm(len(ims), generator=gen)[:args.membership]].double()

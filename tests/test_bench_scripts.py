@@ -179,6 +179,25 @@ def test_block0_roots_membership_mode_tells_the_assignments_apart() -> None:
 
 
 @pytest.mark.slow
+def test_block0_roots_past_floor_mode_reads_true_roots_at_b3(caplog: pytest.LogCaptureFixture) -> None:
+    """bench/block0_roots.py --past-floor on its smallest run (B = 3 bundled photographs, 16 starts
+    for the near-roots, one search round of 8): fc2's span completed to the rounding floor and
+    every root found a true token; a B within the floor is refused."""
+    bench = load_bench("block0_roots")
+    caplog.set_level("INFO")
+    bench.main(["--images", "embedded", "--pool", "3", "--past-floor", "3", "--updates", "1", "--starts", "8",
+                "--rounds", "1"])
+    m = re.search(r"fc2's span rank 191 of 195 tokens, completed from (\d+) near-roots to a residual of (\S+) "
+                  r"\(their largest 1 - cos to a true token (\S+)\); roots found (\d+) of 195, (\d+) true tokens",
+                  caplog.text)
+    assert m, caplog.text[-3000:]
+    assert int(m[1]) > 4 and float(m[2]) < 1e-20 and float(m[3]) < 1e-12
+    assert int(m[4]) == int(m[5]) >= 3
+    with pytest.raises(SystemExit):
+        bench.main(["--images", "embedded", "--pool", "2", "--past-floor", "2"])
+
+
+@pytest.mark.slow
 def test_block0_roots_design_a_mode_prints_a_row_per_photograph(caplog: pytest.LogCaptureFixture) -> None:
     """bench/block0_roots.py --design-a on its smallest run (one bundled photograph, one attention
     iteration and no structured solve, so the read fails at the attention solve, the row naming why;

@@ -88,7 +88,8 @@ class Damping:
 #: (tests/test_span_lm.py).
 NIELSEN = Damping("nielsen", first=1e-12, max_trials=12)
 #: /3 and x4 relative to J^T J's largest diagonal entry, no cap on trials below mu = 1e8: block 0's
-#: roots and attention solves, dense and batched (tests/test_block0_roots.py, tests/test_solvers.py).
+#: roots and attention solves, dense and batched, and fc2's span completion (tests/test_block0_roots.py,
+#: tests/test_solvers.py, tests/test_block0_completion.py).
 ROOTS = Damping("geometric", first=1e-3, scale="max_diag", solve="lu", low=1e-15, high=1e8)
 #: /3 and x4 on Marquardt's diagonal scaling, least-squares solves (a singular J^T J at a saturated
 #: softmax stays solvable): the label-count per-image solves (tests/test_labels.py).

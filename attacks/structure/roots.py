@@ -8,7 +8,7 @@ isolated) with exact Gauss-Newton terms. Random starts alone find the few tokens
 again and again, so the search runs two kinds of round:
 
 * **steered** (while they add at least 2 roots a round): random starts moved by Adam into the part of
-  fc2's span the found tokens leave empty (:func:`_steered_starts`), then solved on the plain
+  fc2's span the found tokens leave empty (:func:`steered_starts`), then solved on the plain
   residual. Cheap; slows as the last tokens with small basins remain.
 * **missing**: the m missing tokens' activations fill the part E2 of fc2's span the found ones leave
   empty, so dL/dW_fc2 E2 = G_M (A_M E2) spans their output gradients g_j (Gamma, m columns), and
@@ -104,7 +104,7 @@ def _missing_part(basis: torch.Tensor, found: torch.Tensor) -> torch.Tensor:
     return basis @ complement(torch.linalg.qr((found @ basis).T)[0])
 
 
-def _steered_starts(problem: MLPSpans, fc2_basis: torch.Tensor, found: torch.Tensor, starts: int, steps: int,
+def steered_starts(problem: MLPSpans, fc2_basis: torch.Tensor, found: torch.Tensor, starts: int, steps: int,
                     lr: float, generator: torch.Generator) -> torch.Tensor:
     """Random LayerNorm inputs moved by Adam towards the part E2 of fc2's span the found tokens leave
     empty (share of the activation in E2, minus the span residual). Random starts alone fall into
@@ -202,7 +202,7 @@ def find_roots(block: nn.Module, fc1_basis: torch.Tensor, fc2_basis: torch.Tenso
         # the search of block0_roots (its one caller among the attacks): its rounds as progress
         report("block0_roots", len(per_round), rounds, f"root search: {found.shape[0]} of {count} roots found")
         if steering or found.shape[0] == 0:
-            v = _steered_starts(problem, fc2_basis, found, starts, steer_steps, steer_lr, generator)
+            v = steered_starts(problem, fc2_basis, found, starts, steer_steps, steer_lr, generator)
             with torch.no_grad():
                 alpha = problem.solve(problem.coordinates(v), iterations)[0]
             modes.append("steered")

@@ -1,0 +1,134 @@
+"""Past the span floor: fc2's input span completed, so that every token of block 0 is a root again.
+
+Where B T > D - 1 (B >= 3 on the CIFAR geometry) block 0's dL/dW_fc2 = sum_t g_t a_t^T has rank
+r <= D - 1 < B T (:func:`attacks.structure.block0_roots.max_tokens`): its row space R is a proper
+subspace of span{a_t}, and no true activation a_t lies in it. What the update still fixes is that
+span{a_t} = R + E for a k = B T - r dimensional E: every true a_t's part off R lies in the same
+k-dimensional E. So m > k tokens u_1..u_m are true tokens exactly where the matrix W of their
+normalised activations' parts off R, w_i = P_R-perp a(u_i) / ||a(u_i)||, has rank k: the residual
+is W minus its best rank-k approximation, and E is then W's top k left singular vectors.
+
+The fit (:func:`complete_span`) starts from local minima of the per-token residual against R alone
+(:func:`near_roots`: they sit next to true tokens, 1 - cos ~ 1e-5 at B = 3), and solves the rank-k
+problem by Levenberg-Marquardt on the variable-projection Jacobian: with W ~ E S V^T, the residual
+moves as P_E-perp dW (I - V V^T) to first order, so the m tokens are coupled through V alone
+(Golub and Pereyra's variable projection, Kaufman's form). With R + E as fc2's span, every true
+token is a root of the per-token problem again (:class:`attacks.structure.token_roots.MLPSpans`,
+in the whole of fc1's input space, which B T > D fills), and the search of
+:func:`attacks.structure.roots.find_roots` finds them (tests/test_block0_completion.py).
+
+What B T > D - 1 still takes away is step 2 of the read (the attention outputs from proj's update,
+rank <= D - 1 as well), so the roots are not yet a batch: docs/design.md, "What survives batching".
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import cast
+
+import torch
+import torch.nn as nn
+
+from ..api.base import AttackFailure
+from ..solvers.lm import ROOTS, dense_lm
+from .roots import steered_starts
+from .token_roots import MLPSpans
+
+#: Bytes the completion's dense Jacobian (m 4D x m D, float64) may take; m = 3 k points
+#: (k = B T - rank): k <= 10 on the CIFAR geometry.
+COMPLETION_MEMORY = 2e9
+#: Points per missing dimension: m = POINTS_PER_DIMENSION k tokens fit (the count needs
+#: (m - k)(4D - r - k) >= m D equations; at B = 3 on CIFAR, k = 4, m >= 7).
+POINTS_PER_DIMENSION = 3
+
+
+@dataclass(frozen=True)
+class Completion:
+    """Outcome of :func:`complete_span`.
+
+    Attributes:
+        basis: [4D, r + k] orthonormal basis of R + E, fc2's completed input span.
+        points: [m, D] the fitted tokens (fc1 inputs), true tokens where ``value`` is at the floor.
+        value_first, value: the rank-k residual ||W - W_k||^2 at the start and at the end.
+        next_singular: W's (k+1)-th singular value at the end (the rounding floor where exact).
+        jacobians: Levenberg-Marquardt Jacobians taken.
+    """
+
+    basis: torch.Tensor
+    points: torch.Tensor
+    value_first: float
+    value: float
+    next_singular: float
+    jacobians: int
+
+
+def near_roots(problem: MLPSpans, count: int, starts: int, iterations: int, generator: torch.Generator,
+               steer_steps: int = 100, steer_lr: float = 0.05, distinct_cos: float = 1 - 1e-6) -> torch.Tensor:
+    """Up to ``count`` distinct local minima [<= count, D] of the per-token residual against an
+    incomplete fc2 span, lowest residual first: ``starts`` steered starts
+    (:func:`attacks.structure.roots.steered_starts`) of ``iterations`` LM steps."""
+    D = problem.S1.shape[0]
+    v = steered_starts(problem, problem.S2, torch.zeros(0, D, dtype=torch.float64), starts, steer_steps, steer_lr,
+                        generator)
+    with torch.no_grad():
+        u, value = problem.solve(problem.coordinates(v), iterations, settled=0.0)
+        u = u @ problem.S1.T
+    unit = u / u.norm(dim=1, keepdim=True)
+    kept: list[int] = []
+    for i in torch.argsort(value).tolist():
+        if not kept or float((unit[kept] @ unit[i]).max()) < distinct_cos:
+            kept.append(i)
+        if len(kept) == count:
+            break
+    return u[kept]
+
+
+def complete_span(block: nn.Module, fc2_basis: torch.Tensor, tokens: int, points: torch.Tensor,
+                  max_jacobians: int = 30, memory: float = COMPLETION_MEMORY) -> Completion:
+    """fc2's input span of ``tokens`` tokens completed from its rank-r part ``fc2_basis`` [4D, r]
+    and m near-roots ``points`` [m, D] (module doc).
+
+    Raises:
+        AttackFailure: nothing is missing (r >= tokens), too few points (m <= k), or the Jacobian
+            would exceed ``memory`` bytes.
+    """
+    mlp = cast(nn.Module, block.mlp)
+    N, r = fc2_basis.shape
+    k = tokens - r
+    m, D = points.shape
+    if k <= 0:
+        raise AttackFailure(f"fc2's span has rank {r} >= {tokens} tokens: nothing to complete")
+    if m <= k:
+        raise AttackFailure(f"completing fc2's span by {k} dimensions needs more than {k} near-roots; got {m}")
+    if 8.0 * m * N * m * D > memory:
+        raise AttackFailure(f"completing fc2's span by {k} dimensions from {m} points takes a {m * N} x {m * D} "
+                            f"Jacobian ({8.0 * m * N * m * D / 1e9:.1f} GB > {memory / 1e9:.1f} GB)")
+    S2 = fc2_basis
+
+    def off_span(u: torch.Tensor) -> torch.Tensor:
+        a = mlp.act(mlp.fc1(u))
+        a = a / a.norm(dim=-1, keepdim=True)
+        return a - (a @ S2) @ S2.T
+
+    def parts(u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        W = off_span(u)  # [m, 4D]
+        left, sv, right = torch.linalg.svd(W.T, full_matrices=False)
+        E = left[:, :k]
+        return W - (W @ E) @ E.T, E, right[:k].T, sv
+
+    def fun(u: torch.Tensor) -> torch.Tensor:
+        return parts(u)[0].reshape(-1)
+
+    one = torch.func.vmap(torch.func.jacrev(lambda u: off_span(u[None])[0]))
+
+    def jacobian(u: torch.Tensor) -> torch.Tensor:
+        _, E, V, _ = parts(u)
+        Jt = one(u)  # [m, 4D, D]: each point's own Jacobian
+        PJ = Jt - E @ (E.T @ Jt)
+        mix = torch.eye(m, dtype=u.dtype) - V @ V.T  # the coupling through W's right singular vectors
+        return torch.einsum("ij,jab->iajb", mix, PJ).reshape(m * N, m * D)
+
+    with torch.no_grad():
+        out = dense_lm(fun, jacobian, points.to(torch.float64), max_jacobians, ROOTS, floor=0.0)
+        _, E, _, sv = parts(out.theta)
+    basis = torch.linalg.qr(torch.cat([S2, E], 1))[0]
+    return Completion(basis, out.theta, out.value_first, out.value, float(sv[k]), out.jacobians)

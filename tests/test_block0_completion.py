@@ -1,0 +1,67 @@
+"""fc2's input span completed past the floor B T = D - 1 (attacks/structure/completion.py).
+
+Three bundled photographs (scikit-image's), the shipped CIFAR DeiT with block 0 as trained, float64:
+B T = 195 tokens against dL/dW_fc2's rank 191, where no true token is a root of the per-token problem
+(tests/test_block0_roots.py: test_past_d_minus_1_tokens_no_true_token_is_in_fc2s_span).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attacks.api.base import AttackFailure
+from attacks.structure.completion import POINTS_PER_DIMENSION, complete_span, near_roots
+from attacks.structure.roots import find_roots
+from attacks.structure.token_roots import MLPSpans
+from tests.test_block0_roots import _deit, _update_and_tokens
+
+
+def _incomplete(B: int = 3):
+    model = _deit()
+    _, _, update, U = _update_and_tokens(model, B)
+    G = update["blocks.0.mlp.fc2.weight"].double()
+    _, sv, Vh = torch.linalg.svd(G, full_matrices=False)
+    r = int((sv > 1e-10 * sv[0]).sum())
+    return model, update, U, Vh[:r].T.contiguous()
+
+
+@pytest.mark.slow
+def test_the_completed_span_makes_every_true_token_a_root_and_the_search_finds_only_true_ones() -> None:
+    model, update, U, S2 = _incomplete()
+    blk, n, D = model.blocks[0], U.shape[0], int(model.embed_dim)
+    full = torch.eye(D, dtype=torch.float64)
+    k = n - S2.shape[1]
+    assert k == 4
+    before = MLPSpans(blk, full, S2).value(U)
+    assert float(before.median()) > 1e-9  # against fc2's incomplete span no true token is a root
+    gen = torch.Generator().manual_seed(0)
+    points = near_roots(MLPSpans(blk, full, S2), POINTS_PER_DIMENSION * k, 16, 60, gen)
+    assert points.shape[0] > k
+    done = complete_span(blk, S2, n, points)
+    unit = U / U.norm(dim=1, keepdim=True)
+    assert done.value < 1e-20 < done.value_first
+    assert float((1 - ((done.points / done.points.norm(dim=1, keepdim=True)) @ unit.T).max(1).values).max()) < 1e-12
+    assert done.basis.shape == (4 * D, n)
+    after = MLPSpans(blk, full, done.basis).value(U)
+    assert float(after.max()) < 1e-16  # every true token is a root again (measured 1e-20)
+    search = find_roots(blk, full, done.basis, update["blocks.0.mlp.fc1.weight"].double(),
+                        update["blocks.0.mlp.fc2.weight"].double(), n, 8, 1, 60, gen)
+    hits = (search.roots / search.roots.norm(dim=1, keepdim=True)) @ unit.T
+    assert search.roots.shape[0] >= 3
+    assert float((1 - hits.max(1).values).max()) < 1e-10  # every root found is a true token
+
+
+def test_completion_refuses_what_it_cannot_do() -> None:
+    torch.manual_seed(0)
+    import timm
+
+    model = timm.create_model("mjp_vit_cifar_patch4_32", variant="plain", first_block="standard", depth=1).double()
+    blk = model.blocks[0]
+    S2 = torch.linalg.qr(torch.randn(768, 10, dtype=torch.float64))[0]
+    points = torch.randn(3, 192, dtype=torch.float64)
+    with pytest.raises(AttackFailure, match="nothing to complete"):
+        complete_span(blk, S2, 10, points)
+    with pytest.raises(AttackFailure, match="needs more than 4 near-roots; got 3"):
+        complete_span(blk, S2, 14, points)
+    with pytest.raises(AttackFailure, match=r"Jacobian \(.* GB > 0.0 GB\)"):
+        complete_span(blk, S2, 12, points, memory=1.0)
