@@ -49,6 +49,11 @@ def test_the_completed_span_makes_every_true_token_a_root_and_the_search_finds_o
     hits = (search.roots / search.roots.norm(dim=1, keepdim=True)) @ unit.T
     assert search.roots.shape[0] >= 3
     assert float((1 - hits.max(1).values).max()) < 1e-10  # every root found is a true token
+    # D roots found: fc1's span (the whole input space) has no part left empty, so no missing-token
+    # round (its equations would be empty: a singular solve); the search goes on with steered rounds
+    late = find_roots(blk, full, done.basis, update["blocks.0.mlp.fc1.weight"].double(),
+                      update["blocks.0.mlp.fc2.weight"].double(), n, 4, 2, 20, gen, found=U[:D], steered=False)
+    assert late.modes == ["steered", "steered"] and late.roots.shape[0] >= D
 
 
 def test_completion_refuses_what_it_cannot_do() -> None:

@@ -168,11 +168,12 @@ def check_model(vit: nn.Module, grads: Mapping[str, torch.Tensor], batch: int) -
     T = int(vit.pos_embed.shape[1])
     if batch * T > max_tokens(D):
         raise AttackFailure(f"block0_roots needs B T <= D - 1: {batch} images x {T} tokens = {batch * T} > "
-                            f"{max_tokens(D)} (width {D}): every weight gradient of block 0 has rank at most "
-                            f"D (fc2's and proj's at most D - 1: the residual stream's gradients are orthogonal "
-                            f"to the ones vector), so past D - 1 tokens no token's input lies in any layer's span "
-                            f"and no token is a root (docs/design.md, 'What survives batching'); "
-                            f"B <= {max_tokens(D) // T} on this model")
+                            f"{max_tokens(D)} (width {D}): fc2's and proj's weight gradients have rank at most "
+                            f"D - 1 (the residual stream's gradients are orthogonal to the ones vector), so no "
+                            f"token's input lies in fc2's span (its completion finds the roots again, "
+                            f"attacks/structure/completion.py) and proj's no longer gives the attention outputs "
+                            f"that place the roots in positions and images (docs/design.md, 'What survives "
+                            f"batching'); B <= {max_tokens(D) // T} on this model")
     if is_design_a(blk) and T * T > DESIGN_A_MAX_UNKNOWNS:
         raise AttackFailure(f"block0_roots reads design A through a dense solve in T^2 = {T * T} unknowns "
                             f"({T} tokens); it takes at most {DESIGN_A_MAX_UNKNOWNS} (T <= "

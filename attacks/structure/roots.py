@@ -201,7 +201,9 @@ def find_roots(block: nn.Module, fc1_basis: torch.Tensor, fc2_basis: torch.Tenso
     for _ in range(rounds):
         # the search of block0_roots (its one caller among the attacks): its rounds as progress
         report("block0_roots", len(per_round), rounds, f"root search: {found.shape[0]} of {count} roots found")
-        if steering or found.shape[0] == 0:
+        # a missing round needs the part of fc1's span the found roots leave empty: past B T > D
+        # (fc1's span the whole input space) it is gone once D roots are found, and steered rounds go on
+        if steering or found.shape[0] == 0 or found.shape[0] >= fc1_basis.shape[1]:
             v = steered_starts(problem, fc2_basis, found, starts, steer_steps, steer_lr, generator)
             with torch.no_grad():
                 alpha = problem.solve(problem.coordinates(v), iterations)[0]
