@@ -6,14 +6,12 @@ Metric functions are pure and batched: ``(reconstruction, reference)``, both [B,
 """
 from ._validate import RANGE_TOLERANCE, check_image_batch, check_pair
 from .fourier import fft2d, fft2d_clamped, fft2d_hermitian, point_reflect
+from .lpips_cache import CACHE_ENV, LpipsFeatureCache, cache_budget_mb
 from .perceptual import (
     BACKBONE_ENV,
-    CACHE_ENV,
     LPIPSWeightsError,
-    LpipsFeatureCache,
     LpipsRoute,
     LpipsUnavailable,
-    cache_budget_mb,
     get_lpips_model,
     lpips,
     lpips_source,

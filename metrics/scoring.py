@@ -17,7 +17,8 @@ import torch
 from ._inner import pair_gram
 from ._validate import RANGE_TOLERANCE, check_image_batch, check_pair
 from .fourier import fft2d_clamped_from_gram, fft2d_from_gram, fft2d_hermitian_from_gram
-from .perceptual import LpipsFeatureCache, lpips
+from .lpips_cache import LpipsFeatureCache
+from .perceptual import lpips
 from .pixel import mse_from_gram, psnr_from_mse, ssim
 from .quantize import SUFFIX_8BIT, quantize_8bit
 from .registry import METRICS, PAPER_METRICS, get_metric

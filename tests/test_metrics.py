@@ -236,7 +236,7 @@ def test_lpips_feature_cache_keeps_references_first_come_within_its_budget(real:
 def test_lpips_cache_budget_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(M.CACHE_ENV, raising=False)
     ram_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") >> 20
-    assert M.cache_budget_mb() == min(M.perceptual.DEFAULT_CACHE_MB, ram_mb // 8) > 0
+    assert M.cache_budget_mb() == min(M.lpips_cache.DEFAULT_CACHE_MB, ram_mb // 8) > 0
     monkeypatch.setenv(M.CACHE_ENV, "0")
     assert M.cache_budget_mb() == 0
     for bad in ("-1", "2.5", "lots"):
