@@ -1,4 +1,5 @@
-"""fc2's input span completed past the floor B T = D - 1 (attacks/structure/completion.py).
+"""Past the floor B T = D - 1: fc2's input span completed (attacks/structure/completion.py), and the
+scales and positions of step 2 (attacks.structure.linear.scales_past_floor).
 
 Three bundled photographs (scikit-image's), the shipped CIFAR DeiT with block 0 as trained, float64:
 B T = 195 tokens against dL/dW_fc2's rank 191, where no true token is a root of the per-token problem
@@ -70,3 +71,29 @@ def test_completion_refuses_what_it_cannot_do() -> None:
         complete_span(blk, S2, 14, points)
     with pytest.raises(AttackFailure, match=r"Jacobian \(.* GB > 0.0 GB\)"):
         complete_span(blk, S2, 12, points, memory=1.0)
+
+
+def test_the_scales_and_positions_past_the_floor_follow_linearly() -> None:
+    """At B = 3 (195 tokens > D - 1) dL/db_proj no longer fixes norm2's scales; proj's weight update
+    projected off the embeddings and the position offsets does (attacks.structure.linear.scales_past_floor),
+    and with them every token's position is its best fit, given the roots in any order (measured:
+    scales to 1e-11 relative, every position right). What is left open is the attention outputs'
+    part in the null space of the tokens' output gradients (B T - rank dims): docs/design.md."""
+    from attacks.structure.linear import token_equations
+    from attacks.structure.placement import position_residuals, token_offsets
+
+    model = _deit()
+    blk = model.blocks[0]
+    x, xn, update, U = _update_and_tokens(model, 3)
+    with torch.no_grad():
+        z = model.norm_pre(model._pos_embed(model.patch_embed(xn)))
+        h = (z + blk.ls1(blk.attn(blk.norm1(z)))).reshape(-1, z.shape[-1])
+        sigma = torch.sqrt(h.var(1, unbiased=False) + blk.norm2.eps)
+    perm = torch.randperm(U.shape[0], generator=torch.Generator().manual_seed(3))
+    eq = token_equations(model, update, U[perm])
+    assert float(((1 / eq.inv_sigma - sigma[perm]) / sigma[perm]).abs().max()) < 1e-8
+    attn = blk.attn
+    base = eq.normalized / eq.inv_sigma[:, None] - (eq.outputs @ attn.proj.weight.T + attn.proj.bias)
+    _, off, _, Qm = token_offsets(model)
+    res = position_residuals(base, off, Qm)
+    assert torch.equal(res.argmin(1), perm % 65)

@@ -171,9 +171,10 @@ def check_model(vit: nn.Module, grads: Mapping[str, torch.Tensor], batch: int) -
                             f"{max_tokens(D)} (width {D}): fc2's and proj's weight gradients have rank at most "
                             f"D - 1 (the residual stream's gradients are orthogonal to the ones vector), so no "
                             f"token's input lies in fc2's span (its completion finds the roots again, "
-                            f"attacks/structure/completion.py) and proj's no longer gives the attention outputs "
-                            f"that place the roots in positions and images (docs/design.md, 'What survives "
-                            f"batching'); B <= {max_tokens(D) // T} on this model")
+                            f"attacks/structure/completion.py) and proj's gives the tokens' scales and positions "
+                            f"but their attention outputs only up to a part shared by all tokens, which leaves "
+                            f"the patches and images open (docs/design.md, 'What survives batching'); "
+                            f"B <= {max_tokens(D) // T} on this model")
     if is_design_a(blk) and T * T > DESIGN_A_MAX_UNKNOWNS:
         raise AttackFailure(f"block0_roots reads design A through a dense solve in T^2 = {T * T} unknowns "
                             f"({T} tokens); it takes at most {DESIGN_A_MAX_UNKNOWNS} (T <= "

@@ -73,10 +73,42 @@ def token_equations(vit: nn.Module, grads: Mapping[str, torch.Tensor], roots: to
         nh = (U - beta) / gamma  # (h - mu) / sigma
         gn = gu * gamma
         w = gn - gn.mean(1, keepdim=True) - nh * (gn * nh).mean(1, keepdim=True)  # sigma * dL/dh via norm2
-        s = lstsq(w.T, (g(attn.proj.bias) - G2.sum(0))[:, None])[:, 0]  # 1 / sigma per token
+        if U.shape[0] < U.shape[1]:  # B T <= D - 1: dL/db_proj fixes the scales
+            s = lstsq(w.T, (g(attn.proj.bias) - G2.sum(0))[:, None])[:, 0]  # 1 / sigma per token
+        else:  # past it dL/db_proj is short of equations: proj's weight update fixes them (scales_past_floor)
+            s = 1 / scales_past_floor(vit, grads, G2, nh, w)
         Dh = G2 + s[:, None] * w  # dL/dh per token
         C = lstsq(Dh.T, g(attn.proj.weight))  # [n, D] attention outputs (proj inputs)
     return TokenEquations(U, nh, G2, w, s, Dh, C)
+
+
+def scales_past_floor(vit: nn.Module, grads: Mapping[str, torch.Tensor], G2: torch.Tensor, nh: torch.Tensor,
+                      w: torch.Tensor) -> torch.Tensor:
+    """norm2's scale sigma_t [n] of every token where B T > D - 1, from proj's weight update, linearly.
+
+    With h_t = sigma_t nh_t + mu_t 1 (the root) and h_t = z_t + W_proj c_t + b_proj, where z_t =
+    W_e x_t + o_p (o_p: P_p + b_e, the class token's cls + P_0), dL/dW_proj W_proj^T = sum_t dL/dh_t
+    (sigma_t nh_t - o_p - b_proj + M y_t)^T with M = [1, -W_e] and y_t = (mu_t, x_t). Projected on
+    the right off range(M) (P) and off the T offsets' part in the rest (their span, independent:
+    T <= D - C p^2 - 1), the unknown patches, shifts and positions drop out, and with dL/dh_t =
+    g_t + w_t / sigma_t what is left, K P' = sum_t (sigma_t g_t + w_t) (P' nh_t)^T, is linear in the
+    scales: D (D - 1 - C p^2 - T) equations in B T unknowns, with no position assigned
+    (tests/test_block0_completion.py: test_the_scales_and_positions_past_the_floor_follow_linearly).
+    The class tokens' offsets lie in the offsets' span too, so every token's is removed."""
+    from .placement import token_offsets
+
+    attn = cast(nn.Module, cast(nn.Module, vit.blocks[0]).attn)
+    g = gradient_of(vit, grads)
+    D = nh.shape[1]
+    _, off, _, Qm = token_offsets(vit)
+    T = int(vit.pos_embed.shape[1])
+    P = torch.eye(D, dtype=torch.float64) - Qm @ Qm.T  # off range(M)
+    Qe = torch.linalg.qr(((off[:T] + attn.proj.bias.to(torch.float64)) @ P).T)[0]  # the offsets' part
+    Pp = P - Qe @ Qe.T
+    K = g(attn.proj.weight) @ attn.proj.weight.to(torch.float64).T  # dL/dW_proj W_proj^T
+    rhs = (K - w.T @ nh) @ Pp  # the w_t nh_t^T term moved over: sigma_t (1/sigma_t) = 1
+    A = torch.einsum("ti,tj->ijt", G2, nh @ Pp).reshape(D * D, -1)
+    return lstsq(A, rhs.reshape(-1, 1))[:, 0]
 
 
 def outputs_from_roots(attn: nn.Module, C: torch.Tensor, nh: torch.Tensor) -> torch.Tensor:
