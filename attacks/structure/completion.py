@@ -9,7 +9,7 @@ normalised activations' parts off R, w_i = P_R-perp a(u_i) / ||a(u_i)||, has ran
 is W minus its best rank-k approximation, and E is then W's top k left singular vectors.
 
 The fit (:func:`complete_span`) starts from local minima of the per-token residual against R alone
-(:func:`near_roots`: they sit next to true tokens, 1 - cos ~ 1e-5 at B = 3), and solves the rank-k
+(:func:`near_roots`: they sit next to true tokens, docs/results/structure.md), and solves the rank-k
 problem by Levenberg-Marquardt on the variable-projection Jacobian: with W ~ E S V^T, the residual
 moves as P_E-perp dW (I - V V^T) to first order, so the m tokens are coupled through V alone
 (Golub and Pereyra's variable projection, Kaufman's form). With R + E as fc2's span, every true
@@ -17,8 +17,9 @@ token is a root of the per-token problem again (:class:`attacks.structure.token_
 in the whole of fc1's input space, which B T > D fills), and the search of
 :func:`attacks.structure.roots.find_roots` finds them (tests/test_block0_completion.py).
 
-What B T > D - 1 still takes away is step 2 of the read (the attention outputs from proj's update,
-rank <= D - 1 as well), so the roots are not yet a batch: docs/design.md, "What survives batching".
+What B T > D - 1 still takes away is part of step 2 of the read: the scales and positions follow
+(:func:`attacks.structure.linear.scales_past_floor`), the attention outputs only up to a part all
+tokens share, so the roots are not yet a batch: docs/design.md, "What survives batching".
 """
 from __future__ import annotations
 

@@ -95,7 +95,7 @@ def scales_past_floor(vit: nn.Module, grads: Mapping[str, torch.Tensor], G2: tor
     scales: D (D - 1 - C p^2 - T) equations in B T unknowns, with no position assigned
     (tests/test_block0_completion.py: test_the_scales_and_positions_past_the_floor_follow_linearly).
     The class tokens' offsets lie in the offsets' span too, so every token's is removed."""
-    from .placement import token_offsets
+    from .placement import token_offsets  # here: placement imports this module (lstsq)
 
     attn = cast(nn.Module, cast(nn.Module, vit.blocks[0]).attn)
     g = gradient_of(vit, grads)
