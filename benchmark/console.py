@@ -172,9 +172,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def entry() -> None:
     """The ``fedmjp`` console script: :func:`main`, ended by :func:`fedmjp.threads.exit_process`."""
     code = main()
-    from fedmjp.threads import exit_process
-
-    exit_process(code)
+    threads = sys.modules.get("fedmjp.threads")  # not imported: no daemon thread was started (and --help stays light)
+    if threads is None:
+        sys.exit(code)
+    threads.exit_process(code)
 
 
 if __name__ == "__main__":

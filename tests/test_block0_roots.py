@@ -40,7 +40,7 @@ def _update_and_tokens(model: torch.nn.Module, B: int, start: int = 0):
     xn = (x - MEAN.double()[:, None, None]) / STD.double()[:, None, None]
     seen = {}
     hook = model.blocks[0].mlp.fc1.register_forward_hook(lambda m, a, o: seen.__setitem__("u", a[0].detach()))
-    update = attacks.compute_update(model, xn, torch.tensor([3, 5, 1][:B]))
+    update = attacks.compute_update(model, xn, torch.tensor([3, 5, 1, 7][:B]))
     hook.remove()
     return x, xn, update, seen["u"].reshape(-1, seen["u"].shape[-1])
 
@@ -238,13 +238,14 @@ def test_past_d_minus_1_tokens_no_true_token_is_in_fc2s_span() -> None:
 
 @pytest.mark.parametrize("case, match", [
     ("design_a", "design-A block 0 at B = 1 only"),
-    ("batch_3", r"B T <= D - 1: 3 images x 65 tokens = 195 > 191 \(width 192\).*B <= 2 on this model"),
+    ("batch_4", r"past B T = D - 1 \(4 images x 65 tokens = 260 > 191, width 192\) block0_roots completes fc2's "
+                r"span by k = 69 dimensions, whose fit takes \S+ GB > 2.0 GB.*B <= 3 on this model"),
     ("fedavg", "local steps"),
     ("design_a_large", r"dense solve in T\^2 = 21025 unknowns \(145 tokens\); it takes at most 10000"),
 ])
 def test_conditions_it_cannot_meet_are_failed_rows_with_the_reason(case: str, match: str) -> None:
     attack = attacks.create_attack("block0_roots", rounds=1, starts=1)
-    B = {"batch_3": 3, "design_a": 2}.get(case, 1)
+    B = {"batch_4": 4, "design_a": 2}.get(case, 1)
     if case == "design_a_large":  # 48 px: 145 tokens, B T <= D holds, the dense solve would not fit
         torch.manual_seed(0)
         model = timm.create_model("mjp_vit_cifar_patch4_32", variant="plain", first_block="april", depth=1,

@@ -30,18 +30,27 @@ fit it give each image's shuffled set and its patches exactly, and the update do
 (attention without a position embedding does not see it): ``images`` places them in the free positions
 in root order, ``unshuffled`` is the jigsaw solver's arrangement (setting c, :mod:`attacks.solvers.jigsaw`).
 
+**Past B T = D - 1** (B = 3 on the CIFAR geometry; :func:`max_tokens`) no layer's span holds a
+token: fc2's is completed first (:mod:`attacks.structure.completion`) and fc1's is the whole input
+space, so step 1 finds the roots again; in step 2 proj's weight update gives the scales
+(:func:`attacks.structure.linear.scales_past_floor`) and, from every token's position equation, the
+attention outputs but for a small part all tokens share
+(:func:`attacks.structure.linear.outputs_past_floor`); steps 3 and 4 hold as they are. The images
+come back close (tests/test_block0_completion.py), not at the rounding floor. Refused past the
+completion's memory bound (:func:`max_completed`: B >= 4 on the CIFAR geometry).
+
 **Design A** (APRIL's block 0: no norm1, no residual around attention) at B = 1: steps 1 and 2 hold as
 they are, the embeddings then come from the attention solve, or where c is too noisy for it, from the
 position-structured solve (:mod:`attacks.structure.design_a`), whose answer is polished on every
 layer's input span (:mod:`attacks.structure.polish`); step 3 then places them and checks every token.
-Refused, with the reason: design A at B > 1 (the solve needs each token's image), B T > D - 1, a FedAvg
-delta of several local steps.
+Refused, with the reason: design A at B > 1 (the solve needs each token's image), B T past the
+completion's bound, a FedAvg delta of several local steps.
 """
 from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import groupby
 from typing import Any, Mapping, cast
 
@@ -58,11 +67,18 @@ from ..optimization.batch_match import batch_labels
 from ..solvers.jigsaw import unshuffle_image
 from ..solvers.spans import input_spans, span_rank
 from .design_a import DESIGN_A_MAX_UNKNOWNS, STRUCTURED_ROUNDS, design_a_embeddings
-from .linear import token_equations
+from .completion import COMPLETION_MEMORY, POINTS_PER_DIMENSION, complete_span, completion_bytes, near_roots
+from .linear import outputs_past_floor, token_equations
 from .placement import (DESIGN_A_POSITION_TOL, POSITION_TOL, assemble_images, assign_images, image_indicators,
-                        place_tokens)
+                        place_tokens, position_residuals, token_offsets)
 from .polish import SPAN_POLISH_JACOBIANS, SpanPolish, span_polish
 from .roots import RootSearch, find_roots
+from .token_roots import MLPSpans
+
+#: fc2's span counts as completed where the fit's (k+1)-th singular value is below this: it ends at
+#: the rounding floor (2e-13) when its points are true tokens, from ~2e-4 at its start
+#: (tests/test_block0_completion.py: test_the_completed_span_makes_every_true_token_a_root_and_the_search_finds_only_true_ones)
+COMPLETED_TOL = 1e-10
 
 
 @dataclass
@@ -125,6 +141,10 @@ def batch_from_roots(vit: nn.Module, grads: Mapping[str, torch.Tensor], roots: t
             base = emb.tokens
         else:
             base = eq.normalized / eq.inv_sigma[:, None] - (eq.outputs @ attn.proj.weight.T + attn.proj.bias)  # z - mu 1
+            if roots.shape[0] > max_tokens(int(roots.shape[1])):  # past the floor: C up to N F (outputs_past_floor)
+                _, off, _, Qm = token_offsets(vit)
+                eq = replace(eq, outputs=outputs_past_floor(vit, eq, position_residuals(base, off, Qm).argmin(1)))
+                base = eq.normalized / eq.inv_sigma[:, None] - (eq.outputs @ attn.proj.weight.T + attn.proj.bias)
         placed = place_tokens(vit, base, batch, DESIGN_A_POSITION_TOL if design_a else POSITION_TOL)
         m = image_indicators(blk, placed.tokens, eq.outputs, placed.position, batch)
         image, margin, free = assign_images(m, placed.position, int(vit.pos_embed.shape[1]))
@@ -143,6 +163,14 @@ def max_tokens(width: int) -> int:
     tokens the row space is a proper subspace of span{a_t} and a true token's input lies off it
     (tests/test_block0_roots.py: test_past_d_minus_1_tokens_no_true_token_is_in_fc2s_span)."""
     return width - 1
+
+
+def max_completed(width: int) -> int:
+    """The most dimensions k past :func:`max_tokens` whose completion fits in :data:`COMPLETION_MEMORY`."""
+    k = 0
+    while completion_bytes(k + 1, width) <= COMPLETION_MEMORY:
+        k += 1
+    return k
 
 
 def check_model(vit: nn.Module, grads: Mapping[str, torch.Tensor], batch: int) -> None:
@@ -167,14 +195,16 @@ def check_model(vit: nn.Module, grads: Mapping[str, torch.Tensor], batch: int) -
     D = int(vit.embed_dim)
     T = int(vit.pos_embed.shape[1])
     if batch * T > max_tokens(D):
-        raise AttackFailure(f"block0_roots needs B T <= D - 1: {batch} images x {T} tokens = {batch * T} > "
-                            f"{max_tokens(D)} (width {D}): fc2's and proj's weight gradients have rank at most "
-                            f"D - 1 (the residual stream's gradients are orthogonal to the ones vector), so no "
-                            f"token's input lies in fc2's span (its completion finds the roots again, "
-                            f"attacks/structure/completion.py) and proj's gives the tokens' scales and positions "
-                            f"but their attention outputs only up to a part shared by all tokens, which leaves "
-                            f"the patches and images open (docs/design.md, 'What survives batching'); "
-                            f"B <= {max_tokens(D) // T} on this model")
+        if is_design_a(blk):
+            raise AttackFailure(f"block0_roots reads design A within B T <= D - 1 only; got {batch * T} tokens")
+        k = batch * T - max_tokens(D)
+        need = completion_bytes(k, D)
+        if need > COMPLETION_MEMORY:
+            raise AttackFailure(f"past B T = D - 1 ({batch} images x {T} tokens = {batch * T} > {max_tokens(D)}, "
+                                f"width {D}) block0_roots completes fc2's span by k = {k} dimensions, whose fit "
+                                f"takes {need / 1e9:.1f} GB > {COMPLETION_MEMORY / 1e9:.1f} GB "
+                                f"(attacks/structure/completion.py); B <= {(max_tokens(D) + max_completed(D)) // T} "
+                                f"on this model")
     if is_design_a(blk) and T * T > DESIGN_A_MAX_UNKNOWNS:
         raise AttackFailure(f"block0_roots reads design A through a dense solve in T^2 = {T * T} unknowns "
                             f"({T} tokens); it takes at most {DESIGN_A_MAX_UNKNOWNS} (T <= "
@@ -230,7 +260,7 @@ class Block0Roots(Attack):
         seed: seed of the starts.
     """
 
-    threat = Threat(batch="B T <= width - 1 (B <= 2 on the CIFAR models, B = 1 at 224 px); one local step", labels="not needed (read off the head)", architecture="standard pre-norm block 0 (the model as trained); design A at B = 1, T <= 100", precision="float64 clients for an exact copy")
+    threat = Threat(batch="B T <= width - 1 exactly (B <= 2 on the CIFAR models, B = 1 at 224 px); B = 3 on the CIFAR models close, through fc2's completed span; one local step", labels="not needed (read off the head)", architecture="standard pre-norm block 0 (the model as trained); design A at B = 1, T <= 100", precision="float64 clients for an exact copy")
 
     name = "block0_roots"
 
@@ -256,9 +286,14 @@ class Block0Roots(Attack):
                 gen: torch.Generator) -> RootSearch:
         """Step 1 on the float64 copy ``work``: all B T roots, or AttackFailure saying why not."""
         T = int(work.pos_embed.shape[1])
-        spans = {sp.name: sp.basis for sp in input_spans(work, grads, B * T)}
+        D = int(work.embed_dim)
         fc1, fc2 = "blocks.0.mlp.fc1", "blocks.0.mlp.fc2"
-        if fc1 not in spans or fc2 not in spans or spans[fc1].shape[1] != B * T or spans[fc2].shape[1] != B * T:
+        if B * T > max_tokens(D):
+            spans = self._completed(work, grads, B * T, gen)
+        else:
+            spans = {sp.name: sp.basis for sp in input_spans(work, grads, B * T)}
+        if fc1 not in spans or fc2 not in spans or spans[fc1].shape[1] != min(B * T, D) \
+                or spans[fc2].shape[1] != B * T:
             got = {k: (spans[k].shape[1] if k in spans
                        else span_rank(grads[k + ".weight"].to("cpu", torch.float64), B * T)[0]
                        if k + ".weight" in grads else 0) for k in (fc1, fc2)}
@@ -275,6 +310,28 @@ class Block0Roots(Attack):
                                 f"{search.per_round}, the rounds {_runs(search.modes)}); the batch is read off "
                                 "all of them (raise rounds or starts)")
         return search
+
+    def _completed(self, work: nn.Module, grads: Mapping[str, torch.Tensor], tokens: int,
+                   gen: torch.Generator) -> dict[str, torch.Tensor]:
+        """Past B T = D - 1: fc1's span the whole input space, fc2's completed from near-roots
+        (:mod:`attacks.structure.completion`); AttackFailure where the update is perturbed or too
+        few near-roots are found."""
+        D = int(work.embed_dim)
+        G2 = grads["blocks.0.mlp.fc2.weight"].to("cpu", torch.float64)
+        r, Vh = span_rank(G2, tokens)
+        if r != max_tokens(D):
+            raise AttackFailure(f"block 0's fc2 update has numerical rank {r} where an unperturbed one past "
+                                f"B T = D - 1 has {max_tokens(D)}: it is perturbed (quantised, clipped or noised)")
+        full = torch.eye(D, dtype=torch.float64)
+        fc2_part = Vh[:r].T.contiguous()
+        report(self.name, 0, self.rounds, f"completing fc2's span by {tokens - r} dimensions")
+        points = near_roots(MLPSpans(work.blocks[0], full, fc2_part), POINTS_PER_DIMENSION * (tokens - r),
+                            2 * self.starts, self.iterations, gen)
+        done = complete_span(work.blocks[0], fc2_part, tokens, points)
+        if done.next_singular > COMPLETED_TOL:
+            raise AttackFailure(f"fc2's span did not complete: the fit of {points.shape[0]} near-roots ended with "
+                                f"a (k+1)-th singular value of {done.next_singular:.1e} > {COMPLETED_TOL:g}")
+        return {"blocks.0.mlp.fc1": full, "blocks.0.mlp.fc2": done.basis}
 
     def _polish(self, work: nn.Module, grads: Mapping[str, torch.Tensor],
                 out: BatchFromRoots) -> tuple[SpanPolish | None, str | None]:

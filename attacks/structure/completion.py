@@ -42,6 +42,13 @@ COMPLETION_MEMORY = 2e9
 POINTS_PER_DIMENSION = 3
 
 
+def completion_bytes(k: int, width: int) -> float:
+    """Bytes of :func:`complete_span`'s dense Jacobian for k missing dimensions at width D:
+    (m 4D) x (m D) float64 with m = :data:`POINTS_PER_DIMENSION` k."""
+    m = POINTS_PER_DIMENSION * k
+    return 8.0 * (m * 4 * width) * (m * width)
+
+
 @dataclass(frozen=True)
 class Completion:
     """Outcome of :func:`complete_span`.

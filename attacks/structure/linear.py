@@ -27,6 +27,24 @@ def gradient_of(vit: nn.Module, grads: Mapping[str, torch.Tensor]) -> Callable[[
     return lambda p: grads[name[id(p)]].to(torch.float64)
 
 
+def token_offsets(vit: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(W_e [D, C p^2], each candidate position's offset [T (+1 with MJP's E_unk), D] with the class
+    token's row cls + P_0 and every other row P_p + b_e, M [D, 1 + C p^2] the (mu, x) unknowns of
+    step 3, its orthonormal basis), detached in float64."""
+    D = int(vit.pos_embed.shape[-1])
+    f64 = lambda t: t.detach().to(torch.float64)  # noqa: E731
+    We = f64(vit.patch_embed.proj.weight).reshape(D, -1)
+    be = f64(vit.patch_embed.proj.bias)
+    P = f64(vit.pos_embed[0])
+    unk = getattr(vit, "unk_embed", None)
+    if unk is not None:  # MJP: a shuffled token's "position" is E_unk (index T here)
+        P = torch.cat([P, f64(unk).reshape(1, D)])
+    off = P + be
+    off[0] = f64(vit.cls_token[0, 0]) + P[0]
+    M = torch.cat([torch.ones(D, 1, dtype=torch.float64), -We], 1)
+    return We, off, M, torch.linalg.qr(M)[0]
+
+
 @dataclass(frozen=True)
 class TokenEquations:
     """Step 2's per-token quantities of block 0, one row per root [n, D] (:func:`token_equations`).
@@ -95,20 +113,49 @@ def scales_past_floor(vit: nn.Module, grads: Mapping[str, torch.Tensor], G2: tor
     scales: D (D - 1 - C p^2 - T) equations in B T unknowns, with no position assigned
     (tests/test_block0_completion.py: test_the_scales_and_positions_past_the_floor_follow_linearly).
     The class tokens' offsets lie in the offsets' span too, so every token's is removed."""
-    from .placement import token_offsets  # here: placement imports this module (lstsq)
-
     attn = cast(nn.Module, cast(nn.Module, vit.blocks[0]).attn)
     g = gradient_of(vit, grads)
     D = nh.shape[1]
     _, off, _, Qm = token_offsets(vit)
-    T = int(vit.pos_embed.shape[1])
     P = torch.eye(D, dtype=torch.float64) - Qm @ Qm.T  # off range(M)
-    Qe = torch.linalg.qr(((off[:T] + attn.proj.bias.to(torch.float64)) @ P).T)[0]  # the offsets' part
+    Qe = torch.linalg.qr(((off + attn.proj.bias.to(torch.float64)) @ P).T)[0]  # the offsets' part (E_unk's too)
     Pp = P - Qe @ Qe.T
     K = g(attn.proj.weight) @ attn.proj.weight.to(torch.float64).T  # dL/dW_proj W_proj^T
     rhs = (K - w.T @ nh) @ Pp  # the w_t nh_t^T term moved over: sigma_t (1/sigma_t) = 1
     A = torch.einsum("ti,tj->ijt", G2, nh @ Pp).reshape(D * D, -1)
     return lstsq(A, rhs.reshape(-1, 1))[:, 0]
+
+
+def outputs_past_floor(vit: nn.Module, eq: TokenEquations, position: torch.Tensor) -> torch.Tensor:
+    """The attention outputs C [n, D] where B T > D - 1, from each token's position [n] (0: the class
+    token; T: MJP's E_unk).
+
+    dL/dW_proj = sum_t dL/dh_t c_t^T gives C only up to N F: N [n, k] the null vectors of the
+    output gradients (k >= B T - D + 1), F [k, D] unknown. Every token's embedding z_t = sigma_t nh_t
+    + mu_t 1 - W_proj c_t - b_proj must sit at its position: z_t - o_p in range([1, -W_e]) for a
+    patch, in span(1) for a class token (z = cls + P_0: no patch). Both are linear in F (D - 1 - C p^2
+    equations a patch, D - 1 a class token), solved together by least squares; what they leave free
+    moves the patches too little to matter for the images (tests/test_block0_completion.py:
+    test_a_b3_batch_follows_from_its_roots_in_any_order)."""
+    attn = cast(nn.Module, cast(nn.Module, vit.blocks[0]).attn)
+    Wp, bp = attn.proj.weight.to(torch.float64), attn.proj.bias.to(torch.float64)
+    _, off, _, Qm = token_offsets(vit)
+    n, D = eq.outputs.shape
+    _, sv, Vh = torch.linalg.svd(eq.h_grads.T, full_matrices=True)
+    N = Vh[int((sv > 1e-10 * sv[0]).sum()):].T  # [n, k]
+    base = eq.normalized / eq.inv_sigma[:, None] - (eq.outputs @ Wp.T + bp)  # z - mu 1 with F = 0
+    one = torch.full((D, 1), D ** -0.5, dtype=torch.float64)
+    P_patch = torch.eye(D, dtype=torch.float64) - Qm @ Qm.T
+    P_cls = torch.eye(D, dtype=torch.float64) - one @ one.T
+    # z_t(F) - o_p = base_t - o_p - W_proj F^T N_t^T: per token, P (base_t - o_p) = P W_proj F^T N_t
+    lhs = torch.empty(n, D, N.shape[1] * D, dtype=torch.float64)
+    rhs = torch.empty(n, D, dtype=torch.float64)
+    for t in range(n):
+        P = P_cls if int(position[t]) == 0 else P_patch
+        lhs[t] = torch.einsum("k,ad->akd", N[t], P @ Wp).reshape(D, -1)
+        rhs[t] = P @ (base[t] - off[int(position[t])])
+    F = lstsq(lhs.reshape(n * D, -1), rhs.reshape(-1, 1)).reshape(N.shape[1], D)
+    return eq.outputs + N @ F
 
 
 def outputs_from_roots(attn: nn.Module, C: torch.Tensor, nh: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch.nn as nn
 from scipy.optimize import linear_sum_assignment
 
 from ..api.base import AttackFailure
-from .linear import lstsq
+from .linear import lstsq, token_offsets
 
 #: a token is placed where its relative position residual is below this: the true position's sits at
 #: the rounding floor, every other one orders of magnitude above (tests/test_block0_roots.py:
@@ -31,24 +31,6 @@ POSITION_TOL = 1e-6
 #: in c: embeddings 1e-5 off (relative) are still placed, 1e-2 off are not
 #: (tests/test_block0_roots.py: test_design_a_places_tokens_the_attention_solve_returns_at_its_floor)
 DESIGN_A_POSITION_TOL = 1e-3
-
-
-def token_offsets(vit: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(W_e [D, C p^2], each candidate position's offset [T (+1 with MJP's E_unk), D] with the class
-    token's row cls + P_0 and every other row P_p + b_e, M [D, 1 + C p^2] the (mu, x) unknowns of
-    step 3, its orthonormal basis), detached in float64."""
-    D = int(vit.pos_embed.shape[-1])
-    f64 = lambda t: t.detach().to(torch.float64)  # noqa: E731
-    We = f64(vit.patch_embed.proj.weight).reshape(D, -1)
-    be = f64(vit.patch_embed.proj.bias)
-    P = f64(vit.pos_embed[0])
-    unk = getattr(vit, "unk_embed", None)
-    if unk is not None:  # MJP: a shuffled token's "position" is E_unk (index T here)
-        P = torch.cat([P, f64(unk).reshape(1, D)])
-    off = P + be
-    off[0] = f64(vit.cls_token[0, 0]) + P[0]
-    M = torch.cat([torch.ones(D, 1, dtype=torch.float64), -We], 1)
-    return We, off, M, torch.linalg.qr(M)[0]
 
 
 def position_residuals(base: torch.Tensor, off: torch.Tensor, Qm: torch.Tensor) -> torch.Tensor:
