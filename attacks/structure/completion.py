@@ -42,11 +42,14 @@ COMPLETION_MEMORY = 2e9
 POINTS_PER_DIMENSION = 3
 
 
+def jacobian_bytes(points: int, width: int) -> float:
+    """Bytes of :func:`complete_span`'s dense Jacobian from m ``points`` at width D: (m 4D) x (m D) float64."""
+    return 8.0 * (points * 4 * width) * (points * width)
+
+
 def completion_bytes(k: int, width: int) -> float:
-    """Bytes of :func:`complete_span`'s dense Jacobian for k missing dimensions at width D:
-    (m 4D) x (m D) float64 with m = :data:`POINTS_PER_DIMENSION` k."""
-    m = POINTS_PER_DIMENSION * k
-    return 8.0 * (m * 4 * width) * (m * width)
+    """:func:`jacobian_bytes` for k missing dimensions (m = :data:`POINTS_PER_DIMENSION` k points)."""
+    return jacobian_bytes(POINTS_PER_DIMENSION * k, width)
 
 
 @dataclass(frozen=True)
@@ -107,9 +110,9 @@ def complete_span(block: nn.Module, fc2_basis: torch.Tensor, tokens: int, points
         raise AttackFailure(f"fc2's span has rank {r} >= {tokens} tokens: nothing to complete")
     if m <= k:
         raise AttackFailure(f"completing fc2's span by {k} dimensions needs more than {k} near-roots; got {m}")
-    if 8.0 * m * N * m * D > memory:
+    if jacobian_bytes(m, D) > memory:
         raise AttackFailure(f"completing fc2's span by {k} dimensions from {m} points takes a {m * N} x {m * D} "
-                            f"Jacobian ({8.0 * m * N * m * D / 1e9:.1f} GB > {memory / 1e9:.1f} GB)")
+                            f"Jacobian ({jacobian_bytes(m, D) / 1e9:.1f} GB > {memory / 1e9:.1f} GB)")
     S2 = fc2_basis
 
     def off_span(u: torch.Tensor) -> torch.Tensor:
