@@ -28,12 +28,13 @@ from .solvers.jigsaw import solve_jigsaw
 from .closed_form.pe_closed_form import PEClosedForm, PESystem, pe_closed_form_system, pe_conditions
 from .closed_form.april_robust import AprilRobust
 from .optimization.batch_match import BatchMatch
+from .optimization.likelihood_match import LikelihoodMatch
 from .structure.block0_roots import Block0Roots
 from .closed_form.labels import LabelCounts, recover_label_counts, recover_labels
 
 __all__ = [
     "BREACHING_ATTACKS", "AprilAnalytic", "AprilConditionError", "AprilOptimization", "Attack", "AttackFailure",
-    "AttackMetadata", "AttackOptions", "AttackResult", "BatchMatch", "Block0Roots", "BreachingAttack", "EstimateStore", "LabelCounts", "GradientMatching", "InvertingGradientsBatched", "InvertingGradientsClosedStart", "MJPAdaptive",
+    "AttackMetadata", "AttackOptions", "AttackResult", "BatchMatch", "Block0Roots", "BreachingAttack", "EstimateStore", "LabelCounts", "GradientMatching", "InvertingGradientsBatched", "InvertingGradientsClosedStart", "LikelihoodMatch", "MJPAdaptive",
     "attack_names", "check_conditions", "compute_per_sample_updates", "compute_update", "create_attack", "detect_shuffled",
     "load_attack_config", "mjp_reduction", "recover_label_counts", "recover_labels", "register_attack", "solve_jigsaw", "update_to_gradients",
 ]

@@ -42,6 +42,7 @@ SMALLEST: dict[str, list[str]] = {
     "metrics_throughput": ["--data", "{data}", "--backbone", "{lpips}", "--pairs", "2", "--unique", "1",
                            "--size", "32", "--threads", "1", "--lpips-batch", "2", "--repeats", "1",
                            "--warmup", "1"],
+    "likelihood_match": ["--images", "embedded", "--num-images", "1", "--iterations", "1", "--cg-iterations", "2"],
     "jigsaw_bound": ["--images", "embedded", "--num-images", "1", "--costs", "l2"],
     "mjp_adaptive_strength": ["--num-images", "1", "--weights", "fresh", "--depth", "1", "--attacks", "april"],
     "mjp_overhead": ["--batch", "1", "--repeats", "1", "--steps", "1", "--warmup", "0"],

@@ -103,6 +103,7 @@ class MatchTerms:
         self.tn = _sumsq(self.flat).sqrt()
         self.count = sum(t.shape[1] for t in self.flat)
         self._selected: dict[tuple, "MatchTerms"] = {}
+        self._scale_cache: Optional[list[torch.Tensor]] = None
 
     def flatten(self, g: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         """Per bucket, [K, P_i]: the tensors of ``g`` named like the targets, flattened per group."""
@@ -127,7 +128,7 @@ class MatchTerms:
             for attr in ("noise", "clip", "tn"):
                 v = getattr(self, attr)
                 setattr(got, attr, None if v is None else v[ix])
-            got._selected = {}
+            got._selected, got._scale_cache = {}, None
             self._selected = {key: got}
         return got
 
@@ -157,6 +158,62 @@ class MatchTerms:
         return cos
 
 
+    def residual(self, g: dict[str, torch.Tensor], rounding: str = "cells") -> torch.Tensor:
+        """[K, entries]: the data term as the residual of a least squares, each entry divided by its
+        noise scale, so a Gauss-Newton solver (:mod:`attacks.optimization.likelihood_match`) reads
+        the same likelihood that :meth:`data` scores:
+
+        - ``bins``: with ``rounding="cells"`` the distance of g outside its bin (zero on every
+          gradient the quantiser maps to the update: the uniform likelihood's support), with
+          ``rounding="gaussian"`` g - u (the rounding error as Gaussian noise of its own std), each
+          per the tensor's rounding scale, step / sqrt 12;
+        - ``support``: g - u on the kept entries, per the tensor's RMS there;
+        - ``gaussian`` / ``laplace``: u - clip_C(g) per the noise scale (Laplace by its variance,
+          2 b^2): the noise's own negative log-likelihood;
+        - ``cosine``: g - u per the tensor's RMS (each tensor weighted alike: the plain match).
+        """
+        if rounding not in ("cells", "gaussian"):
+            raise ValueError(f"rounding {rounding!r}: give 'cells' or 'gaussian'")
+        gf, s = self.flatten(g), self._scales()
+        if self.kind == "bins" and rounding == "cells":
+            parts = [(gi - torch.max(torch.min(gi, hi), lo)) / si for gi, lo, hi, si in zip(gf, self.lo, self.hi, s)]
+        elif self.kind == "support":
+            parts = [(gi - ti) * mi / si for gi, ti, mi, si in zip(gf, self.flat, self.keep, s)]
+        elif self.kind in ("gaussian", "laplace"):
+            factor = torch.clamp(self.clip / _sumsq(gf).sqrt().clamp_min(1e-30), max=1.0)[:, None]
+            noise = self.noise[:, None] * (2 ** 0.5 if self.kind == "laplace" else 1.0)
+            parts = [(ti - factor * gi) / noise for gi, ti in zip(gf, self.flat)]
+        else:
+            parts = [(gi - ti) / si for gi, ti, si in zip(gf, self.flat, s)]
+        return torch.cat(parts, dim=1)
+
+    def _scales(self) -> list[torch.Tensor]:
+        """Per bucket [K, P_i]: each tensor's scale, entry by entry (:meth:`residual`). Bins: the
+        widest finite bin / sqrt 12 (the nearest quantiser's rounding std, step / sqrt 12), the
+        level itself where no bin is finite (1 bit); otherwise the RMS of the tensor's nonzero target
+        entries. A tensor without any (all zero) gets 1."""
+        if getattr(self, "_scale_cache", None) is not None:
+            return self._scale_cache
+        out = []
+        for b, names in enumerate(self.buckets):
+            pieces, at = [], 0
+            for nm in names:
+                n = self.targets[nm][0].numel()
+                t = self.flat[b][:, at:at + n]
+                nz = (t != 0).sum(1).clamp_min(1)
+                s = (t.pow(2).sum(1) / nz).sqrt()
+                if self.kind == "bins":
+                    w = self.hi[b][:, at:at + n] - self.lo[b][:, at:at + n]
+                    w = torch.where(torch.isfinite(w), w, torch.zeros_like(w)).amax(1) / 12 ** 0.5
+                    s = torch.where(w > 0, w, t.abs().amax(1))
+                s = torch.where(s > 0, s, torch.ones_like(s))
+                pieces.append(s[:, None].expand(-1, n))
+                at += n
+            out.append(torch.cat(pieces, dim=1))
+        self._scale_cache = out
+        return out
+
+
 def defence_match(targets: dict[str, torch.Tensor], raw: Sequence[Any], metas: Sequence[AttackMetadata],
                   names: Sequence[str]) -> tuple[MatchTerms, list[str]]:
     """The :class:`MatchTerms` of K groups' targets under their clients' defence (``metas[k].defence``;
@@ -170,9 +227,9 @@ def defence_match(targets: dict[str, torch.Tensor], raw: Sequence[Any], metas: S
         return MatchTerms(targets), ([] if name == "none" or any(sp != specs[0] for sp in specs) else
                                  [f"defence {name!r}: not modelled, plain cosine matching"])
     meta = metas[0]
-    dev = next(iter(targets.values())).device
+    dev, dt = next(iter(targets.values())).device, next(iter(targets.values())).dtype  # the terms' dtype: the targets'
     if obs.prune_keep is not None:
-        support = {nm: torch.stack([r[nm] != 0 for r in raw]).to(dev, torch.float32) for nm in names}
+        support = {nm: torch.stack([r[nm] != 0 for r in raw]).to(dev, dt) for nm in names}
         return MatchTerms(targets, "support", support=support), [
             f"defence prune (keep {obs.prune_keep}): matched on the kept entries only"]
     if obs.quant_bits is not None:
@@ -193,8 +250,8 @@ def defence_match(targets: dict[str, torch.Tensor], raw: Sequence[Any], metas: S
                 lo[nm], hi[nm] = torch.maximum(q - half, -m), torch.minimum(q + half, m)
             lo[nm], hi[nm] = lo[nm] + shift, hi[nm] + shift
         what = f"{bits} bit{'s' if bits > 1 else ''}{', stochastic' if stochastic else ''}"
-        return MatchTerms(targets, "bins", bounds=({k: v.to(dev, torch.float32) for k, v in lo.items()},
-                                               {k: v.to(dev, torch.float32) for k, v in hi.items()})), [
+        return MatchTerms(targets, "bins", bounds=({k: v.to(dev, dt) for k, v in lo.items()},
+                                               {k: v.to(dev, dt) for k, v in hi.items()})), [
             f"defence quantize ({what}): matched through the quantiser's bins"]
     if obs.noise is None:
         return MatchTerms(targets), [f"defence {name!r}: not modelled, plain cosine matching"]
@@ -206,5 +263,5 @@ def defence_match(targets: dict[str, torch.Tensor], raw: Sequence[Any], metas: S
     K = len(raw)
     # the clip bounds the whole update (local DP) or the one example's gradient (DP-SGD, batch 1)
     note = (f"defence {name} (clip {obs.clip:g}, sigma {obs.sigma:g}): {obs.noise} likelihood of scale {scale:.3g}")
-    return MatchTerms(targets, obs.noise, noise=torch.full((K,), scale, device=dev),
-                  clip=torch.full((K,), clip, device=dev)), [note + " beside the cosine term"]
+    return MatchTerms(targets, obs.noise, noise=torch.full((K,), scale, device=dev, dtype=dt),
+                      clip=torch.full((K,), clip, device=dev, dtype=dt)), [note + " beside the cosine term"]

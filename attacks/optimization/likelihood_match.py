@@ -1,0 +1,185 @@
+"""``likelihood_match``: a second-order fit of one image to the whole defended update, under the
+defence's own observation model.
+
+A closed form reads the first layer's equations; under a defence they hold only to the defence's
+error, and ``april_robust`` solves them in least squares with that error model. Every other entry
+of the update (qkv, the MLPs, the head: about 570k on the CIFAR DeiT against 3,072 unknowns) is
+also an observation of the same image under the same error model. This attack starts from
+``april_robust``'s read and fits the image to all of them at once:
+
+    min_x  sum_entries r(x)^2,   r = the residual of :meth:`MatchTerms.residual
+                                 <attacks.optimization.match_terms.MatchTerms.residual>`
+
+with the clients' defence from the metadata (:func:`~attacks.optimization.match_terms.defence_match`):
+
+- ``quantize``: the rounding error per entry, (dL/dtheta(x) - q) / (step / sqrt 12) per tensor
+  (``rounding: gaussian``, the rounding error's Gaussian likelihood), or the distance outside each
+  entry's quantisation cell over the same scale (``rounding: cells``, the uniform likelihood's
+  support; its residual is exactly zero at the client's image);
+- ``prune``: the kept entries, where the pruned update equals the gradient;
+- ``local_dp`` / ``dp_sgd``: (u - clip_C(dL/dtheta(x))) / s, the noise's own likelihood;
+- no defence or one it cannot model: the plain match, each tensor over its own RMS.
+
+The solver is Levenberg-Marquardt without forming the Jacobian
+(:func:`attacks.solvers.lm.matrix_free_lm`, plain conjugate gradients): each CG step is one
+Jacobian-vector and one vector-Jacobian product of the model's double backward, in float64. Batch
+1 per update (the start is a batch-1 closed form), labels given or read off the head's bias
+gradient. The model's MJP forward is not modelled: an update whose E_unk gradient is nonzero (a
+shuffled client) is refused, naming the attacks that read it (``mjp_adaptive``, ``block0_roots``).
+docs/results/attacks.md, "Second-order likelihood match after 8-bit", has its measurements
+(bench/likelihood_match.py); tests/test_likelihood_match.py pins that it beats its start on a
+real 8-bit update.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from pydantic import Field
+from torch.func import functional_call, grad
+
+from fedmjp.config import Float, Int, option
+from fedmjp.devices import resolve_device
+
+from ..api.base import Attack, AttackFailure, AttackMetadata, AttackOptions, AttackResult, Update, update_to_gradients
+from ..api.registry import Threat, register_attack
+from ..closed_form.labels import recover_labels
+from ..solvers.lm import matrix_free_lm
+from .breaching_adapter import attack_copy, matched_names
+from .match_terms import MatchTerms, defence_match
+
+_DT = torch.float64
+
+
+def update_residual(work: nn.Module, names: Sequence[str], terms: MatchTerms, labels: torch.Tensor,
+                    shape: tuple[int, ...], rounding: str = "gaussian") -> Callable[[torch.Tensor], torch.Tensor]:
+    """theta (a flat normalised image, [C H W]) -> [entries]: ``terms.residual`` of the gradients of
+    ``names`` that image sends with ``labels`` (mean cross-entropy), differentiable by torch.func
+    in theta (forward and reverse mode). ``work``'s other parameters stay fixed."""
+    chosen = {nm: p.detach() for nm, p in work.named_parameters() if nm in set(names)}
+    fixed = {nm: p.detach() for nm, p in work.named_parameters() if nm not in chosen}
+    fixed.update(dict(work.named_buffers()))
+
+    def loss(p: dict, theta: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(functional_call(work, {**fixed, **p}, (theta.view(shape),)), labels)
+
+    gradient = grad(loss)
+
+    def fun(theta: torch.Tensor) -> torch.Tensor:
+        g = gradient(chosen, theta)
+        return terms.residual({nm: g[nm][None] for nm in names}, rounding)[0]
+
+    return fun
+
+
+@register_attack("likelihood_match")
+class LikelihoodMatch(Attack):
+    """Levenberg-Marquardt on the whole update's defence likelihood from ``april_robust``'s read
+    (see the module docstring).
+
+    Args:
+        iterations: Gauss-Newton iterations at most (each one pullback and up to a few CG solves).
+        cg_iterations, cg_tol: conjugate-gradient iterations per trial step and their relative tolerance.
+        rounding: the quantiser's observation model: ``gaussian`` (rounding error as noise of std
+            step / sqrt 12) or ``cells`` (the distance outside each entry's cell).
+        start: ``april_robust`` (its read with the same metadata; the mean image where it fails,
+            noted) or ``mean`` (the normalisation mean colour).
+        start_options: options of ``april_robust`` (checked when this attack is built).
+        label_strategy: when labels are not granted: ``bias`` or ``idlg`` (:func:`recover_labels`).
+        device: ``cpu``, ``cuda``, ``cuda:N`` or ``auto``; the benchmark passes the run's ``--device``.
+    """
+
+    threat = Threat(batch="1 per update", labels="given, or read off the head's bias gradient",
+                    architecture="any ViT (MJP: only an update without a shuffle)",
+                    precision="any; the defence's observation model from the metadata")
+
+    name = "likelihood_match"
+
+    class Options(AttackOptions):
+        iterations: Int = option(12, ge=1)
+        cg_iterations: Int = option(60, ge=1)
+        cg_tol: Float = option(1e-6, gt=0.0, lt=1.0)
+        rounding: Literal["gaussian", "cells"] = "gaussian"
+        start: Literal["april_robust", "mean"] = "april_robust"
+        start_options: dict[str, Any] = Field(default_factory=dict)
+        label_strategy: Literal["bias", "idlg"] = "bias"
+        device: str = "cpu"
+
+    def __init__(self, **options: Any) -> None:
+        from ..api.registry import attack_options
+
+        o = self._parse_options(options)
+        self.iterations, self.cg_iterations, self.cg_tol = o.iterations, o.cg_iterations, o.cg_tol
+        self.rounding, self.start, self.label_strategy = o.rounding, o.start, o.label_strategy
+        self.device = resolve_device(o.device)
+        try:
+            self.start_options = dict(attack_options("april_robust", dict(o.start_options)))
+        except ValueError as err:
+            raise ValueError(f"likelihood_match: start_options (april_robust's): {err}") from None
+
+    def _reconstruct(self, model: nn.Module, update: Update, meta: AttackMetadata) -> AttackResult:
+        t0 = time.perf_counter()
+        if meta.num_images != 1:
+            raise AttackFailure(f"likelihood_match fits one image per update (its start is a batch-1 closed "
+                                f"form), got num_images={meta.num_images}; batch_match fits a batch")
+        grads, notes = update_to_gradients(update, meta)
+        unk = [nm for nm in grads if nm.split(".")[-1] == "unk_embed"]
+        if unk and float(grads[unk[0]].abs().max()) > 0:
+            raise AttackFailure("the update carries a nonzero E_unk gradient (an MJP client shuffled its image): "
+                                "this attack's forward is the plain one; mjp_adaptive and block0_roots read x~")
+        work = attack_copy(model, _DT, self.device)
+        size = meta.image_size
+        names = matched_names(work, grads, size)
+        y = self._labels(work, grads, meta, notes)
+        targets = {nm: grads[nm].detach().to(self.device, _DT)[None] for nm in names}
+        terms, more = defence_match(targets, [grads], [meta], names)
+        notes.extend(more)
+        if terms.kind == "bins":
+            notes.append(f"rounding model: {self.rounding}")
+        theta0, start_time = self._start(model, update, meta, notes)
+        fun = update_residual(work, names, terms, y, (1, *size), self.rounding)
+        with torch.no_grad():
+            r0 = float(fun(theta0).pow(2).sum())
+        res = matrix_free_lm(fun, theta0, max_iterations=self.iterations, sketch_rows=0,
+                             cg_iterations=self.cg_iterations, cg_tol=self.cg_tol)
+        lo, hi = meta.box(_DT, self.device)
+        x = torch.max(torch.min(res.theta.view(1, *size), hi), lo)
+        with torch.no_grad():
+            r1 = float(fun(x.reshape(-1)).pow(2).sum())
+        stats = dict(objective=r1, iterations=int(res.jacobians), residual_start=r0, residual_end=r1,
+                     entries=int(sum(t.numel() for t in targets.values())), start=self.start,
+                     start_time_s=start_time, time_s=time.perf_counter() - t0, notes=notes)
+        return AttackResult(meta.denormalize(x), [stats], labels=y.cpu())
+
+    def _labels(self, work: nn.Module, grads, meta: AttackMetadata, notes: list[str]) -> torch.Tensor:
+        """[1]: the granted label, else the one read off the head's gradient (noted)."""
+        if meta.labels is not None:
+            return meta.labels.to(self.device)
+        head = getattr(work, "get_classifier", lambda: None)()
+        head_ids = {id(p) for p in head.parameters()} if isinstance(head, nn.Module) else set()
+        head_names = [nm for nm, p in work.named_parameters() if id(p) in head_ids]
+        notes.append(f"labels recovered from the gradient ({self.label_strategy})")
+        return recover_labels(grads, head_names, 1, self.label_strategy).to(self.device)
+
+    def _start(self, model: nn.Module, update: Update, meta: AttackMetadata, notes: list[str]
+               ) -> tuple[torch.Tensor, float]:
+        """(flat normalised start [C H W] in float64 on the device, the start's seconds)."""
+        from ..api.registry import create_attack
+
+        t0 = time.perf_counter()
+        if self.start == "april_robust":
+            got = create_attack("april_robust", **{"device": str(self.device), **self.start_options}).reconstruct(
+                model, update, meta)
+            if not got.failed and not any(got.failed_images):
+                notes.append("start: april_robust")
+                return meta.normalize(got.images.to(self.device, _DT)).reshape(-1), time.perf_counter() - t0
+            notes.append(f"start: april_robust failed ({got.reason}); the mean image")
+        else:
+            notes.append("start: the mean image")
+        # the normalisation mean colour is zero in model-input units
+        return torch.zeros(int(torch.tensor(meta.image_size).prod()), dtype=_DT, device=self.device), \
+            time.perf_counter() - t0

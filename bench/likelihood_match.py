@@ -1,0 +1,114 @@
+"""``april_robust`` against ``likelihood_match`` (a second-order fit of the whole update under the
+quantiser's rounding model) on the same 8-bit updates.
+
+    FEDMJP_DATA=... python bench/likelihood_match.py --num-images 3 --iterations 12
+
+The shipped CIFAR DeiT with its block 0 as trained (standard pre-norm), float64 FedSGD updates of
+one CIFAR-10 validation image (labels known), each tensor quantised to ``--bits`` bits
+(``defences.transforms.quantize_update``), the quantiser known to the attacker. Per image:
+``april_robust``'s read (``likelihood_match``'s start), then ``likelihood_match``
+(:mod:`attacks.optimization.likelihood_match`: Levenberg-Marquardt with plain conjugate gradients
+on every entry's rounding residual, ``--rounding``). It prints both PSNRs, the final residual
+against the true image's own residual (the noise level: where the data stop telling images apart)
+and the wall times, then the medians and the ratio of the times.
+
+``--images`` takes a folder of JPEGs or ``embedded`` (the bundled photographs)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import timm
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import attacks  # noqa: E402
+import fedmjp  # noqa: E402,F401  (registers the models)
+from attacks.optimization.breaching_adapter import attack_copy, matched_names  # noqa: E402
+from attacks.optimization.likelihood_match import update_residual  # noqa: E402
+from attacks.optimization.match_terms import defence_match  # noqa: E402
+from defences.spec import validate_defence  # noqa: E402
+from defences.transforms import quantize_update  # noqa: E402
+from fedmjp.checkpoint import load_checkpoint  # noqa: E402
+from fedmjp.data import load_images  # noqa: E402
+
+_logger = logging.getLogger("likelihood_match")
+
+
+def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(10 * torch.log10(1 / ((a.double() - b.double()) ** 2).mean().clamp_min(1e-30)))
+
+
+def truth_residual(model: torch.nn.Module, update: dict, meta: attacks.AttackMetadata, x: torch.Tensor,
+                   rounding: str) -> float:
+    """The client's own image's residual under the attack's likelihood (the noise level)."""
+    work = attack_copy(model, torch.float64)
+    names = matched_names(work, update, meta.image_size)
+    terms, _ = defence_match({nm: update[nm].double()[None] for nm in names}, [update], [meta], names)
+    fun = update_residual(work, names, terms, meta.labels, (1, *meta.image_size), rounding)
+    with torch.no_grad():
+        return float(fun(meta.normalize(x).reshape(-1)).pow(2).sum())
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--images", default="$FEDMJP_DATA/cifar10.tar.gz")
+    p.add_argument("--num-images", type=int, default=4)
+    p.add_argument("--bits", type=int, default=8)
+    p.add_argument("--iterations", type=int, default=12, help="Gauss-Newton iterations at most")
+    p.add_argument("--cg-iterations", type=int, default=60, help="conjugate-gradient iterations per trial step")
+    p.add_argument("--rounding", choices=("gaussian", "cells"), default="gaussian")
+    args = p.parse_args(argv)
+    for flag in ("num_images", "iterations", "cg_iterations"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: give at least 1")
+    if not 2 <= args.bits <= 16:
+        p.error(f"--bits {args.bits}: give 2 to 16 (1 bit keeps signs only: no rounding error to model)")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    ims = load_images(args.images, 32, args.num_images, 10)
+    torch.manual_seed(0)
+    model = timm.create_model("mjp_vit_cifar_patch4_32", variant="plain", first_block="standard", depth=4)
+    load_checkpoint(model, ROOT / "checkpoints" / "cifar_deit.safetensors")
+    model = model.eval().double()
+    mean = torch.tensor(model.default_cfg["mean"]).double()
+    std = torch.tensor(model.default_cfg["std"]).double()
+    spec = validate_defence({"name": "quantize", "bits": args.bits})
+    robust = attacks.create_attack("april_robust")
+    lm = attacks.create_attack("likelihood_match", iterations=args.iterations, cg_iterations=args.cg_iterations,
+                               rounding=args.rounding)
+    rows = []
+    for i in range(len(ims)):
+        x, y = ims.images[i:i + 1].double(), ims.labels[i:i + 1]
+        meta = attacks.AttackMetadata(1, (3, 32, 32), mean, std, y, defence=spec)
+        q = quantize_update(attacks.compute_update(model, meta.normalize(x), y), args.bits)
+        t0 = time.perf_counter()
+        start = robust.reconstruct(model, q, meta)
+        t_start = time.perf_counter() - t0
+        got = lm.reconstruct(model, q, meta)
+        if start.failed or got.failed:
+            _logger.info("image %d: failed: %s", i, start.reason or got.reason)
+            continue
+        st = got.stats[0]
+        row = dict(i=i, start=psnr(start.images, x), lm=psnr(got.images, x), residual=st["residual_end"],
+                   truth=truth_residual(model, q, meta, x, args.rounding), its=st["iterations"],
+                   t_start=t_start, t_lm=st["time_s"])
+        rows.append(row)
+        _logger.info("image %(i)d: april_robust %(start).2f dB (%(t_start).1f s); likelihood_match %(lm).2f dB "
+                     "after %(its)d iterations (%(t_lm).0f s), residual %(residual).3e against the true "
+                     "image's %(truth).3e", row)
+    if rows:
+        med = {k: statistics.median(r[k] for r in rows) for k in ("start", "lm", "t_start", "t_lm")}
+        _logger.info("median of %d images, %d bit, %s rounding: april_robust %.2f dB, likelihood_match %.2f dB "
+                     "(%+.2f dB), time ratio likelihood_match / april_robust %.0fx", len(rows), args.bits,
+                     args.rounding, med["start"], med["lm"], med["lm"] - med["start"],
+                     med["t_lm"] / max(med["t_start"], 1e-9))
+
+
+if __name__ == "__main__":
+    main()
