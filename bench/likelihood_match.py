@@ -30,9 +30,8 @@ sys.path.insert(0, str(ROOT))
 
 import attacks  # noqa: E402
 import fedmjp  # noqa: E402,F401  (registers the models)
-from attacks.optimization.breaching_adapter import attack_copy, matched_names  # noqa: E402
-from attacks.optimization.likelihood_match import update_residual  # noqa: E402
-from attacks.optimization.match_terms import defence_match  # noqa: E402
+from attacks.optimization.breaching_adapter import attack_copy  # noqa: E402
+from attacks.optimization.likelihood_match import defence_residual  # noqa: E402
 from defences.spec import validate_defence  # noqa: E402
 from defences.transforms import quantize_update  # noqa: E402
 from fedmjp.checkpoint import load_checkpoint  # noqa: E402
@@ -48,10 +47,7 @@ def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
 def truth_residual(model: torch.nn.Module, update: dict, meta: attacks.AttackMetadata, x: torch.Tensor,
                    rounding: str) -> float:
     """The client's own image's residual under the attack's likelihood (the noise level)."""
-    work = attack_copy(model, torch.float64)
-    names = matched_names(work, update, meta.image_size)
-    terms, _ = defence_match({nm: update[nm].double()[None] for nm in names}, [update], [meta], names)
-    fun = update_residual(work, names, terms, meta.labels, (1, *meta.image_size), rounding)
+    fun = defence_residual(attack_copy(model, torch.float64), update, meta, meta.labels, rounding)[0]
     with torch.no_grad():
         return float(fun(meta.normalize(x).reshape(-1)).pow(2).sum())
 

@@ -10,9 +10,8 @@ import torch
 
 import attacks
 import fedmjp  # noqa: F401  (registers the mjp_* models)
-from attacks.optimization.breaching_adapter import attack_copy, matched_names
-from attacks.optimization.likelihood_match import update_residual
-from attacks.optimization.match_terms import defence_match
+from attacks.optimization.breaching_adapter import attack_copy
+from attacks.optimization.likelihood_match import defence_residual
 from defences.spec import validate_defence
 from defences.transforms import apply_update_defence
 from fedmjp.checkpoint import load_checkpoint
@@ -29,10 +28,7 @@ def _tiny(variant: str = "plain") -> torch.nn.Module:
 
 
 def _residual_at(model, update, meta, x, rounding="cells") -> torch.Tensor:
-    work = attack_copy(model, torch.float64)
-    names = matched_names(work, update, meta.image_size)
-    terms, _ = defence_match({nm: update[nm].double()[None] for nm in names}, [update], [meta], names)
-    fun = update_residual(work, names, terms, meta.labels, (1, *meta.image_size), rounding)
+    fun = defence_residual(attack_copy(model, torch.float64), update, meta, meta.labels, rounding)[0]
     with torch.no_grad():
         return fun(meta.normalize(x).reshape(-1))
 

@@ -32,6 +32,7 @@ real 8-bit update.
 """
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -74,6 +75,18 @@ def update_residual(work: nn.Module, names: Sequence[str], terms: MatchTerms, la
         return terms.residual({nm: g[nm][None] for nm in names}, rounding)[0]
 
     return fun
+
+
+def defence_residual(work: nn.Module, grads, meta: AttackMetadata, labels: torch.Tensor, rounding: str = "gaussian"
+                     ) -> tuple[Callable[[torch.Tensor], torch.Tensor], MatchTerms, list[str]]:
+    """(theta -> residual, its terms, notes): :func:`update_residual` of every parameter the forward
+    uses that ``grads`` carries, under the defence ``meta`` names (:func:`defence_match`), in
+    ``work``'s dtype and on its device."""
+    p = next(work.parameters())
+    names = matched_names(work, grads, meta.image_size)
+    targets = {nm: grads[nm].detach().to(p.device, p.dtype)[None] for nm in names}
+    terms, notes = defence_match(targets, [grads], [meta], names)
+    return update_residual(work, names, terms, labels, (1, *meta.image_size), rounding), terms, notes
 
 
 @register_attack("likelihood_match")
@@ -133,15 +146,12 @@ class LikelihoodMatch(Attack):
                                 "this attack's forward is the plain one; mjp_adaptive and block0_roots read x~")
         work = attack_copy(model, _DT, self.device)
         size = meta.image_size
-        names = matched_names(work, grads, size)
         y = self._labels(work, grads, meta, notes)
-        targets = {nm: grads[nm].detach().to(self.device, _DT)[None] for nm in names}
-        terms, more = defence_match(targets, [grads], [meta], names)
+        fun, terms, more = defence_residual(work, grads, meta, y, self.rounding)
         notes.extend(more)
         if terms.kind == "bins":
             notes.append(f"rounding model: {self.rounding}")
         theta0, start_time = self._start(model, update, meta, notes)
-        fun = update_residual(work, names, terms, y, (1, *size), self.rounding)
         with torch.no_grad():
             r0 = float(fun(theta0).pow(2).sum())
         res = matrix_free_lm(fun, theta0, max_iterations=self.iterations, sketch_rows=0,
@@ -151,7 +161,7 @@ class LikelihoodMatch(Attack):
         with torch.no_grad():
             r1 = float(fun(x.reshape(-1)).pow(2).sum())
         stats = dict(objective=r1, iterations=int(res.jacobians), residual_start=r0, residual_end=r1,
-                     entries=int(sum(t.numel() for t in targets.values())), start=self.start,
+                     entries=int(sum(t.shape[1] for t in terms.flat)), start=self.start,
                      start_time_s=start_time, time_s=time.perf_counter() - t0, notes=notes)
         return AttackResult(meta.denormalize(x), [stats], labels=y.cpu())
 
@@ -181,5 +191,4 @@ class LikelihoodMatch(Attack):
         else:
             notes.append("start: the mean image")
         # the normalisation mean colour is zero in model-input units
-        return torch.zeros(int(torch.tensor(meta.image_size).prod()), dtype=_DT, device=self.device), \
-            time.perf_counter() - t0
+        return torch.zeros(math.prod(meta.image_size), dtype=_DT, device=self.device), time.perf_counter() - t0

@@ -192,7 +192,7 @@ class MatchTerms:
         widest finite bin / sqrt 12 (the nearest quantiser's rounding std, step / sqrt 12), the
         level itself where no bin is finite (1 bit); otherwise the RMS of the tensor's nonzero target
         entries. A tensor without any (all zero) gets 1."""
-        if getattr(self, "_scale_cache", None) is not None:
+        if self._scale_cache is not None:
             return self._scale_cache
         out = []
         for b, names in enumerate(self.buckets):
