@@ -1,11 +1,15 @@
 """``april_robust`` against ``likelihood_match`` (a second-order fit of the whole update under the
-quantiser's rounding model) on the same 8-bit updates.
+defence's observation model) on the same defended updates (8-bit by default).
 
     FEDMJP_DATA=... python bench/likelihood_match.py --num-images 3 --iterations 12
+    FEDMJP_DATA=... python bench/likelihood_match.py --defence '{name: prune, keep: 0.1}'
+    FEDMJP_DATA=... python bench/likelihood_match.py --defence '{name: local_dp, clip: 1, sigma: 1e-4}'
 
 The shipped CIFAR DeiT with its block 0 as trained (standard pre-norm), float64 FedSGD updates of
 one CIFAR-10 validation image (labels known), each tensor quantised to ``--bits`` bits
-(``defences.transforms.quantize_update``), the quantiser known to the attacker. Per image:
+(``defences.transforms.quantize_update``), or defended by ``--defence`` (a spec as in a config's
+``defence:``, applied by ``defences.transforms.apply_update_defence``, seeded per image), the
+defence known to the attacker. Per image:
 ``april_robust``'s read (``likelihood_match``'s start), then ``likelihood_match``
 (:mod:`attacks.optimization.likelihood_match`: Levenberg-Marquardt with plain conjugate gradients
 on every entry's rounding residual, ``--rounding``). It prints both PSNRs, the final residual
@@ -24,6 +28,7 @@ from pathlib import Path
 
 import timm
 import torch
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -32,8 +37,8 @@ import attacks  # noqa: E402
 import fedmjp  # noqa: E402,F401  (registers the models)
 from attacks.optimization.breaching_adapter import attack_copy  # noqa: E402
 from attacks.optimization.likelihood_match import defence_residual  # noqa: E402
-from defences.spec import validate_defence  # noqa: E402
-from defences.transforms import quantize_update  # noqa: E402
+from defences.spec import defence_label, validate_defence  # noqa: E402
+from defences.transforms import apply_update_defence, cosine_similarity  # noqa: E402
 from fedmjp.checkpoint import load_checkpoint  # noqa: E402
 from fedmjp.data import load_images  # noqa: E402
 
@@ -56,7 +61,9 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--images", default="$FEDMJP_DATA/cifar10.tar.gz")
     p.add_argument("--num-images", type=int, default=4)
-    p.add_argument("--bits", type=int, default=8)
+    p.add_argument("--bits", type=int, default=8, help="quantize to this many bits (without --defence)")
+    p.add_argument("--defence", default=None,
+                   help="a defence spec in YAML, e.g. '{name: prune, keep: 0.1}' (replaces --bits)")
     p.add_argument("--iterations", type=int, default=12, help="Gauss-Newton iterations at most")
     p.add_argument("--cg-iterations", type=int, default=60, help="conjugate-gradient iterations per trial step")
     p.add_argument("--rounding", choices=("gaussian", "cells"), default="gaussian")
@@ -66,6 +73,13 @@ def main(argv: list[str] | None = None) -> None:
             p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: give at least 1")
     if not 2 <= args.bits <= 16:
         p.error(f"--bits {args.bits}: give 2 to 16 (1 bit keeps signs only: no rounding error to model)")
+    try:
+        spec = validate_defence(yaml.safe_load(args.defence) if args.defence else
+                                {"name": "quantize", "bits": args.bits})
+    except (yaml.YAMLError, ValueError) as err:
+        p.error(f"--defence {args.defence!r}: {err}")
+    if spec.name == "none" or not spec.observation().perturbs:
+        p.error(f"--defence {args.defence!r}: give a defence that changes the update (quantize, prune, local_dp)")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     ims = load_images(args.images, 32, args.num_images, 10)
     torch.manual_seed(0)
@@ -74,7 +88,6 @@ def main(argv: list[str] | None = None) -> None:
     model = model.eval().double()
     mean = torch.tensor(model.default_cfg["mean"]).double()
     std = torch.tensor(model.default_cfg["std"]).double()
-    spec = validate_defence({"name": "quantize", "bits": args.bits})
     robust = attacks.create_attack("april_robust")
     lm = attacks.create_attack("likelihood_match", iterations=args.iterations, cg_iterations=args.cg_iterations,
                                rounding=args.rounding)
@@ -82,7 +95,8 @@ def main(argv: list[str] | None = None) -> None:
     for i in range(len(ims)):
         x, y = ims.images[i:i + 1].double(), ims.labels[i:i + 1]
         meta = attacks.AttackMetadata(1, (3, 32, 32), mean, std, y, defence=spec)
-        q = quantize_update(attacks.compute_update(model, meta.normalize(x), y), args.bits)
+        clean = attacks.compute_update(model, meta.normalize(x), y)
+        q = apply_update_defence(clean, spec, torch.Generator().manual_seed(i))
         t0 = time.perf_counter()
         start = robust.reconstruct(model, q, meta)
         t_start = time.perf_counter() - t0
@@ -93,15 +107,15 @@ def main(argv: list[str] | None = None) -> None:
         st = got.stats[0]
         row = dict(i=i, start=psnr(start.images, x), lm=psnr(got.images, x), residual=st["residual_end"],
                    truth=truth_residual(model, q, meta, x, args.rounding), its=st["iterations"],
-                   t_start=t_start, t_lm=st["time_s"])
+                   t_start=t_start, t_lm=st["time_s"], cos=cosine_similarity(q, clean))
         rows.append(row)
         _logger.info("image %(i)d: april_robust %(start).2f dB (%(t_start).1f s); likelihood_match %(lm).2f dB "
                      "after %(its)d iterations (%(t_lm).0f s), residual %(residual).3e against the true "
-                     "image's %(truth).3e", row)
+                     "image's %(truth).3e; the update's cosine to the clean one %(cos).4f", row)
     if rows:
         med = {k: statistics.median(r[k] for r in rows) for k in ("start", "lm", "t_start", "t_lm")}
-        _logger.info("median of %d images, %d bit, %s rounding: april_robust %.2f dB, likelihood_match %.2f dB "
-                     "(%+.2f dB), time ratio likelihood_match / april_robust %.0fx", len(rows), args.bits,
+        _logger.info("median of %d images, %s, %s rounding: april_robust %.2f dB, likelihood_match %.2f dB "
+                     "(%+.2f dB), time ratio likelihood_match / april_robust %.0fx", len(rows), defence_label(spec),
                      args.rounding, med["start"], med["lm"], med["lm"] - med["start"],
                      med["t_lm"] / max(med["t_start"], 1e-9))
 

@@ -107,7 +107,8 @@ def strongest_only(frame: pd.DataFrame, keys: Sequence[str]) -> pd.DataFrame:
     return frame[(frame["attack"] == STRONGEST) | ~has]
 
 
-def _reads(setting: str, psnr: float, flat: float, attacker: str, n: int, n_failed: int, where: str = "") -> str:
+def _reads(setting: str, psnr: float, flat: float, attacker: str, n: int, n_failed: int, where: str = "",
+           worst: float = math.nan) -> str:
     """One clause: what the strongest attacker reads in one setting."""
     from .tables import FLAT_HEADER
 
@@ -121,6 +122,8 @@ def _reads(setting: str, psnr: float, flat: float, attacker: str, n: int, n_fail
         text += f", no better than a flat image ({FLAT_HEADER} {flat:.1f} dB): nothing measurable recovered"
     elif math.isfinite(flat):
         text += f" ({psnr - flat:+.1f} dB over a flat image)"
+    if math.isfinite(worst) and n - n_failed > 1 and worst > psnr:
+        text += f"; its most-leaked image at {worst:.1f} dB"
     if n_failed:
         text += f"; {n_failed} of {n} image(s) failed for every attacker"
     return text
@@ -141,7 +144,8 @@ def run_verdicts(full: pd.DataFrame) -> list[str]:
         for _, r in g.iterrows():
             attacker = top_winner(r.get("winners")) or str(r["attack"])
             clauses.append(_reads(str(r["setting"]), _num(r.get("psnr_mean")), _num(r.get("flat_psnr_mean")),
-                                  attacker, int(_num(r.get("n")) or 0), int(_num(r.get("n_failed")) or 0)))
+                                  attacker, int(_num(r.get("n")) or 0), int(_num(r.get("n_failed")) or 0),
+                                  worst=_num(r.get("psnr_worst"))))
         label = str(first.get("label") or model)
         out.append(f"{label}{UNTRAINED if untrained else ''}: " + "; ".join(clauses) + ".")
     return out
@@ -214,7 +218,7 @@ def sweep_display(frame: pd.DataFrame) -> pd.DataFrame:
         return frame
     cols = {"sweep": "Grid point", "label": "Model", "defence": "Defence", "setting": "Setting",
             "attack": "Attack", "n": "n", "failed": "failed"}
-    numbers = (("psnr", "PSNR ↓", 2), ("flat_psnr", "PSNR flat", 2), ("ssim", "SSIM ↓", 4),
+    numbers = (("psnr", "PSNR ↓", 2), ("psnr_worst", "PSNR max", 2), ("flat_psnr", "PSNR flat", 2), ("ssim", "SSIM ↓", 4),
                ("lpips", "LPIPS ↑", 4), ("mse", "MSE ↑", 4), ("defence_cos", "cos(sent, clean)", 4),
                ("utility_top1", "utility top-1", 4), ("dp_epsilon", "DP ε", 3))
     out = pd.DataFrame({h: frame[c] for c, h in cols.items() if c in frame})

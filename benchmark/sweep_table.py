@@ -17,6 +17,8 @@ from .sweep_points import point_label
 #: the metric columns of sweep.csv (each also plotted against the grid point: ``sweep_<metric>.png``)
 SWEEP_METRICS = ("psnr", "ssim", "mse", "lpips", "fft2d", "correct", "defence_cos", "dp_epsilon", "utility_top1",
                  "utility_top1_start")
+#: metrics whose most-leaked image sweep.csv also holds (``<metric>_worst``)
+WORST_METRICS = ("psnr", "ssim", "lpips")
 #: per-point utility columns (:func:`benchmark.utility.train_split_utility`), one value per (point,
 #: model): carried into sweep.csv beside the metrics, not plotted against the grid
 UTILITY_COLUMNS = ("utility_top1_low", "utility_top1_high", "utility_top1_start_low", "utility_top1_start_high",
@@ -42,7 +44,8 @@ def gather_rows(points: list[dict[str, Any]], folders: list[Path]) -> list[dict]
 
 
 def sweep_table(rows: list[dict]) -> pd.DataFrame:
-    """Means over scored images per (grid point, model, setting, attack); failed rows counted apart;
+    """Means over scored images per (grid point, model, setting, attack), and the most-leaked image's
+    PSNR, SSIM and LPIPS (``<metric>_worst``, :data:`WORST_METRICS`); failed rows counted apart;
     PSNR capped at ``metrics.PSNR_CAP_DB`` before averaging, as in the benchmark's table."""
     import metrics as M
 
@@ -66,6 +69,11 @@ def sweep_table(rows: list[dict]) -> pd.DataFrame:
     # flat_psnr: the images' floor of no information beside the PSNR (benchmark.scoring.flat_psnr)
     metrics = [m for m in (*SWEEP_METRICS, FLAT_COLUMN, *UTILITY_COLUMNS) if m in df]
     table = ok.groupby(keys, dropna=False)[metrics].mean(numeric_only=True).reset_index()
+    # the most-leaked image of each point (metrics.aggregate's <metric>_worst)
+    worst = [m for m in WORST_METRICS if m in df]
+    if worst:
+        most = ok.groupby(keys, dropna=False)[worst].agg({m: M.METRICS[m].most_leaked for m in worst})
+        table = table.merge(most.rename(columns=lambda m: f"{m}_worst").reset_index(), on=keys, how="left")
     counts = df.groupby(keys, dropna=False).agg(n=("failed", "size"), failed=("failed", "sum")).reset_index()
     out = counts.merge(table, on=keys, how="left")
     if (df["attack"] == STRONGEST).any():
@@ -85,7 +93,7 @@ def strongest(frame: pd.DataFrame) -> pd.DataFrame:
 
 #: Decimals of sweep.csv's columns when printed (:func:`sweep_table_text`); the paper's metrics take
 #: the run table's (:data:`benchmark.tables.METRIC_COLUMNS`), the rest this default.
-TEXT_DECIMALS = {"psnr": 2, "flat_psnr": 2, "dp_epsilon": 2, "utility_dp_epsilon": 2}
+TEXT_DECIMALS = {"psnr": 2, "psnr_worst": 2, "flat_psnr": 2, "dp_epsilon": 2, "utility_dp_epsilon": 2}
 DEFAULT_DECIMALS = 4
 
 

@@ -5,7 +5,8 @@ Tables follow the paper's Table 5: one row per model and setting, columns Acc., 
 SSIM, LPIPS, with an arrow for the direction that means *more private* (higher MSE/FFT2D/LPIPS,
 lower PSNR/SSIM), and beside PSNR the floor of no information (``PSNR flat``: a flat image of the
 model's normalisation mean colour scored against the same images); with several attackers, one
-row per model, attacker and setting (an ``Attack`` column appears). ``table_full.csv`` adds standard deviations, counts and failures, and for the shape
+row per model, attacker and setting (an ``Attack`` column appears), and beside the mean PSNR the most-leaked
+image's (``PSNR max``). ``table_full.csv`` adds standard deviations, counts and failures, and for the shape
 of each row's distribution: the median, a seeded 95% bootstrap interval of the mean, and the share
 of images recovered recognisably (SSIM >= 0.5; LPIPS <= 0.3), plus the per-region means of MJP rows
 (:mod:`benchmark.aggregate`).
@@ -34,6 +35,11 @@ FLAT_HEADER = "PSNR flat"
 FLAT_NOTE = ("PSNR flat: the PSNR of a flat image of the model's normalisation mean colour against the same "
              "images as the row's PSNR (column `flat_psnr` of results.jsonl), what an attacker scores without "
              "reading the update; a PSNR at or below it recovered nothing measurable.")
+#: Header of the most-leaked image's PSNR beside the mean (``psnr_worst`` of table_full.csv).
+WORST_HEADER = "PSNR max"
+WORST_NOTE = ("PSNR max: the row's most-leaked image (its highest PSNR, capped at 100 dB like the mean); "
+              "table_full.csv holds every metric's most-leaked value (`<metric>_worst`: the highest PSNR and "
+              "SSIM, the lowest MSE, LPIPS and FFT2D). A defence is only as private as its worst-protected image.")
 ACC_NOTE = ("Acc.: top-1 of the model as trained (block 0 unmodified) on the setting's input (x for a, "
             "x~ for b/c). Rows with `april: surgery` were attacked on a copy whose block 0 had its norm1 and "
             "attention residual removed (APRIL design A); column `correct_attacked_model` of results.jsonl "
@@ -69,6 +75,8 @@ def paper_table(full: pd.DataFrame) -> pd.DataFrame:
             rec[header] = _fmt(r[f"{col}_mean"], dec)
             if col == "psnr" and flat:
                 rec[FLAT_HEADER] = _fmt(r["flat_psnr_mean"], dec)
+            if col == "psnr" and "psnr_worst" in full.columns:
+                rec[WORST_HEADER] = _fmt(r["psnr_worst"], dec)
         errors = int(r.get("n_error", 0) or 0)
         rec["n"] = f"{int(r['n'])}" + (f" ({int(r['n_failed'])} failed{f', {errors} on errors' if errors else ''})"
                                        if r["n_failed"] else "")
@@ -131,6 +139,8 @@ def write_tables(run: RunFolder) -> Tables:
         md += "\n\n" + ACC_NOTE
     if FLAT_HEADER in tables.table.columns:
         md += "\n\n" + FLAT_NOTE
+    if WORST_HEADER in tables.table.columns:
+        md += "\n\n" + WORST_NOTE
     if "winners" in tables.full.columns:
         md += "\n\n" + STRONGEST_NOTE
     lpips_notes = sorted({str(r["lpips_note"]) for r in rows if r.get("lpips_note")})

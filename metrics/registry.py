@@ -35,6 +35,12 @@ class Metric:
     higher_is_more_private: bool
 
     @property
+    def most_leaked(self) -> str:
+        """The pandas aggregate that picks a group's most-leaked image: ``"min"`` where a higher value
+        is more private (MSE, LPIPS, FFT2D), ``"max"`` otherwise (PSNR, SSIM)."""
+        return "min" if self.higher_is_more_private else "max"
+
+    @property
     def arrow(self) -> str:
         """Arrow pointing towards "more private"."""
         return "↑" if self.higher_is_more_private else "↓"

@@ -215,7 +215,9 @@ def aggregate(
         psnr_cap_db: cap for PSNR in dB.
     Returns:
         One row per group: the ``by`` columns, ``n``, ``n_failed``, then ``<m>_mean``, ``<m>_std``,
-        ``<m>_count`` per metric (and ``psnr_n_capped`` when PSNR is present).
+        ``<m>_count`` per metric, ``<m>_worst`` per registered metric: the most-leaked image's value
+        (:meth:`Metric.most_leaked`: the highest PSNR / SSIM, the lowest MSE / LPIPS; a defence is
+        only as private as its worst-protected image), and ``psnr_n_capped`` when PSNR is present.
     Raises:
         ValueError: a grouping or metric column is missing.
     """
@@ -252,6 +254,8 @@ def aggregate(
         table = table.join(stats, how="left")
         for m in metrics:
             table[f"{m}_count"] = table[f"{m}_count"].fillna(0).astype(int)
+        for m in (m for m in metrics if m in METRICS):
+            table[f"{m}_worst"] = ok.groupby(keys, dropna=False, sort=True)[m].agg(METRICS[m].most_leaked)
     if "psnr" in metrics and psnr_cap_db is not None:
         table["psnr_n_capped"] = groups["_capped"].sum().astype(int)
     table = table.reset_index()

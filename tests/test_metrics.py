@@ -378,6 +378,13 @@ def test_aggregate_matches_pandas_by_hand() -> None:
                 assert row[f"{m}_{s}"] == pytest.approx(want.loc[key, (m, s)], rel=1e-12)
     first = table[(table["model"] == "deit_s") & (table["setting"] == "a")].iloc[0]
     assert first["psnr_n_capped"] == 2 and first["psnr_count"] == 5
+    # The most-leaked image of each group: the highest PSNR / SSIM, the lowest MSE, failed rows out.
+    most = ok.groupby(["model", "setting"]).agg(psnr=("psnr", "max"), ssim=("ssim", "max"), mse=("mse", "min"))
+    for _, row in table.iterrows():
+        key = (row["model"], row["setting"])
+        for m in ("mse", "psnr", "ssim"):
+            assert row[f"{m}_worst"] == most.loc[key, m]
+    assert first["psnr_worst"] == M.PSNR_CAP_DB  # the exact copy, capped like the mean
     # Without a cap the inf propagates; one group over everything with by=().
     assert math.isinf(M.aggregate(rows, psnr_cap_db=None)["psnr_mean"].iloc[0])
     overall = M.aggregate(rows, by=())

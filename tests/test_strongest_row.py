@@ -108,12 +108,22 @@ def test_strongest_row_is_the_per_image_maximum(run_folder: Path) -> None:
         for attack, n in counts.items():
             assert f"{attack} {n}/2" in r["winners"]
         assert "test_strongest_never" not in r["winners"]
+        # the most-leaked image: the highest capped PSNR and SSIM, the lowest LPIPS of the chosen images
+        assert r["psnr_worst"] == pytest.approx(capped.max(), rel=1e-12)
+        assert r["ssim_worst"] == pytest.approx(w["ssim"].max(), rel=1e-12)
+        assert r["lpips_worst"] == pytest.approx(w["lpips"].min(), rel=1e-12)
         # the strongest mean is at least the best single attacker's
         single = full[(full["model"] == model) & (full["setting"] == setting) & (full["attack"] != STRONGEST)]
         assert r["psnr_mean"] >= single["psnr_mean"].max() - 1e-9
     md = (run_folder / "table.md").read_text()
     assert "| strongest" in md and "Winners" in md and "highest PSNR against the ground" in md
-    assert "strongest" in pd.read_csv(run_folder / "table.csv")["Attack"].tolist()
+    assert "PSNR max" in md and "most-leaked image" in md
+    table = pd.read_csv(run_folder / "table.csv")
+    assert "strongest" in table["Attack"].tolist()
+    # the paper table's PSNR max is table_full's psnr_worst, row for row
+    shown = pd.to_numeric(table["PSNR max"], errors="coerce")  # "—" where every image failed
+    assert list(shown) == pytest.approx(list(full["psnr_worst"]), abs=5e-3, nan_ok=True)
+    assert shown.notna().sum() == full["psnr_worst"].notna().sum() > 0
 
 
 def test_an_image_every_attacker_failed_is_failed(run_folder: Path) -> None:
@@ -138,6 +148,8 @@ def test_sweep_table_and_privacy_utility_use_the_strongest_row(run_folder: Path)
     full = full[full["attack"] == STRONGEST].set_index(["model", "setting"])
     for key, r in best.iterrows():
         assert r["psnr"] == pytest.approx(full.loc[key, "psnr_mean"], rel=1e-12)
+        assert r["psnr_worst"] == pytest.approx(full.loc[key, "psnr_worst"], rel=1e-12)
+        assert r["lpips_worst"] == pytest.approx(full.loc[key, "lpips_worst"], rel=1e-12)
         assert r["winners"] == full.loc[key, "winners"]
         assert r["n"] == 2 and r["failed"] == 0
     picked = strongest(table)
