@@ -21,13 +21,15 @@ from metrics.regions import REGION_COLUMNS
 
 from .config import SETTINGS
 from .rows import ROW_KEY
-from .scoring import FLAT_COLUMN, ROW_METRICS
+from .scoring import FLAT_COLUMN, IIP_COLUMNS, ROW_METRICS
 
 #: A reconstruction counts as recognisable at SSIM >= this, or (separately) at LPIPS <= that.
 RECOGNISABLE_SSIM = 0.5
 RECOGNISABLE_LPIPS = 0.3
 #: Columns of table_full.csv that get a median and a bootstrap interval.
 SHAPE_METRICS = ("mse", "psnr", "ssim", "lpips")
+#: The chance level of the identifiability columns (benchmark.scoring.IIP_COLUMNS), per row.
+IIP_CHANCE = "iip_chance"
 #: Suffix of a model row without a checkpoint, in the table's Model column and the plots' labels.
 UNTRAINED = " (untrained)"
 #: The ``attack`` column of the derived per-image best-of-all-attackers rows.
@@ -51,11 +53,13 @@ def rows_frame(rows: Sequence[dict]) -> pd.DataFrame:
     """results.jsonl rows -> DataFrame with every metric column present and numeric (missing -> NaN)."""
     df = pd.DataFrame(list(rows))
     for col in ("model", "label", "setting", "trained", "failed", "correct", "attack", *ROW_METRICS,
-                FLAT_COLUMN, *REGION_COLUMNS):
+                FLAT_COLUMN, *REGION_COLUMNS, *IIP_COLUMNS, "iip_candidates"):
         if col not in df.columns:
             df[col] = np.nan
-    for col in ("correct", *ROW_METRICS, FLAT_COLUMN, *REGION_COLUMNS):
+    for col in ("correct", *ROW_METRICS, FLAT_COLUMN, *REGION_COLUMNS, *IIP_COLUMNS, "iip_candidates"):
         df[col] = pd.to_numeric(df[col], errors="coerce").astype(float)
+    # the identifiability columns' chance level: one over the candidates the image competed with
+    df[IIP_CHANCE] = 1.0 / df["iip_candidates"].where(df["iip_candidates"] > 0)
     df["failed"] = df["failed"].fillna(False).astype(bool)
     df["attack"] = df["attack"].fillna("").astype(str)
     return df
@@ -198,7 +202,7 @@ def aggregate(rows: Sequence[dict], model_order: Sequence[str] | None = None) ->
     df = with_strongest(df)
     by = ["model", "attack", "setting"]
     # flat_psnr averaged over the same (non-failed) rows as psnr: the floor of exactly those images
-    full = metrics.aggregate(df, by=by, metrics=[*ROW_METRICS, FLAT_COLUMN])
+    full = metrics.aggregate(df, by=by, metrics=[*ROW_METRICS, FLAT_COLUMN, *IIP_COLUMNS, IIP_CHANCE])
     acc = df.groupby(by)["correct"].agg(acc_mean="mean", acc_count="count").reset_index()
     errors = (df["error"].fillna(False).astype(bool) if "error" in df.columns
               else pd.Series(False, index=df.index))

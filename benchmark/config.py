@@ -155,6 +155,11 @@ class AttackEntry(Schema):
 class Metrics(Schema):
     lpips_backbone: Optional[ConfigPath] = None  # AlexNet features file; None: $FEDMJP_LPIPS_BACKBONE or torchvision
     lpips: bool = True
+    # breaching's registered PSNR (metrics/registered.py) beside PSNR: about 0.2-1 s per image on a CPU
+    rpsnr: bool = False
+    # image identifiability precision (metrics/identifiability.py) against the run's image set, by
+    # these distances ([] for none; breaching's default is pixel; lpips costs one LPIPS per candidate)
+    iip: list[Literal["pixel", "lpips"]] = ["pixel"]
 
 
 class Report(Schema):

@@ -151,6 +151,7 @@ def prepare(cfg: BenchmarkConfig) -> Prepared:
         except (TypeError, ValueError) as err:  # unknown or ill-typed options
             raise ConfigError(f"attack {entry.label!r}: {err} (attack options)") from err
     scorer = make_scorer(cfg, device)
+    scorer.set_pool(images.images, images.labels)  # the identifiability columns' candidates
     check_partitions(cfg, rows[0])
     if cfg.ray_address:
         from .workers import check_ray_address

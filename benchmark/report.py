@@ -218,7 +218,8 @@ def sweep_display(frame: pd.DataFrame) -> pd.DataFrame:
         return frame
     cols = {"sweep": "Grid point", "label": "Model", "defence": "Defence", "setting": "Setting",
             "attack": "Attack", "n": "n", "failed": "failed"}
-    numbers = (("psnr", "PSNR ↓", 2), ("psnr_worst", "PSNR max", 2), ("flat_psnr", "PSNR flat", 2), ("ssim", "SSIM ↓", 4),
+    numbers = (("psnr", "PSNR ↓", 2), ("psnr_worst", "PSNR max", 2), ("psnr_registered", "rPSNR ↓", 2),
+               ("flat_psnr", "PSNR flat", 2), ("ssim", "SSIM ↓", 4),
                ("lpips", "LPIPS ↑", 4), ("mse", "MSE ↑", 4), ("defence_cos", "cos(sent, clean)", 4),
                ("utility_top1", "utility top-1", 4), ("dp_epsilon", "DP ε", 3))
     out = pd.DataFrame({h: frame[c] for c, h in cols.items() if c in frame})

@@ -23,8 +23,13 @@ from .rows import ResultRow, RowContext, RowKey
 
 _logger = logging.getLogger(__name__)
 
-#: Per-image metrics stored in results.jsonl: the paper's five plus the Hermitian FFT variant.
-ROW_METRICS = tuple(metrics.PAPER_METRICS) + ("fft2d_hermitian",)
+#: Per-image metrics stored in results.jsonl: the paper's five, the Hermitian FFT variant and
+#: breaching's registered PSNR (computed where ``metrics.rpsnr`` is on; NaN columns otherwise).
+ROW_METRICS = tuple(metrics.PAPER_METRICS) + ("fft2d_hermitian", "psnr_registered")
+#: Image identifiability precision per image, by distance (``metrics.iip``; :meth:`Scorer.score`).
+IIP_COLUMNS = ("iip_pixel", "iip_lpips")
+#: Row metrics a run computes only when its config asks (``metrics.<key>``): their cost.
+OPTIONAL_METRICS = {"psnr_registered": "rpsnr"}
 #: The column of every scored row that holds :func:`flat_psnr` of its image.
 FLAT_COLUMN = "flat_psnr"
 
@@ -70,11 +75,14 @@ class Scorer:
             cache_mb = metrics.cache_budget_mb()
         except ValueError as err:
             raise ConfigError(str(err)) from err
-        self.names = [m for m in ROW_METRICS if m != "lpips" or options.get("lpips", True)]
+        self.names = [m for m in ROW_METRICS if (m != "lpips" or options.get("lpips", True))
+                      and (m not in OPTIONAL_METRICS or options.get(OPTIONAL_METRICS[m], False))]
         self.lpips_model = None
         self.lpips_cache: metrics.LpipsFeatureCache | None = None
         self.lpips_source: str | None = None
         self.lpips_note: str | None = None
+        self.iip: list[str] = list(options.get("iip", ()))
+        self.pool: tuple[torch.Tensor, torch.Tensor] | None = None
         if "lpips" in self.names:
             backbone = options.get("lpips_backbone")
             try:
@@ -89,12 +97,22 @@ class Scorer:
                 self.lpips_note = f"LPIPS not computed: {' '.join(str(err).split())}"
                 _logger.warning("%s; the run goes on without the LPIPS column", self.lpips_note)
 
+    def set_pool(self, images: torch.Tensor, labels: torch.Tensor) -> None:
+        """The candidates of the identifiability columns: the run's whole image set (every client's
+        private images, attacked or not) with its labels."""
+        self.pool = (images.detach().float().cpu(), labels.detach().cpu())
+
     def score(self, setting: str, reconstruction: torch.Tensor, x: torch.Tensor,
-              x_tilde: torch.Tensor | None) -> list[dict[str, Any]]:
-        """One dict per image: every metric (NaN where failed), ``failed`` and ``failure``.
+              x_tilde: torch.Tensor | None, labels: torch.Tensor | None = None) -> list[dict[str, Any]]:
+        """One dict per image: every metric (NaN where failed), ``failed`` and ``failure``, and
+        where a pool is set (:meth:`set_pool`) and ``labels`` given, in settings (a) and (c), the
+        identifiability columns: ``iip_<distance>`` 1.0 where the reconstruction's nearest image of its
+        label in the pool is its own (:func:`metrics.identifiability.identified`), and
+        ``iip_candidates``, how many competed (the chance level is one over it).
 
         Args:
             reconstruction, x, x_tilde: [B, 3, H, W] in [0, 1]; x_tilde None for setting (a).
+            labels: [B] the images' labels.
         """
         rows = metrics.score(setting, reconstruction.float().cpu(), x.float().cpu(),
                              None if x_tilde is None else x_tilde.float().cpu(),
@@ -104,7 +122,31 @@ class Scorer:
         if self.lpips_note is not None:
             for r in out:
                 r["lpips"], r["lpips_note"] = float("nan"), self.lpips_note
+        if self.pool is not None and labels is not None and self.iip and setting != "b":
+            self._identify(out, reconstruction, x, labels)
         return out
+
+    def _identify(self, out: list[dict[str, Any]], reconstruction: torch.Tensor, x: torch.Tensor,
+                  labels: torch.Tensor) -> None:
+        """The identifiability columns of :meth:`score` (x is the truth: the pool holds x, not x~)."""
+        from metrics.identifiability import identified
+
+        assert self.pool is not None
+        ok = [i for i, r in enumerate(out) if not r["failed"]]
+        for r in out:
+            r.update({f"iip_{d}": float("nan") for d in self.iip})
+        if not ok:
+            return
+        idx = torch.tensor(ok)
+        rec = torch.nan_to_num(reconstruction.detach().float().cpu()[idx]).clamp(0.0, 1.0)
+        for d in self.iip:
+            if d == "lpips" and self.lpips_model is None:
+                continue  # no LPIPS weights: the column stays NaN, as the LPIPS column does
+            hit, counts = identified(rec, x.float().cpu()[idx], self.pool[0], labels=labels.cpu()[idx],
+                                     pool_labels=self.pool[1], distance=d, lpips_model=self.lpips_model,
+                                     lpips_cache=self.lpips_cache)
+            for j, i in enumerate(ok):
+                out[i][f"iip_{d}"], out[i]["iip_candidates"] = float(hit[j]), int(counts[j])
 
 
 def pair_reconstructions(reconstruction: torch.Tensor, reference: torch.Tensor,
@@ -341,7 +383,7 @@ def score_round(ctx: RowContext, attacker: tuple[str, str], setting: str, update
     flat = None if ctx.flat_colour is None else flat_psnr(torch.cat(refs), ctx.flat_colour)
     x = torch.cat([b.images for b in batches])
     xs = None if batches[0].shuffled is None else torch.cat([b.shuffled for b in batches])
-    scores = scorer.score(setting, torch.cat(recons), x, xs)
+    scores = scorer.score(setting, torch.cat(recons), x, xs, torch.cat([b.labels for b in batches]))
     regions: dict[int, dict] = {}
     with_mask = [j for j, b in enumerate(batches) if setting in ("b", "c") and b.unk_mask is not None
                  and bool(b.unk_mask.any())]

@@ -15,7 +15,7 @@ import pandas as pd
 from .sweep_points import point_label
 
 #: the metric columns of sweep.csv (each also plotted against the grid point: ``sweep_<metric>.png``)
-SWEEP_METRICS = ("psnr", "ssim", "mse", "lpips", "fft2d", "correct", "defence_cos", "dp_epsilon", "utility_top1",
+SWEEP_METRICS = ("psnr", "psnr_registered", "ssim", "mse", "lpips", "fft2d", "correct", "defence_cos", "dp_epsilon", "utility_top1",
                  "utility_top1_start")
 #: metrics whose most-leaked image sweep.csv also holds (``<metric>_worst``)
 WORST_METRICS = ("psnr", "ssim", "lpips")
@@ -60,7 +60,8 @@ def sweep_table(rows: list[dict]) -> pd.DataFrame:
     for col in ("defence_cos", "dp_epsilon", "utility_top1", "utility_top1_start", *UTILITY_COLUMNS):
         if col in df:
             df[col] = pd.to_numeric(df[col], errors="coerce").astype(float)
-    df["psnr"] = df["psnr"].clip(upper=M.PSNR_CAP_DB)  # exact reconstructions (+inf) count as the cap
+    for col in (c for c in M.CAPPED_METRICS if c in df):  # exact reconstructions (+inf) count as the cap
+        df[col] = df[col].clip(upper=M.PSNR_CAP_DB)
     if "defence" not in df:
         df["defence"] = "none"
     keys = ["sweep_index", "sweep", "model", "label", "defence", "setting", "attack"]

@@ -40,6 +40,16 @@ WORST_HEADER = "PSNR max"
 WORST_NOTE = ("PSNR max: the row's most-leaked image (its highest PSNR, capped at 100 dB like the mean); "
               "table_full.csv holds every metric's most-leaked value (`<metric>_worst`: the highest PSNR and "
               "SSIM, the lowest MSE, LPIPS and FFT2D). A defence is only as private as its worst-protected image.")
+RPSNR_HEADER = f"{metrics.PAPER_COLUMN_LABELS['psnr_registered']}"
+RPSNR_NOTE = ("rPSNR: breaching's registered PSNR, the PSNR after a similarity alignment of the reconstruction "
+              "to its image (kornia's ImageRegistrator; docs/metrics.md), at least the PSNR: the score that does "
+              "not punish a shifted, rotated or rescaled read.")
+#: Headers of the identifiability columns (benchmark.scoring.IIP_COLUMNS), the chance level beside.
+IIP_HEADERS = {"iip_pixel": "IIP ↓ (chance)", "iip_lpips": "IIP-LPIPS ↓ (chance)"}
+IIP_NOTE = ("IIP: image identifiability precision (Yin et al. 2021, as breaching computes it): the share of "
+            "reconstructions whose nearest image of the same label in the run's image set (by pixel L2; "
+            "IIP-LPIPS: by LPIPS) is the client's own; in brackets the chance level, the mean of one over the "
+            "number of candidates. Settings a and c (the set holds x, not x~); docs/metrics.md.")
 ACC_NOTE = ("Acc.: top-1 of the model as trained (block 0 unmodified) on the setting's input (x for a, "
             "x~ for b/c). Rows with `april: surgery` were attacked on a copy whose block 0 had its norm1 and "
             "attention residual removed (APRIL design A); column `correct_attacked_model` of results.jsonl "
@@ -66,6 +76,9 @@ def paper_table(full: pd.DataFrame) -> pd.DataFrame:
     several = full["attack"].nunique() > 1 if "attack" in full.columns else False
     # the floor of no information, where the rows carry it (runs stored before the column have none)
     flat = "flat_psnr_mean" in full.columns and bool(full["flat_psnr_mean"].notna().any())
+    # breaching's registered PSNR, where the run computed it (metrics.rpsnr)
+    registered = "psnr_registered_mean" in full.columns and bool(full["psnr_registered_mean"].notna().any())
+    iip = [c for c in IIP_HEADERS if f"{c}_mean" in full.columns and bool(full[f"{c}_mean"].notna().any())]
     for _, r in full.iterrows():
         rec = {"Model": f"{r['label']}{'' if r['trained'] else UNTRAINED}"}
         if several:
@@ -77,6 +90,11 @@ def paper_table(full: pd.DataFrame) -> pd.DataFrame:
                 rec[FLAT_HEADER] = _fmt(r["flat_psnr_mean"], dec)
             if col == "psnr" and "psnr_worst" in full.columns:
                 rec[WORST_HEADER] = _fmt(r["psnr_worst"], dec)
+            if col == "psnr" and registered:
+                rec[RPSNR_HEADER] = _fmt(r["psnr_registered_mean"], dec)
+        for col in iip:
+            rec[IIP_HEADERS[col]] = (f"{_fmt(r[f'{col}_mean'], 2)} ({_fmt(r['iip_chance_mean'], 2)})"
+                                     if math.isfinite(r[f"{col}_mean"]) else "—")
         errors = int(r.get("n_error", 0) or 0)
         rec["n"] = f"{int(r['n'])}" + (f" ({int(r['n_failed'])} failed{f', {errors} on errors' if errors else ''})"
                                        if r["n_failed"] else "")
@@ -141,6 +159,10 @@ def write_tables(run: RunFolder) -> Tables:
         md += "\n\n" + FLAT_NOTE
     if WORST_HEADER in tables.table.columns:
         md += "\n\n" + WORST_NOTE
+    if RPSNR_HEADER in tables.table.columns:
+        md += "\n\n" + RPSNR_NOTE
+    if any(h in tables.table.columns for h in IIP_HEADERS.values()):
+        md += "\n\n" + IIP_NOTE
     if "winners" in tables.full.columns:
         md += "\n\n" + STRONGEST_NOTE
     lpips_notes = sorted({str(r["lpips_note"]) for r in rows if r.get("lpips_note")})

@@ -19,6 +19,7 @@ from .perceptual import (
 )
 from .pixel import SSIM_BACKENDS, mse, psnr, ssim, ssim_skimage
 from .quantize import quantize_8bit
+from .registered import psnr_registered
 from .registry import (
     METRICS,
     PAPER_COLUMN_LABELS,
@@ -29,11 +30,12 @@ from .registry import (
     get_metric,
     on_8bit,
 )
-from .scoring import PSNR_CAP_DB, SETTING_REFERENCE, aggregate, reference_for, score, score_all
+from .scoring import CAPPED_METRICS, PSNR_CAP_DB, SETTING_REFERENCE, aggregate, reference_for, score, score_all
 from .structural import ssim_official, ssim_scipy, ssim_torch, ssim_with_map
 
 __all__ = [
     "BACKBONE_ENV",
+    "CAPPED_METRICS",
     "CACHE_ENV",
     "LPIPSWeightsError",
     "LpipsFeatureCache",
@@ -64,6 +66,7 @@ __all__ = [
     "on_8bit",
     "point_reflect",
     "psnr",
+    "psnr_registered",
     "quantize_8bit",
     "reference_for",
     "resolve_lpips_route",

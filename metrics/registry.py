@@ -12,6 +12,7 @@ from .fourier import fft2d, fft2d_clamped, fft2d_hermitian
 from .perceptual import lpips
 from .pixel import mse, psnr, ssim
 from .quantize import SUFFIX_8BIT, quantize_8bit
+from .registered import psnr_registered
 from .structural import ssim_official
 
 #: ``(reconstruction [B,3,H,W], reference [B,3,H,W]) -> [B] float64``.
@@ -71,6 +72,8 @@ _BASE: tuple[Metric, ...] = (
     # The official MJP evaluation's definitions, named apart from ours (docs/design.md, "Image metrics").
     Metric("ssim_official", ssim_official, "SSIM (official)", False),
     Metric("fft2d_clamped", fft2d_clamped, "FFT2D (clamped)", True),
+    # breaching's registered PSNR (metrics/registered.py): the PSNR after a similarity alignment
+    Metric("psnr_registered", psnr_registered, "rPSNR", False),
 )
 #: Metrics on 8-bit images (saved-PNG round trip) for the paper's five and the official variants.
 _ON_8BIT = ("mse", "fft2d", "psnr", "ssim", "lpips", "ssim_official", "fft2d_clamped")

@@ -195,6 +195,10 @@ def score(
     return rows
 
 
+#: The PSNR columns :func:`aggregate` caps at ``psnr_cap_db`` (an exact copy scores +inf).
+CAPPED_METRICS = ("psnr", "psnr_registered", "psnr_8bit")
+
+
 def aggregate(
     rows: Iterable[Mapping[str, Any]] | pd.DataFrame,
     by: Sequence[str] = ("model", "setting"),
@@ -205,7 +209,8 @@ def aggregate(
 
     Failed rows (``failed`` True) are left out of the statistics and counted in ``n_failed``;
     ``n`` counts all rows of the group. PSNR values above ``psnr_cap_db`` (identical images give
-    +inf) are replaced by the cap before averaging and counted in ``psnr_n_capped``; pass None to
+    +inf) are replaced by the cap before averaging (every column of :data:`CAPPED_METRICS`), those of
+    ``psnr`` counted in ``psnr_n_capped``; pass None to
     keep them (means may then be inf).
 
     Args:
@@ -239,10 +244,12 @@ def aggregate(
     if not by:
         df["_all"] = "all"
     capped = pd.Series(False, index=df.index)
-    if "psnr" in metrics and psnr_cap_db is not None:
-        values = pd.to_numeric(df["psnr"], errors="coerce")
-        capped = (values > psnr_cap_db) & ~failed
-        df["psnr"] = values.where(~capped, psnr_cap_db)
+    if psnr_cap_db is not None:
+        for m in (m for m in CAPPED_METRICS if m in metrics):
+            values = pd.to_numeric(df[m], errors="coerce")
+            over = (values > psnr_cap_db) & ~failed
+            df[m] = values.where(~over, psnr_cap_db)
+            capped = over if m == "psnr" else capped
     df["_capped"] = capped
 
     groups = df.groupby(keys, dropna=False, sort=True)

@@ -15,7 +15,7 @@ trunk="$prefix/share/fedmjp/lpips/alexnet_features.pth"
 want="$(cat pyproject.toml constraints.txt | sha256sum | cut -c1-16) $(pwd)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -f "$trunk" ] \
    && $PY -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in
-      ('fedmjp', 'torch', 'torchvision', 'timm', 'flwr', 'breaching', 'lpips', 'skimage', 'pandas', 'opacus', 'pytest', 'pytest_timeout', 'xdist', 'importlinter', 'mypy', 'sklearn', 'umap', 'imagecorruptions', 'cachetools')))" 2>/dev/null; then
+      ('fedmjp', 'torch', 'torchvision', 'timm', 'flwr', 'breaching', 'lpips', 'kornia', 'skimage', 'pandas', 'opacus', 'pytest', 'pytest_timeout', 'xdist', 'importlinter', 'mypy', 'sklearn', 'umap', 'imagecorruptions', 'cachetools')))" 2>/dev/null; then
   echo "fedmjp: dependencies already installed (delete $stamp to force a reinstall)"
   exit 0
 fi
