@@ -44,6 +44,10 @@ RPSNR_HEADER = f"{metrics.PAPER_COLUMN_LABELS['psnr_registered']}"
 RPSNR_NOTE = ("rPSNR: breaching's registered PSNR, the PSNR after a similarity alignment of the reconstruction "
               "to its image (kornia's ImageRegistrator; docs/metrics.md), at least the PSNR: the score that does "
               "not punish a shifted, rotated or rescaled read.")
+#: The network behind the LPIPS column (metrics/perceptual.py), named as suites compare it.
+LPIPS_NOTE = ("LPIPS: the `lpips` package's AlexNet trunk with its v0.1 linear heads (`lpips.LPIPS(net=\"alex\")`, "
+              "as breaching builds it); images below 64 px are upsampled to 64 px first, which breaching does not do, "
+              "so at 32 px the two suites' LPIPS differ (docs/metrics.md).")
 #: Headers of the identifiability columns (benchmark.scoring.IIP_COLUMNS), the chance level beside.
 IIP_HEADERS = {"iip_pixel": "IIP ↓ (chance)", "iip_lpips": "IIP-LPIPS ↓ (chance)"}
 IIP_NOTE = ("IIP: image identifiability precision (Yin et al. 2021, as breaching computes it): the share of "
@@ -168,6 +172,8 @@ def write_tables(run: RunFolder) -> Tables:
     lpips_notes = sorted({str(r["lpips_note"]) for r in rows if r.get("lpips_note")})
     if lpips_notes:  # the run went on without LPIPS weights: say why the column is empty
         md += "\n\n" + "\n".join(f"{n}." if not n.endswith(".") else n for n in lpips_notes)
+    elif "lpips_mean" in tables.full.columns and tables.full["lpips_mean"].notna().any():
+        md += "\n\n" + LPIPS_NOTE
     notes = failure_notes(rows)
     if notes:
         md += "\n\nFailed rows (left out of the means):\n" + "\n".join(f"- {n}" for n in notes)

@@ -118,6 +118,7 @@ def test_strongest_row_is_the_per_image_maximum(run_folder: Path) -> None:
     md = (run_folder / "table.md").read_text()
     assert "| strongest" in md and "Winners" in md and "highest PSNR against the ground" in md
     assert "PSNR max" in md and "most-leaked image" in md
+    assert "AlexNet trunk with its v0.1 linear heads" in md  # the LPIPS net, named
     table = pd.read_csv(run_folder / "table.csv")
     assert "strongest" in table["Attack"].tolist()
     # the paper table's PSNR max is table_full's psnr_worst, row for row
