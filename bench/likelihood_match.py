@@ -67,6 +67,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--iterations", type=int, default=12, help="Gauss-Newton iterations at most")
     p.add_argument("--cg-iterations", type=int, default=60, help="conjugate-gradient iterations per trial step")
     p.add_argument("--rounding", choices=("gaussian", "cells"), default="gaussian")
+    p.add_argument("--start", choices=("april_robust", "invertinggradients_batched", "mean"), default="april_robust",
+                   help="likelihood_match's start (the baseline printed beside it)")
+    p.add_argument("--start-options", default=None,
+                   help="the start attacker's options in YAML, e.g. '{defence_model: true, iterations: 300}'")
     args = p.parse_args(argv)
     for flag in ("num_images", "iterations", "cg_iterations"):
         if getattr(args, flag) < 1:
@@ -78,6 +82,13 @@ def main(argv: list[str] | None = None) -> None:
                                 {"name": "quantize", "bits": args.bits})
     except (yaml.YAMLError, ValueError) as err:
         p.error(f"--defence {args.defence!r}: {err}")
+    try:
+        start_options = yaml.safe_load(args.start_options) if args.start_options else {}
+        if not isinstance(start_options, dict):
+            raise ValueError("give a mapping")
+        attacks.create_attack("likelihood_match", start=args.start, start_options=start_options)
+    except (yaml.YAMLError, ValueError) as err:
+        p.error(f"--start-options {args.start_options!r}: {err}")
     if spec.name == "none" or not spec.observation().perturbs:
         p.error(f"--defence {args.defence!r}: give a defence that changes the update (quantize, prune, local_dp)")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -88,9 +99,9 @@ def main(argv: list[str] | None = None) -> None:
     model = model.eval().double()
     mean = torch.tensor(model.default_cfg["mean"]).double()
     std = torch.tensor(model.default_cfg["std"]).double()
-    robust = attacks.create_attack("april_robust")
+    robust = attacks.create_attack(args.start, **start_options) if args.start != "mean" else None
     lm = attacks.create_attack("likelihood_match", iterations=args.iterations, cg_iterations=args.cg_iterations,
-                               rounding=args.rounding)
+                               rounding=args.rounding, start=args.start, start_options=start_options)
     rows = []
     for i in range(len(ims)):
         x, y = ims.images[i:i + 1].double(), ims.labels[i:i + 1]
@@ -98,7 +109,8 @@ def main(argv: list[str] | None = None) -> None:
         clean = attacks.compute_update(model, meta.normalize(x), y)
         q = apply_update_defence(clean, spec, torch.Generator().manual_seed(i))
         t0 = time.perf_counter()
-        start = robust.reconstruct(model, q, meta)
+        start = (robust.reconstruct(model, q, meta) if robust is not None else
+                 attacks.AttackResult(meta.denormalize(torch.zeros(1, 3, 32, 32, dtype=torch.float64)), [{}]))
         t_start = time.perf_counter() - t0
         got = lm.reconstruct(model, q, meta)
         if start.failed or got.failed:
@@ -107,16 +119,16 @@ def main(argv: list[str] | None = None) -> None:
         st = got.stats[0]
         row = dict(i=i, start=psnr(start.images, x), lm=psnr(got.images, x), residual=st["residual_end"],
                    truth=truth_residual(model, q, meta, x, args.rounding), its=st["iterations"],
-                   t_start=t_start, t_lm=st["time_s"], cos=cosine_similarity(q, clean))
+                   t_start=t_start, t_lm=st["time_s"], cos=cosine_similarity(q, clean), name=args.start)
         rows.append(row)
-        _logger.info("image %(i)d: april_robust %(start).2f dB (%(t_start).1f s); likelihood_match %(lm).2f dB "
+        _logger.info("image %(i)d: %(name)s %(start).2f dB (%(t_start).1f s); likelihood_match %(lm).2f dB "
                      "after %(its)d iterations (%(t_lm).0f s), residual %(residual).3e against the true "
                      "image's %(truth).3e; the update's cosine to the clean one %(cos).4f", row)
     if rows:
         med = {k: statistics.median(r[k] for r in rows) for k in ("start", "lm", "t_start", "t_lm")}
-        _logger.info("median of %d images, %s, %s rounding: april_robust %.2f dB, likelihood_match %.2f dB "
-                     "(%+.2f dB), time ratio likelihood_match / april_robust %.0fx", len(rows), defence_label(spec),
-                     args.rounding, med["start"], med["lm"], med["lm"] - med["start"],
+        _logger.info("median of %d images, %s, %s rounding: %s %.2f dB, likelihood_match %.2f dB "
+                     "(%+.2f dB), time ratio likelihood_match / %s %.0fx", len(rows), defence_label(spec),
+                     args.rounding, args.start, med["start"], med["lm"], med["lm"] - med["start"], args.start,
                      med["t_lm"] / max(med["t_start"], 1e-9))
 
 

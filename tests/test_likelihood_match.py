@@ -99,3 +99,9 @@ def test_likelihood_match_refuses_a_shuffled_mjp_update() -> None:
 def test_bad_start_options_fail_when_built() -> None:
     with pytest.raises(ValueError, match="start_options"):
         attacks.create_attack("likelihood_match", start_options={"nonsense": 1})
+    # checked against the start attacker they go to
+    with pytest.raises(ValueError, match="invertinggradients_batched's.*nonsense"):
+        attacks.create_attack("likelihood_match", start="invertinggradients_batched", start_options={"nonsense": 1})
+    attacks.create_attack("likelihood_match", start="invertinggradients_batched", start_options={"defence_model": True})
+    with pytest.raises(ValueError, match="start is 'mean'"):
+        attacks.create_attack("likelihood_match", start="mean", start_options={"iterations": 3})

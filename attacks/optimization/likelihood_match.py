@@ -91,7 +91,7 @@ def defence_residual(work: nn.Module, grads, meta: AttackMetadata, labels: torch
 
 @register_attack("likelihood_match")
 class LikelihoodMatch(Attack):
-    """Levenberg-Marquardt on the whole update's defence likelihood from ``april_robust``'s read
+    """Levenberg-Marquardt on the whole update's defence likelihood from another attacker's read
     (see the module docstring).
 
     Args:
@@ -99,9 +99,12 @@ class LikelihoodMatch(Attack):
         cg_iterations, cg_tol: conjugate-gradient iterations per trial step and their relative tolerance.
         rounding: the quantiser's observation model: ``gaussian`` (rounding error as noise of std
             step / sqrt 12) or ``cells`` (the distance outside each entry's cell).
-        start: ``april_robust`` (its read with the same metadata; the mean image where it fails,
-            noted) or ``mean`` (the normalisation mean colour).
-        start_options: options of ``april_robust`` (checked when this attack is built).
+        start: the attacker whose read is the start, with the same metadata (one of two:
+            ``april_robust``'s closed form, or ``invertinggradients_batched``, first-order matching
+            through the defence, for updates where the closed form's first-layer signal is gone,
+            as after pruning); the mean image where it fails, noted; or ``mean`` (the normalisation
+            mean colour).
+        start_options: options of the start's attacker (checked when this attack is built).
         label_strategy: when labels are not granted: ``bias`` or ``idlg`` (:func:`recover_labels`).
         device: ``cpu``, ``cuda``, ``cuda:N`` or ``auto``; the benchmark passes the run's ``--device``.
     """
@@ -117,7 +120,7 @@ class LikelihoodMatch(Attack):
         cg_iterations: Int = option(60, ge=1)
         cg_tol: Float = option(1e-6, gt=0.0, lt=1.0)
         rounding: Literal["gaussian", "cells"] = "gaussian"
-        start: Literal["april_robust", "mean"] = "april_robust"
+        start: Literal["april_robust", "invertinggradients_batched", "mean"] = "april_robust"
         start_options: dict[str, Any] = Field(default_factory=dict)
         label_strategy: Literal["bias", "idlg"] = "bias"
         device: str = "cpu"
@@ -129,10 +132,12 @@ class LikelihoodMatch(Attack):
         self.iterations, self.cg_iterations, self.cg_tol = o.iterations, o.cg_iterations, o.cg_tol
         self.rounding, self.start, self.label_strategy = o.rounding, o.start, o.label_strategy
         self.device = resolve_device(o.device)
+        if o.start == "mean" and o.start_options:
+            raise ValueError("likelihood_match: start_options are given but start is 'mean' (no attacker to pass them to)")
         try:
-            self.start_options = dict(attack_options("april_robust", dict(o.start_options)))
+            self.start_options = dict(attack_options(o.start, dict(o.start_options))) if o.start != "mean" else {}
         except ValueError as err:
-            raise ValueError(f"likelihood_match: start_options (april_robust's): {err}") from None
+            raise ValueError(f"likelihood_match: start_options ({o.start}'s): {err}") from None
 
     def _reconstruct(self, model: nn.Module, update: Update, meta: AttackMetadata) -> AttackResult:
         t0 = time.perf_counter()
@@ -181,13 +186,13 @@ class LikelihoodMatch(Attack):
         from ..api.registry import create_attack
 
         t0 = time.perf_counter()
-        if self.start == "april_robust":
-            got = create_attack("april_robust", **{"device": str(self.device), **self.start_options}).reconstruct(
+        if self.start != "mean":
+            got = create_attack(self.start, **{"device": str(self.device), **self.start_options}).reconstruct(
                 model, update, meta)
             if not got.failed and not any(got.failed_images):
-                notes.append("start: april_robust")
+                notes.append(f"start: {self.start}")
                 return meta.normalize(got.images.to(self.device, _DT)).reshape(-1), time.perf_counter() - t0
-            notes.append(f"start: april_robust failed ({got.reason}); the mean image")
+            notes.append(f"start: {self.start} failed ({got.reason}); the mean image")
         else:
             notes.append("start: the mean image")
         # the normalisation mean colour is zero in model-input units
