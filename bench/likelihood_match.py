@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounding", choices=("gaussian", "cells"), default="gaussian")
     p.add_argument("--start", choices=("april_robust", "invertinggradients_batched", "mean"), default="april_robust",
                    help="likelihood_match's start (the baseline printed beside it)")
+    p.add_argument("--prior", choices=("none", "gaussian"), default="none",
+                   help="likelihood_match's prior (gaussian: the shipped CIFAR-10 patch prior, a MAP fit)")
+    p.add_argument("--prior-weight", type=float, default=None, help="the prior's weight (default 1 / p^2)")
     p.add_argument("--start-options", default=None,
                    help="the start attacker's options in YAML, e.g. '{defence_model: true, iterations: 300}'")
     args = p.parse_args(argv)
@@ -89,6 +92,8 @@ def main(argv: list[str] | None = None) -> None:
         attacks.create_attack("likelihood_match", start=args.start, start_options=start_options)
     except (yaml.YAMLError, ValueError) as err:
         p.error(f"--start-options {args.start_options!r}: {err}")
+    if args.prior_weight is not None and not (args.prior == "gaussian" and args.prior_weight > 0):
+        p.error(f"--prior-weight {args.prior_weight}: give a weight > 0 with --prior gaussian")
     if spec.name == "none" or not spec.observation().perturbs:
         p.error(f"--defence {args.defence!r}: give a defence that changes the update (quantize, prune, local_dp)")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -101,7 +106,8 @@ def main(argv: list[str] | None = None) -> None:
     std = torch.tensor(model.default_cfg["std"]).double()
     robust = attacks.create_attack(args.start, **start_options) if args.start != "mean" else None
     lm = attacks.create_attack("likelihood_match", iterations=args.iterations, cg_iterations=args.cg_iterations,
-                               rounding=args.rounding, start=args.start, start_options=start_options)
+                               rounding=args.rounding, start=args.start, start_options=start_options,
+                               prior=args.prior, **({"prior_weight": args.prior_weight} if args.prior_weight else {}))
     rows = []
     for i in range(len(ims)):
         x, y = ims.images[i:i + 1].double(), ims.labels[i:i + 1]

@@ -105,3 +105,26 @@ def test_bad_start_options_fail_when_built() -> None:
     attacks.create_attack("likelihood_match", start="invertinggradients_batched", start_options={"defence_model": True})
     with pytest.raises(ValueError, match="start is 'mean'"):
         attacks.create_attack("likelihood_match", start="mean", start_options={"iterations": 3})
+
+
+def test_the_prior_rows_are_the_patch_priors_energy() -> None:
+    """The MAP variant's prior rows: their sum of squares is the weight times the Gaussian patch
+    prior's own energy (PatchPriorTerm, the quadratic april_robust uses) on a real photograph."""
+    from types import SimpleNamespace
+
+    from attacks.closed_form.priors import load_patch_prior
+    from attacks.closed_form.robust_terms import PatchPriorTerm
+    from attacks.optimization.likelihood_match import patch_prior_residual
+
+    prior = load_patch_prior()
+    x = bundled_images(1, 32).double()
+    meta = attacks.AttackMetadata(1, (3, 32, 32), MEAN.double(), STD.double(), torch.tensor([0]))
+    theta = meta.normalize(x)
+    rows = patch_prior_residual(prior, meta.mean, meta.std, (1, 3, 32, 32), 0.25)(theta.reshape(-1))
+    term = PatchPriorTerm(prior, meta, SimpleNamespace(channels=3, grid=(8, 8)), torch.device("cpu"))
+    energy, _ = term.energy(theta)
+    assert float(rows.pow(2).sum()) == pytest.approx(0.25 * energy, rel=1e-10)
+    with pytest.raises(ValueError, match="prior is 'none'"):
+        attacks.create_attack("likelihood_match", prior_weight=0.1)
+    with pytest.raises(ValueError):
+        attacks.create_attack("likelihood_match", prior="gaussian", prior_path="/nonexistent/prior.npz")

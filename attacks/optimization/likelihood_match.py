@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
 import torch
 import torch.nn as nn
@@ -77,6 +77,26 @@ def update_residual(work: nn.Module, names: Sequence[str], terms: MatchTerms, la
     return fun
 
 
+def patch_prior_residual(prior, mean: torch.Tensor, std: torch.Tensor, shape: tuple[int, ...], weight: float
+                         ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """theta (a flat normalised image) -> the Gaussian patch prior as least-squares rows:
+    sqrt(weight) L^T (u_p - mu) for every p x p patch u_p of the image in [0, 1] at every offset,
+    L L^T the prior's precision, so that the rows' sum of squares is ``weight`` times the prior's
+    energy (:class:`attacks.closed_form.robust_terms.PatchPriorTerm`, the same quadratic)."""
+    p = prior.patch
+    chol = torch.linalg.cholesky(torch.from_numpy(prior.precision).to(std.device, _DT))
+    mu = torch.from_numpy(prior.mean).to(std.device, _DT)[:, None]
+    m = mean.to(std.device, _DT).view(1, -1, 1, 1)
+    s = std.to(std.device, _DT).view(1, -1, 1, 1)
+    root = math.sqrt(weight)
+
+    def fun(theta: torch.Tensor) -> torch.Tensor:
+        u = theta.view(shape) * s + m
+        return (root * (chol.T @ (F.unfold(u, p)[0] - mu))).reshape(-1)
+
+    return fun
+
+
 def defence_residual(work: nn.Module, grads, meta: AttackMetadata, labels: torch.Tensor, rounding: str = "gaussian"
                      ) -> tuple[Callable[[torch.Tensor], torch.Tensor], MatchTerms, list[str]]:
     """(theta -> residual, its terms, notes): :func:`update_residual` of every parameter the forward
@@ -105,6 +125,13 @@ class LikelihoodMatch(Attack):
             as after pruning); the mean image where it fails, noted; or ``mean`` (the normalisation
             mean colour).
         start_options: options of the start's attacker (checked when this attack is built).
+        prior: ``none`` (the likelihood alone: its maximum) or ``gaussian``: the learned Gaussian
+            patch prior (``prior_path``, default the shipped CIFAR-10 4 x 4 one) added as
+            least-squares rows (:func:`patch_prior_residual`): a MAP fit, where the data stop
+            telling images apart (a residual at the noise level) the prior decides.
+        prior_weight: the prior's weight; default 1 / p^2 (every pixel lies in p^2 patches at
+            stride 1: the prior counts each pixel once).
+        prior_path: a prior file (``python -m attacks.closed_form.priors``).
         label_strategy: when labels are not granted: ``bias`` or ``idlg`` (:func:`recover_labels`).
         device: ``cpu``, ``cuda``, ``cuda:N`` or ``auto``; the benchmark passes the run's ``--device``.
     """
@@ -122,6 +149,9 @@ class LikelihoodMatch(Attack):
         rounding: Literal["gaussian", "cells"] = "gaussian"
         start: Literal["april_robust", "invertinggradients_batched", "mean"] = "april_robust"
         start_options: dict[str, Any] = Field(default_factory=dict)
+        prior: Literal["none", "gaussian"] = "none"
+        prior_weight: Optional[Float] = option(None, gt=0.0)
+        prior_path: Optional[str] = None
         label_strategy: Literal["bias", "idlg"] = "bias"
         device: str = "cpu"
 
@@ -132,6 +162,13 @@ class LikelihoodMatch(Attack):
         self.iterations, self.cg_iterations, self.cg_tol = o.iterations, o.cg_iterations, o.cg_tol
         self.rounding, self.start, self.label_strategy = o.rounding, o.start, o.label_strategy
         self.device = resolve_device(o.device)
+        self.patch_prior, self.prior_weight = None, o.prior_weight
+        if o.prior == "gaussian":
+            from ..closed_form.priors import load_patch_prior
+
+            self.patch_prior = load_patch_prior(o.prior_path)  # PriorError (a ValueError) names a bad file
+        elif o.prior_weight is not None or o.prior_path is not None:
+            raise ValueError("likelihood_match: prior_weight / prior_path are given but prior is 'none'")
         if o.start == "mean" and o.start_options:
             raise ValueError("likelihood_match: start_options are given but start is 'mean' (no attacker to pass them to)")
         try:
@@ -157,15 +194,30 @@ class LikelihoodMatch(Attack):
         if terms.kind == "bins":
             notes.append(f"rounding model: {self.rounding}")
         theta0, start_time = self._start(model, update, meta, notes)
+        data_fun, weight = fun, 0.0
+        if self.patch_prior is not None:
+            pp = self.patch_prior
+            if pp.channels != size[0]:
+                raise AttackFailure(f"the patch prior {pp.path} is for {pp.channels}-channel images, these have {size[0]}")
+            weight = self.prior_weight if self.prior_weight is not None else 1.0 / pp.patch ** 2
+            prior_fun = patch_prior_residual(pp, meta.mean, meta.std.to(self.device), (1, *size), weight)
+            notes.append(f"prior: Gaussian over every {pp.patch} x {pp.patch} patch ({pp.source}), weight {weight:.4g}")
+            if size[1] != pp.image_size:
+                notes.append(f"the patch prior was learned on {pp.image_size} px images, these are {size[1]} px")
+
+            def fun(theta: torch.Tensor) -> torch.Tensor:
+                return torch.cat([data_fun(theta), prior_fun(theta)])
         with torch.no_grad():
-            r0 = float(fun(theta0).pow(2).sum())
+            r0 = float(data_fun(theta0).pow(2).sum())
         res = matrix_free_lm(fun, theta0, max_iterations=self.iterations, sketch_rows=0,
                              cg_iterations=self.cg_iterations, cg_tol=self.cg_tol)
         lo, hi = meta.box(_DT, self.device)
         x = torch.max(torch.min(res.theta.view(1, *size), hi), lo)
         with torch.no_grad():
             r1 = float(fun(x.reshape(-1)).pow(2).sum())
-        stats = dict(objective=r1, iterations=int(res.jacobians), residual_start=r0, residual_end=r1,
+            data1 = float(data_fun(x.reshape(-1)).pow(2).sum())
+        stats = dict(objective=r1, iterations=int(res.jacobians), residual_start=r0, residual_end=data1,
+                     prior_weight=weight,
                      entries=int(sum(t.shape[1] for t in terms.flat)), start=self.start,
                      start_time_s=start_time, time_s=time.perf_counter() - t0, notes=notes)
         return AttackResult(meta.denormalize(x), [stats], labels=y.cpu())
