@@ -6,7 +6,8 @@ read the image, yet scores a low plain PSNR; rPSNR is the score that does not pu
 definition is breaching's, so that numbers compare across suites: kornia's ``ImageRegistrator``
 with a ``"similarity"`` model (rotation, isotropic scale, translation), 2,500 iterations at most
 per pyramid level, the reconstruction warped into the reference's frame by a ``HomographyWarper``
-with reflection padding; the value is the larger of the registered and the plain PSNR.
+with reflection padding, on kornia's default 5-level pyramid (fewer for images below 16 px, which
+it cannot halve that often); the value is the larger of the registered and the plain PSNR.
 
 One difference, on purpose: breaching scores each warped image against the whole reference batch
 (``((warped_img - ref_batch) ** 2).mean()``), so its value for a batch of several images mixes
@@ -19,6 +20,7 @@ implementation breaching calls.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -28,6 +30,17 @@ from ._validate import check_pair
 #: iterations of its optimiser per pyramid level.
 REGISTRATION_MODEL = "similarity"
 REGISTRATION_ITERATIONS = 2500
+
+
+#: kornia's (and so breaching's) number of pyramid levels, kept wherever the image allows it.
+PYRAMID_LEVELS = 5
+
+
+def pyramid_levels(side: int) -> int:
+    """Pyramid levels for an image whose shorter side is ``side``: breaching's 5 from 16 px on,
+    fewer below (kornia's pyramid pads each level by 2 pixels before halving it, which a 2 px
+    level cannot take)."""
+    return max(1, min(PYRAMID_LEVELS, int(math.floor(math.log2(max(side, 1))))))
 
 
 def _psnr(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -55,7 +68,8 @@ def psnr_registered(reconstruction: torch.Tensor, reference: torch.Tensor) -> to
             if plain == float("inf"):
                 out[i] = plain
                 continue
-            registrator = ImageRegistrator(REGISTRATION_MODEL, num_iterations=REGISTRATION_ITERATIONS)
+            registrator = ImageRegistrator(REGISTRATION_MODEL, num_iterations=REGISTRATION_ITERATIONS,
+                                           pyramid_levels=pyramid_levels(min(img.shape[-2:])))
             # kornia annotates the warper as a class; it only calls it, and a partial is how breaching sets it
             registrator.warper = functools.partial(HomographyWarper, padding_mode="reflection")  # type: ignore[assignment]
             registrator.register(img, ref)

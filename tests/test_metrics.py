@@ -287,7 +287,8 @@ def test_range_tolerance_accepted() -> None:
 
 
 def test_registry() -> None:
-    base = {"mse", "psnr", "ssim", "fft2d", "fft2d_hermitian", "lpips", "ssim_official", "fft2d_clamped"}
+    base = {"mse", "psnr", "ssim", "fft2d", "fft2d_hermitian", "lpips", "ssim_official", "fft2d_clamped",
+            "psnr_registered"}
     eight = {f"{m}_8bit" for m in ("mse", "fft2d", "psnr", "ssim", "lpips", "ssim_official", "fft2d_clamped")}
     assert set(M.METRICS) == base | eight
     assert M.get_metric("ssim").fn is M.ssim

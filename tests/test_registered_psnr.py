@@ -46,3 +46,10 @@ def test_registered_psnr_is_scored_by_name(photos: torch.Tensor) -> None:
     assert all(r["psnr_registered"] >= r["psnr"] for r in rows)
     with pytest.raises(ValueError, match="shape"):
         metrics.psnr_registered(photos[:1], photos[:2])
+
+
+@pytest.mark.parametrize("side", [1, 3, 8])
+def test_images_too_small_for_five_pyramid_levels_are_scored(photos: torch.Tensor, side: int) -> None:
+    small = torch.nn.functional.interpolate(photos[:1], size=(side, side), mode="area")
+    rec = (small + 0.05).clamp(0, 1)
+    assert float(metrics.psnr_registered(rec, small)[0]) >= float(metrics.psnr(rec, small)[0]) - 1e-9
