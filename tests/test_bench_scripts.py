@@ -42,6 +42,8 @@ SMALLEST: dict[str, list[str]] = {
     "metrics_throughput": ["--data", "{data}", "--backbone", "{lpips}", "--pairs", "2", "--unique", "1",
                            "--size", "32", "--threads", "1", "--lpips-batch", "2", "--repeats", "1",
                            "--warmup", "1"],
+    "defence_curves": ["--images", "embedded", "--num-images", "1", "--bits", "8", "--keep", "0.1", "--sigma", "1e-4",
+                       "--plot", "{tmp}/curves.png"],
     "likelihood_match": ["--images", "embedded", "--num-images", "1", "--iterations", "1", "--cg-iterations", "2"],
     "jigsaw_bound": ["--images", "embedded", "--num-images", "1", "--costs", "l2"],
     "mjp_adaptive_strength": ["--num-images", "1", "--weights", "fresh", "--depth", "1", "--attacks", "april"],
