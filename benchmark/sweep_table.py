@@ -15,7 +15,7 @@ import pandas as pd
 from .sweep_points import point_label
 
 #: the metric columns of sweep.csv (each also plotted against the grid point: ``sweep_<metric>.png``)
-SWEEP_METRICS = ("psnr", "psnr_registered", "ssim", "mse", "lpips", "fft2d", "correct", "defence_cos", "dp_epsilon", "utility_top1",
+SWEEP_METRICS = ("psnr", "psnr_registered", "iip_pixel", "ssim", "mse", "lpips", "fft2d", "correct", "defence_cos", "dp_epsilon", "utility_top1",
                  "utility_top1_start")
 #: metrics whose most-leaked image sweep.csv also holds (``<metric>_worst``)
 WORST_METRICS = ("psnr", "ssim", "lpips")
