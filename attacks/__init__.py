@@ -15,7 +15,7 @@ Names: see :func:`attack_names`. No Flower import here: attacks run without a si
 from .api.base import Attack, AttackFailure, AttackMetadata, AttackOptions, AttackResult, update_to_gradients
 from .api.estimates import EstimateStore
 from .api.registry import attack_names, create_attack, register_attack
-from .api.updates import compute_per_sample_updates, compute_update
+from .api.updates import compute_per_sample_updates, compute_update, defended_update
 from .closed_form.first_layer import AprilConditionError, check_conditions
 from .closed_form.april import AprilAnalytic
 from .optimization.breaching_adapter import BREACHING_ATTACKS, BreachingAttack, load_attack_config
@@ -35,6 +35,6 @@ from .closed_form.labels import LabelCounts, recover_label_counts, recover_label
 __all__ = [
     "BREACHING_ATTACKS", "AprilAnalytic", "AprilConditionError", "AprilOptimization", "Attack", "AttackFailure",
     "AttackMetadata", "AttackOptions", "AttackResult", "BatchMatch", "Block0Roots", "BreachingAttack", "EstimateStore", "LabelCounts", "GradientMatching", "InvertingGradientsBatched", "InvertingGradientsClosedStart", "LikelihoodMatch", "MJPAdaptive",
-    "attack_names", "check_conditions", "compute_per_sample_updates", "compute_update", "create_attack", "detect_shuffled",
+    "attack_names", "check_conditions", "compute_per_sample_updates", "compute_update", "create_attack", "defended_update", "detect_shuffled",
     "load_attack_config", "mjp_reduction", "recover_label_counts", "recover_labels", "register_attack", "solve_jigsaw", "update_to_gradients",
 ]

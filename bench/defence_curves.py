@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 import attacks  # noqa: E402
 from benchmark.scoring import flat_psnr  # noqa: E402
 from defences.spec import validate_defence  # noqa: E402
-from defences.transforms import apply_update_defence, cosine_similarity  # noqa: E402
+from defences.transforms import cosine_similarity  # noqa: E402
 from fedmjp.data import load_images  # noqa: E402
 from fedmjp.factory import build_model  # noqa: E402
 
@@ -72,8 +72,7 @@ def curves(model, ims, attack, points: dict[str, list]) -> list[dict]:
             for i in range(len(ims)):
                 x, y = ims.images[i:i + 1].double(), ims.labels[i:i + 1]
                 meta = attacks.AttackMetadata(1, (3, 32, 32), mean, std, y, defence=spec)
-                clean = attacks.compute_update(model, meta.normalize(x), y)
-                sent = apply_update_defence(clean, spec, torch.Generator().manual_seed(i))
+                clean, sent = attacks.defended_update(model, meta, x, y, i)
                 t0 = time.perf_counter()
                 res = attack.reconstruct(model, sent, meta)
                 secs.append(time.perf_counter() - t0)

@@ -38,7 +38,7 @@ import fedmjp  # noqa: E402,F401  (registers the models)
 from attacks.optimization.breaching_adapter import attack_copy  # noqa: E402
 from attacks.optimization.likelihood_match import defence_residual  # noqa: E402
 from defences.spec import defence_label, validate_defence  # noqa: E402
-from defences.transforms import apply_update_defence, cosine_similarity  # noqa: E402
+from defences.transforms import cosine_similarity  # noqa: E402
 from fedmjp.checkpoint import load_checkpoint  # noqa: E402
 from fedmjp.data import load_images  # noqa: E402
 
@@ -112,8 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     for i in range(len(ims)):
         x, y = ims.images[i:i + 1].double(), ims.labels[i:i + 1]
         meta = attacks.AttackMetadata(1, (3, 32, 32), mean, std, y, defence=spec)
-        clean = attacks.compute_update(model, meta.normalize(x), y)
-        q = apply_update_defence(clean, spec, torch.Generator().manual_seed(i))
+        clean, q = attacks.defended_update(model, meta, x, y, i)
         t0 = time.perf_counter()
         start = (robust.reconstruct(model, q, meta) if robust is not None else
                  attacks.AttackResult(meta.denormalize(torch.zeros(1, 3, 32, 32, dtype=torch.float64)), [{}]))

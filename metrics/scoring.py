@@ -256,13 +256,14 @@ def aggregate(
     table = pd.DataFrame({"n": groups.size(), "n_failed": groups["failed"].sum().astype(int)})
     ok = df[~failed]
     if len(metrics):
-        stats = ok.groupby(keys, dropna=False, sort=True)[list(metrics)].agg(["mean", "std", "count"])
+        by_group = ok.groupby(keys, dropna=False, sort=True)
+        stats = by_group[list(metrics)].agg(["mean", "std", "count"])
         stats.columns = [f"{m}_{s}" for m, s in stats.columns]
         table = table.join(stats, how="left")
         for m in metrics:
             table[f"{m}_count"] = table[f"{m}_count"].fillna(0).astype(int)
         for m in (m for m in metrics if m in METRICS):
-            table[f"{m}_worst"] = ok.groupby(keys, dropna=False, sort=True)[m].agg(METRICS[m].most_leaked)
+            table[f"{m}_worst"] = by_group[m].agg(METRICS[m].most_leaked)
     if "psnr" in metrics and psnr_cap_db is not None:
         table["psnr_n_capped"] = groups["_capped"].sum().astype(int)
     table = table.reset_index()

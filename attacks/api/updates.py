@@ -68,3 +68,15 @@ def compute_per_sample_updates(model: nn.Module, images_normalized: torch.Tensor
     batched = vmap(grad(loss_one), in_dims=in_dims)(params, images_normalized, labels, unk_mask)
     B = images_normalized.shape[0]
     return [{n: g[i].detach().clone() for n, g in batched.items()} for i in range(B)]
+
+
+def defended_update(model: nn.Module, meta, images: torch.Tensor, labels: torch.Tensor,
+                    seed: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """``(clean, sent)``: the FedSGD update of ``images`` (in [0, 1]; normalised with ``meta``) and
+    that update as a client sends it under ``meta.defence``
+    (:func:`defences.transforms.apply_update_defence`, its generator seeded by ``seed``; an unchanged
+    copy where the metadata names no defence)."""
+    from defences.transforms import apply_update_defence
+
+    clean = compute_update(model, meta.normalize(images), labels)
+    return clean, apply_update_defence(clean, meta.defence, torch.Generator().manual_seed(seed))
