@@ -61,11 +61,14 @@ def test_the_grace_bounds_the_wait() -> None:
 
     from fedmjp.threads import running, start_daemon, wait_for_daemons
 
+    # Other tests in this process may leave daemon threads of their own (a client hung past its
+    # round timeout), so only this test's thread is asserted on.
     stop = threading.Event()
-    start_daemon(stop.wait, "waits", 30.0)
+    thread = start_daemon(stop.wait, "waits", 30.0)
     t0 = time.monotonic()
     left = wait_for_daemons(0.5)
     waited = time.monotonic() - t0
     stop.set()
-    assert 0.45 < waited < 5.0 and left  # waited for the grace, then gave up on the thread
-    assert wait_for_daemons(5.0) == [] and running() == []  # a thread that ends is waited for
+    assert 0.45 < waited < 5.0 and thread in left  # waited for the grace, then gave up on the thread
+    thread.join(5.0)
+    assert not thread.is_alive() and thread not in running()  # a thread that ends leaves the list
