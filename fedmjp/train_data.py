@@ -52,7 +52,7 @@ def build_transform(cfg: TrainConfig, is_train: bool) -> transforms.Compose:
             input_size=cfg.img_size, is_training=True,
             color_jitter=cfg.color_jitter if cfg.color_jitter > 0 else None,
             auto_augment=cfg.auto_augment or None, interpolation=cfg.interpolation,
-            re_prob=cfg.reprob, re_mode=cfg.remode, re_count=1,
+            scale=(cfg.crop_min, 1.0), re_prob=cfg.reprob, re_mode=cfg.remode, re_count=1,
         )
         if small:
             tf.transforms[0] = transforms.RandomCrop(cfg.img_size, padding=4)

@@ -76,6 +76,14 @@ def test_randaugment_never_posterizes_to_zero_bits():
     assert ops and all(op.level_fn(10.0, op.hparams)[0] >= 1 for op in ops)
 
 
+def test_crop_min_sets_the_random_resized_crops_smallest_area():
+    from timm.data.transforms import RandomResizedCropAndInterpolation
+
+    for crop_min in (0.08, 0.6):
+        crop = build_transform(TrainConfig(img_size=64, crop_min=crop_min), is_train=True).transforms[0]
+        assert isinstance(crop, RandomResizedCropAndInterpolation) and tuple(crop.scale) == (crop_min, 1.0)
+
+
 def test_train_few_steps_writes_checkpoint_and_metrics(tmp_path, tiny_data):
     cfg = tiny_config(tiny_data, tmp_path / "run", epochs=1, mixup=0.8, cutmix=1.0)
     result = run_training(cfg, progress=False)

@@ -63,6 +63,8 @@ BAD_VALUES = [
     (["--bogus", "3"], ["'bogus'", "valid"]),
     # trained silently before
     (["--gamma", "1.5"], ["'gamma'", "[0.0, 1.0]"]),
+    (["--crop_min", "0"], ["'crop_min'", "(0.0, 1.0]"]),
+    (["--crop_min", "1.5"], ["'crop_min'"]),
     (["--shuffle_prob", "3"], ["'shuffle_prob'"]),
     (["--num_classes", "0"], ["'num_classes'"]),
     (["--warmup_epochs", "-3"], ["'warmup_epochs'"]),
