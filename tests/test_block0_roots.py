@@ -158,6 +158,41 @@ def test_mjp_tokens_with_e_unk_give_their_patches_and_the_shuffled_set(B: int) -
     assert int((out.position == 65).sum()) == int(mask.sum())
 
 
+def test_the_closed_forms_read_warms_the_search_with_true_tokens_only() -> None:
+    """At B = 1 the patch-embedding closed form's read puts every token's fc1 input at the true one on
+    the plain model (exact read): the attack needs no round of starts. On MJP the read misses the
+    shuffled tokens' term, the starts are far off (measured median relative error ~1), and the roots
+    they converge to are still true tokens only."""
+    from attacks.structure.warm import closed_form_tokens, warm_roots
+
+    model = _deit()
+    x, xn, update, U = _update_and_tokens(model, 1, 2)
+    near = closed_form_tokens(model, update)
+    assert near is not None and float(((near - U).norm(dim=1) / U.norm(dim=1)).max()) < 1e-8
+    res = attacks.create_attack("block0_roots").reconstruct(model, update, dict(MD, num_images=1))
+    assert not res.failed, res.reason
+    assert res.stats[0]["warm_roots"] == 65 and res.stats[0]["roots_per_round"] == []
+    assert float((res.images[0] - x[0].float()).abs().max()) < 1e-5
+
+    torch.manual_seed(0)
+    mjp = timm.create_model("mjp_vit_cifar_patch4_32", variant="mjp", first_block="standard", depth=4)
+    load_checkpoint(mjp, CHECKPOINT.with_name("cifar_deit_mjp.safetensors"))
+    mjp = mjp.eval().double()
+    mask = torch.zeros(1, 64, dtype=torch.bool)
+    mask[0, torch.randperm(64, generator=torch.Generator().manual_seed(0))[:17]] = True
+    seen = {}
+    hook = mjp.blocks[0].mlp.fc1.register_forward_hook(lambda m, a, o: seen.__setitem__("u", a[0].detach()))
+    update = attacks.compute_update(mjp, xn, torch.tensor([3]), unk_mask=mask)
+    hook.remove()
+    U = seen["u"].reshape(-1, 192)
+    spans = {sp.name: sp.basis for sp in input_spans(mjp, update, 65)}
+    S1, S2 = spans["blocks.0.mlp.fc1"], spans["blocks.0.mlp.fc2"]
+    roots = warm_roots(MLPSpans(mjp.blocks[0], S1, S2), S1, closed_form_tokens(mjp, update), 60)
+    unit = lambda t: t / t.norm(dim=-1, keepdim=True)  # noqa: E731
+    assert roots.shape[0] >= 10  # measured 30-33 of 65 on three photographs
+    assert float(1 - (unit(roots) @ unit(U).T).max(1).values.min()) < 1e-12
+
+
 def test_the_attack_on_an_mjp_update_returns_x_tilde_and_the_jigsaw_arrangement(monkeypatch) -> None:
     """The attack's own path on an MJP client's update, the search replaced by the true roots (the
     search is tested above): ``images`` is x~ with every unshuffled patch exact, ``unshuffled`` the

@@ -74,6 +74,7 @@ from .placement import (DESIGN_A_POSITION_TOL, POSITION_TOL, assemble_images, as
 from .polish import SPAN_POLISH_JACOBIANS, SpanPolish, span_polish
 from .roots import RootSearch, find_roots
 from .token_roots import MLPSpans
+from .warm import closed_form_tokens, warm_roots
 
 #: fc2's span counts as completed where the fit's (k+1)-th singular value is below this: it ends at
 #: the rounding floor (2e-13) when its points are true tokens, from ~2e-4 at its start
@@ -257,6 +258,8 @@ class Block0Roots(Attack):
             attention solve reaches the truth (0: fail instead; :func:`attacks.structure.design_a.structured_tokens`).
         span_polish: design A: Levenberg-Marquardt Jacobians of the span polish of the structured
             solve's answer (0: off; :func:`attacks.structure.polish.span_polish`).
+        warm_start: at B = 1, start the search from the roots the patch-embedding closed form's read
+            leads to (:mod:`attacks.structure.warm`); False: random and steered starts alone.
         seed: seed of the starts.
     """
 
@@ -272,6 +275,7 @@ class Block0Roots(Attack):
         attention_starts: Int = option(2, ge=1, le=64)
         structured_rounds: Int = option(STRUCTURED_ROUNDS, ge=0, le=50)
         span_polish: Int = option(SPAN_POLISH_JACOBIANS, ge=0, le=100)
+        warm_start: bool = True
         seed: Int = 0
 
     def __init__(self, **options: Any) -> None:
@@ -281,6 +285,7 @@ class Block0Roots(Attack):
         self.attention_iterations, self.attention_starts = o.attention_iterations, o.attention_starts
         self.structured_rounds = o.structured_rounds
         self.span_polish = o.span_polish
+        self.warm_start = o.warm_start
 
     def _search(self, work: nn.Module, grads: Mapping[str, torch.Tensor], B: int,
                 gen: torch.Generator) -> RootSearch:
@@ -301,9 +306,16 @@ class Block0Roots(Attack):
                                 f"{got}): tokens coincide, the update is not one plain gradient, or it is "
                                 "perturbed (quantised, e.g. by SecAgg+, clipped or noised) so that its smaller "
                                 "singular values sink into the perturbation's floor")
+        found = None
+        if self.warm_start and B == 1:  # the roots the closed form's read leads to (attacks.structure.warm)
+            near = closed_form_tokens(work, grads)
+            if near is not None:
+                report(self.name, 0, self.rounds, "warm roots from the closed form's read")
+                found = warm_roots(MLPSpans(work.blocks[0], spans[fc1], spans[fc2]), spans[fc1], near,
+                                   self.iterations)
         search = find_roots(work.blocks[0], spans[fc1], spans[fc2], grads[fc1 + ".weight"].to(torch.float64),
                             grads[fc2 + ".weight"].to(torch.float64), B * T, self.starts, self.rounds,
-                            self.iterations, gen)
+                            self.iterations, gen, found=found)
         if search.roots.shape[0] != B * T:
             raise AttackFailure(f"found {search.roots.shape[0]} of the {B * T} roots of block 0's MLP after "
                                 f"{len(search.per_round)} rounds of {self.starts} starts (new per round: "
@@ -365,8 +377,8 @@ class Block0Roots(Attack):
         report(self.name, 0, self.span_polish, "span polish (Levenberg-Marquardt Jacobians)")
         polish, polish_failed = self._polish(work, grads, out)
         y, label_stats = batch_labels(model, grads, meta, self.seed)
-        notes.append(f"block 0's {search.roots.shape[0]} MLP roots found in {search.starts} starts; "
-                     "positions, images and patches solved linearly")
+        notes.append(f"block 0's {search.roots.shape[0]} MLP roots found ({search.given} from the closed form's "
+                     f"read, the rest in {search.starts} starts); positions, images and patches solved linearly")
         images = meta.denormalize(out.images)
         unshuffled = None
         shuffled = int(out.shuffled.sum())
@@ -375,7 +387,7 @@ class Block0Roots(Attack):
             unshuffled = torch.cat([unshuffle_image(images[b:b + 1], out.shuffled[b], ps)[0] for b in range(B)])
             notes.append(f"{shuffled} tokens carried E_unk: their patches are exact, their order in the "
                          "shuffled positions is the jigsaw solver's (the update does not fix it)")
-        stats = dict(roots_per_round=search.per_round, root_round_modes=search.modes, root_starts=search.starts,
+        stats = dict(warm_roots=search.given, roots_per_round=search.per_round, root_round_modes=search.modes, root_starts=search.starts,
                      position_residual_max=float(out.position_residual.max()),
                      position_runner_up_min=float(out.runner_up.min()), membership_margin=out.membership_margin,
                      estimate_cpu_s=time.process_time() - c0, time_s=(time.perf_counter() - t0) / B,

@@ -57,12 +57,14 @@ DISTINCT = 1e-11
 @dataclass
 class RootSearch:
     """Outcome of :func:`find_roots`: the distinct roots [k, D] (fc1 inputs), the starts run, the roots
-    each round added and how that round started (``"steered"`` or ``"missing"``)."""
+    each round added, how that round started (``"steered"`` or ``"missing"``) and how many roots the
+    search was given before its first round."""
 
     roots: torch.Tensor
     starts: int
     per_round: list[int]
     modes: list[str]
+    given: int = 0
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,8 @@ class RootEquations:
     fc2_grad: torch.Tensor
 
 
-def _dedupe(found: torch.Tensor, new: torch.Tensor, distinct_cos: float = 1 - DISTINCT) -> torch.Tensor:
+def dedupe(found: torch.Tensor, new: torch.Tensor, distinct_cos: float = 1 - DISTINCT) -> torch.Tensor:
+    """``found`` [k, D] with the rows of ``new`` that are no root of it yet (1 - cos above :data:`DISTINCT`) appended, in order."""
     unit = lambda t: t / t.norm(dim=-1, keepdim=True)  # noqa: E731
     keep = found
     for i in range(new.shape[0]):
@@ -170,10 +173,10 @@ def _new_roots(eq: RootEquations, found: torch.Tensor, alpha: torch.Tensor, miss
     if missing:
         good = torch.cat([good, _agreed(alpha @ basis.T, (raw >= tol) & (raw < floor_tol))])
     before = found.shape[0]
-    fresh = _dedupe(found, alpha[good[torch.argsort(raw[good])]] @ basis.T)[before:]
+    fresh = dedupe(found, alpha[good[torch.argsort(raw[good])]] @ basis.T)[before:]
     if fresh.shape[0]:
         roots, value = problem.solve(fresh @ basis, polish_iterations, settled=0.0)
-        found = _dedupe(found, roots[torch.argsort(value)] @ basis.T)
+        found = dedupe(found, roots[torch.argsort(value)] @ basis.T)
     return found
 
 
@@ -195,10 +198,13 @@ def find_roots(block: nn.Module, fc1_basis: torch.Tensor, fc2_basis: torch.Tenso
     eq = RootEquations(MLPSpans(block, fc1_basis, fc2_basis), fc1_basis, fc2_basis, fc1_grad, fc2_grad)
     problem = eq.problem
     found = torch.zeros(0, fc1_basis.shape[0], dtype=torch.float64) if found is None else found.to(torch.float64)
+    given = found.shape[0]
     per_round: list[int] = []
     modes: list[str] = []
     steering = steered
     for _ in range(rounds):
+        if found.shape[0] >= count:  # every root given or found
+            break
         # the search of block0_roots (its one caller among the attacks): its rounds as progress
         report("block0_roots", len(per_round), rounds, f"root search: {found.shape[0]} of {count} roots found")
         # a missing round needs the part of fc1's span the found roots leave empty: past B T > D
@@ -224,6 +230,4 @@ def find_roots(block: nn.Module, fc1_basis: torch.Tensor, fc2_basis: torch.Tenso
                      per_round[-1], found.shape[0], count)
         if modes[-1] == "steered" and per_round[-1] < 2:
             steering = False
-        if found.shape[0] >= count:
-            break
-    return RootSearch(found, len(per_round) * starts, per_round, modes)
+    return RootSearch(found, len(per_round) * starts, per_round, modes, given)
