@@ -1,0 +1,111 @@
+"""What a client's precision leaves of block 0's roots: float64 against float32 updates, side by side.
+
+    OMP_NUM_THREADS=1 python bench/roots_floor.py --checkpoint checkpoints/deits224_mjp.safetensors \\
+        --images $FEDMJP_DATA/imagenet-sample --num-images 2
+
+For each photograph (an MJP client's batch-1 FedSGD update, gamma ``--gamma`` of the patches shuffled
+where the model has E_unk) and each precision: fc2's update's singular values at B T and B T + 1
+(relative to the largest; the span is separable while the first stands well above the second), the
+squared residual of the true tokens' fc1 inputs in block 0's per-token problem (median and largest)
+against the root search's tolerance, and how many true tokens the warm start (the closed form's read,
+:mod:`attacks.structure.warm`) converges to, with its wall time. A precision whose true tokens sit
+above the tolerance leaves the search nothing to find.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import attacks  # noqa: E402
+from attacks.solvers.spans import input_spans  # noqa: E402
+from attacks.structure.token_roots import MLPSpans  # noqa: E402
+from attacks.structure.warm import closed_form_tokens, warm_roots  # noqa: E402
+from fedmjp.data import load_images  # noqa: E402
+from fedmjp.trainutils import model_from_checkpoint  # noqa: E402
+
+_logger = logging.getLogger("roots_floor")
+#: the root search's tolerance on a token's squared residual (attacks.structure.roots.find_roots)
+SEARCH_TOL = 1e-16
+
+
+def one_update(model: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor | None, dtype: torch.dtype,
+               iterations: int) -> dict:
+    """The row of one photograph ``x`` [1, C, H, W] (model input) at the client's ``dtype``."""
+    m = model.to(dtype)
+    seen: dict[str, torch.Tensor] = {}
+    hook = m.blocks[0].mlp.fc1.register_forward_hook(lambda _m, a, _o: seen.__setitem__("u", a[0].detach()))
+    kw = {"unk_mask": mask} if mask is not None else {}
+    update = attacks.compute_update(m, x.to(dtype), torch.tensor([3]), **kw)
+    hook.remove()
+    m.double()
+    update = {k: v.double() for k, v in update.items()}
+    T = int(m.pos_embed.shape[1])
+    sv = torch.linalg.svdvals(update["blocks.0.mlp.fc2.weight"])
+    spans = {sp.name: sp.basis for sp in input_spans(m, update, T)}
+    S1, S2 = spans["blocks.0.mlp.fc1"], spans["blocks.0.mlp.fc2"]
+    problem = MLPSpans(m.blocks[0], S1, S2)
+    truth = seen["u"][0].double()
+    with torch.no_grad():
+        value = problem.value(truth @ S1)
+    t0 = time.perf_counter()
+    near = closed_form_tokens(m, update)
+    roots = warm_roots(problem, S1, near, iterations) if near is not None else truth[:0]
+    unit = lambda t: t / t.norm(dim=-1, keepdim=True)  # noqa: E731
+    true = int((1 - (unit(roots) @ unit(truth).T).max(1).values < 1e-10).sum()) if roots.shape[0] else 0
+    return dict(tokens=T, gap_in=float(sv[T - 1] / sv[0]), gap_out=float(sv[T] / sv[0]),
+                median=float(value.median()), worst=float(value.max()), warm=int(roots.shape[0]), true=true,
+                warm_s=time.perf_counter() - t0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--checkpoint", default=str(ROOT / "checkpoints" / "cifar_deit_mjp.safetensors"))
+    p.add_argument("--images", default="embedded", help="a folder of photographs, an archive, or 'embedded'")
+    p.add_argument("--num-images", type=int, default=2)
+    p.add_argument("--gamma", type=float, default=0.27, help="share of the patches an MJP client shuffles")
+    p.add_argument("--iterations", type=int, default=60, help="the warm start's Levenberg-Marquardt steps")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.num_images < 1 or args.iterations < 1:
+        p.error("--num-images and --iterations take at least 1")
+    if not 0.0 <= args.gamma <= 1.0:
+        p.error(f"--gamma {args.gamma}: give a share in [0, 1]")
+    if not Path(args.checkpoint).is_file():
+        p.error(f"--checkpoint {args.checkpoint}: no such file")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    torch.set_num_threads(1)
+    model, _ = model_from_checkpoint(args.checkpoint)
+    for blk in model.blocks:
+        blk.attn.fused_attn = False
+    side = int(model.patch_embed.img_size[0])
+    ims = load_images(args.images, side, args.num_images, int(model.num_classes))
+    mean = torch.tensor(model.default_cfg["mean"])[:, None, None]
+    std = torch.tensor(model.default_cfg["std"])[:, None, None]
+    N = int(model.patch_embed.num_patches)
+    print("| photograph | client | fc2 sv at B T / B T + 1 | true tokens' squared residual: median, largest "
+          f"(search tol {SEARCH_TOL:g}) | warm roots (true) of T | warm start s |")
+    print("|---|---|---|---|---|---|")
+    for i in range(len(ims)):
+        mask = None
+        if getattr(model, "unk_embed", None) is not None:
+            mask = torch.zeros(1, N, dtype=torch.bool)
+            gen = torch.Generator().manual_seed(1000 * args.seed + i)
+            mask[0, torch.randperm(N, generator=gen)[:round(args.gamma * N)]] = True
+        x = ((ims.images[i:i + 1] - mean) / std).double()
+        for dtype in (torch.float64, torch.float32):
+            r = one_update(model, x, mask, dtype, args.iterations)
+            print(f"| {i} | {str(dtype).split('.')[-1]} | {r['gap_in']:.1e} / {r['gap_out']:.1e} | "
+                  f"{r['median']:.1e}, {r['worst']:.1e} | {r['warm']} ({r['true']}) of {r['tokens']} | "
+                  f"{r['warm_s']:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
