@@ -70,7 +70,8 @@ from .design_a import DESIGN_A_MAX_UNKNOWNS, STRUCTURED_ROUNDS, design_a_embeddi
 from .completion import COMPLETION_MEMORY, POINTS_PER_DIMENSION, complete_span, completion_bytes, near_roots
 from .linear import outputs_past_floor, token_equations
 from .placement import (DESIGN_A_POSITION_TOL, POSITION_TOL, assemble_images, assign_images, image_indicators,
-                        place_tokens, position_residuals, token_offsets)
+                        needs_gradient_placement, place_by_gradients, place_tokens, position_residuals,
+                        token_offsets)
 from .polish import SPAN_POLISH_JACOBIANS, SpanPolish, span_polish
 from .roots import RootSearch, find_roots
 from .token_roots import MLPSpans
@@ -146,7 +147,10 @@ def batch_from_roots(vit: nn.Module, grads: Mapping[str, torch.Tensor], roots: t
                 _, off, _, Qm = token_offsets(vit)
                 eq = replace(eq, outputs=outputs_past_floor(vit, eq, position_residuals(base, off, Qm).argmin(1)))
                 base = eq.normalized / eq.inv_sigma[:, None] - (eq.outputs @ attn.proj.weight.T + attn.proj.bias)
-        placed = place_tokens(vit, base, batch, DESIGN_A_POSITION_TOL if design_a else POSITION_TOL)
+        if not design_a and batch == 1 and needs_gradient_placement(vit):  # 1 + C p^2 >= D: 224 px, patch 16
+            placed = place_by_gradients(vit, grads, base, eq.h_grads)
+        else:
+            placed = place_tokens(vit, base, batch, DESIGN_A_POSITION_TOL if design_a else POSITION_TOL)
         m = image_indicators(blk, placed.tokens, eq.outputs, placed.position, batch)
         image, margin, free = assign_images(m, placed.position, int(vit.pos_embed.shape[1]))
         images = assemble_images(vit, placed.patches, placed.position, image, free)
@@ -209,7 +213,9 @@ def check_model(vit: nn.Module, grads: Mapping[str, torch.Tensor], batch: int) -
     if is_design_a(blk) and T * T > DESIGN_A_MAX_UNKNOWNS:
         raise AttackFailure(f"block0_roots reads design A through a dense solve in T^2 = {T * T} unknowns "
                             f"({T} tokens); it takes at most {DESIGN_A_MAX_UNKNOWNS} (T <= "
-                            f"{int(DESIGN_A_MAX_UNKNOWNS ** 0.5)}: its Jacobian grows as 3 T^4 doubles)")
+                            f"{int(DESIGN_A_MAX_UNKNOWNS ** 0.5)}: its Jacobian grows as 3 T^4 doubles, "
+                            f"{3 * T ** 4 * 8 / 1e9:.1f} GB here against {3 * DESIGN_A_MAX_UNKNOWNS ** 2 * 8 / 1e9:.1f} GB "
+                            "at the bound)")
     if blk.attn.qkv.bias is None or blk.mlp.fc1.bias is None or blk.attn.proj.bias is None:
         raise AttackFailure("block0_roots needs biases on block 0's qkv, proj and fc1 (dL/db_proj fixes the "
                             "LayerNorm scales)")

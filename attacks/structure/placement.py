@@ -15,6 +15,7 @@ and patch, then its image, and the images assembled.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping, cast
 
 import torch
 import torch.nn as nn
@@ -105,6 +106,71 @@ def place_tokens(vit: nn.Module, base: torch.Tensor, batch: int, tol: float) -> 
         else:
             sol = lstsq(M, (off[p] - base[i])[:, None])[:, 0]
             X[i], Z[i] = sol[1:], base[i] + sol[0]
+    return Placement(pos, best, runner_up, Z, X)
+
+
+def needs_gradient_placement(vit: nn.Module) -> bool:
+    """Whether step 3's least squares in (mu, x) cannot tell positions apart: where 1 + C p^2 >= D
+    (DeiT-S/16 at 224 px: 769 unknowns against D = 384 equations) every position fits every token.
+    :func:`place_by_gradients` places them instead (B = 1)."""
+    _, _, M, _ = token_offsets(vit)
+    return M.shape[1] >= M.shape[0]
+
+
+def place_by_gradients(vit: nn.Module, grads: Mapping[str, torch.Tensor], base: torch.Tensor,
+                       h_grads: torch.Tensor, tol: float = POSITION_TOL) -> Placement:
+    """Step 3 at B = 1 from the tokens' gradients, for any C p^2 (the least squares of
+    :func:`place_tokens` needs 1 + C p^2 < D).
+
+    Block 0 is h = z + attn(norm1(z)), and norm1 does not see the shift mu_t of ``base`` [n, D]
+    (z_t - mu_t 1), so every token's gradient dL/dz_t = dL/dh_t + (attention's backward of
+    ``h_grads`` [n, D] = dL/dh) follows from the tokens alone, in any order (attention without
+    positions is permutation-equivariant). At B = 1 the position embedding's gradient holds dL/dz at
+    each position, so each token's gradient matches its own position's row to the rounding floor
+    (the class token row 0); on MJP the shuffled positions' rows are zero and their tokens match none
+    (E_unk: position T). The patches, the shuffled ones included, are then the closed form's
+    dL/dW_e = G^T X in all of them at once (n - 1 <= D). Raises AttackFailure where a token matches
+    no position and the model has no E_unk, or the patches' system leaves a residual."""
+    from .linear import gradient_of
+
+    blk = cast(nn.Module, vit.blocks[0])
+    g = gradient_of(vit, grads)
+    n, D = base.shape
+    T = int(vit.pos_embed.shape[1])
+    unk = getattr(vit, "unk_embed", None)
+    zb = base.detach().clone().requires_grad_(True)
+    with torch.enable_grad():
+        out = blk.ls1(blk.attn(blk.norm1(zb)[None]))[0]
+        back = torch.autograd.grad(out, zb, grad_outputs=h_grads)[0]
+    Gz = (h_grads + back).detach()  # dL/dz_t per token
+    rows = g(vit.pos_embed).reshape(-1, D)  # [T, D]: dL/dP, zero at MJP's shuffled positions
+    res = torch.cdist(Gz, rows) / Gz.norm(dim=1, keepdim=True)
+    res[:, rows.abs().amax(1) == 0] = float("inf")  # a zero row (E_unk's position) matches no token
+    best, pos = res.min(1)
+    runner_up = res.scatter(1, pos[:, None], float("inf")).min(1).values
+    unmatched = best > tol
+    if bool(unmatched.any()):
+        if unk is None:
+            raise AttackFailure(f"{int(unmatched.sum())} of the {n} roots match no position's gradient (best "
+                                f"relative residual {float(best.max()):.1e} > {tol:g}): not the client's tokens")
+        pos[unmatched] = T  # E_unk: the patch positions whose PE gradient is zero
+        g_unk = g(unk).reshape(D)
+        best[unmatched] = float((Gz[unmatched].sum(0) - g_unk).norm() / g_unk.norm().clamp_min(1e-300))
+    counts = torch.bincount(pos, minlength=T + 1)
+    if int(counts[0]) != 1 or bool((counts[1:T] > 1).any()) or int(counts[1:T].sum() + counts[T]) != T - 1:
+        raise AttackFailure(f"the tokens' gradients match {int(counts[0])} class tokens, {int((counts[1:T] > 0).sum())} "
+                            f"positions and {int(counts[T])} E_unk tokens of a batch of 1 with {T - 1} patches: roots "
+                            "missing or duplicated")
+    We, off, _, _ = token_offsets(vit)
+    patch = (pos != 0).nonzero().flatten()
+    dWe = g(vit.patch_embed.proj.weight).reshape(D, -1)
+    Xp = lstsq(Gz[patch].T, dWe)
+    fit = float((Gz[patch].T @ Xp - dWe).norm() / dWe.norm())
+    if fit > tol:
+        raise AttackFailure(f"the patches' system dL/dW_e = G^T X leaves a relative residual {fit:.1e} > {tol:g}")
+    X = torch.zeros(n, We.shape[1], dtype=torch.float64)
+    X[patch] = Xp
+    Z = X @ We.T + off[pos]
     return Placement(pos, best, runner_up, Z, X)
 
 
