@@ -73,6 +73,13 @@ def test_presets_validate() -> None:
     assert len(paper.models) == 5 and all(m.april == "surgery" for m in paper.models)
     fed = paper.federation
     assert fed.rounds * fed.clients * fed.batch_size == 999
+    assert "block0_roots" in {a.name for a in paper.attacks}  # design A at T = 197: a failed row naming the bound
+    # the as-trained block 0 at 224 px, on the shipped 224 px checkpoints (docs/checkpoints.md)
+    std = validate(C.load_config(ROOT / "configs" / "paper_std.yaml"))
+    assert std.data.image_size == 224 and std.federation.batch_size == 1 and std.federation.precision == "float64"
+    assert [m.april for m in std.models] == [None, None] and {m.variant for m in std.models} == {"plain", "mjp"}
+    assert all((ROOT / str(m.checkpoint)).is_file() for m in std.models)
+    assert std.attacks[0].name == "block0_roots"
 
 
 # ---------------------------------------------------------------------------------------- runs
