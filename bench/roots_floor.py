@@ -4,8 +4,9 @@
         --images $FEDMJP_DATA/imagenet-sample --num-images 2
 
 For each photograph (an MJP client's batch-1 FedSGD update, gamma ``--gamma`` of the patches shuffled
-where the model has E_unk) and each precision: fc2's update's singular values at B T and B T + 1
-(relative to the largest; the span is separable while the first stands well above the second), the
+where the model has E_unk) and each precision (``--precisions``): fc2's update's singular values at
+B T and B T + 1 (relative to the largest; the span is separable while the first stands well above the
+second), the ranks of fc1's and fc2's spans the attack's rank test sees (T: the search can run), the
 squared residual of the true tokens' fc1 inputs in block 0's per-token problem (median and largest)
 against the root search's tolerance, and how many true tokens the warm start (the closed form's read,
 :mod:`attacks.structure.warm`) converges to, with its wall time. A precision whose true tokens sit
@@ -25,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import attacks  # noqa: E402
-from attacks.solvers.spans import input_spans  # noqa: E402
+from attacks.solvers.spans import input_spans, span_rank  # noqa: E402
 from attacks.structure.token_roots import MLPSpans  # noqa: E402
 from attacks.structure.warm import closed_form_tokens, warm_roots  # noqa: E402
 from fedmjp.data import load_images  # noqa: E402
@@ -50,6 +51,10 @@ def one_update(model: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor | Non
     T = int(m.pos_embed.shape[1])
     sv = torch.linalg.svdvals(update["blocks.0.mlp.fc2.weight"])
     spans = {sp.name: sp.basis for sp in input_spans(m, update, T)}
+    row = dict(tokens=T, gap_in=float(sv[T - 1] / sv[0]), gap_out=float(sv[T] / sv[0]))
+    if "blocks.0.mlp.fc1" not in spans or "blocks.0.mlp.fc2" not in spans:  # the rank test sees no span of B T
+        ranks = [span_rank(update[f"blocks.0.mlp.{k}.weight"], T)[0] for k in ("fc1", "fc2")]
+        return dict(row, ranks=ranks, median=float("nan"), worst=float("nan"), warm=0, true=0, warm_s=0.0)
     S1, S2 = spans["blocks.0.mlp.fc1"], spans["blocks.0.mlp.fc2"]
     problem = MLPSpans(m.blocks[0], S1, S2)
     truth = seen["u"][0].double()
@@ -60,9 +65,8 @@ def one_update(model: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor | Non
     roots = warm_roots(problem, S1, near, iterations) if near is not None else truth[:0]
     unit = lambda t: t / t.norm(dim=-1, keepdim=True)  # noqa: E731
     true = int((1 - (unit(roots) @ unit(truth).T).max(1).values < 1e-10).sum()) if roots.shape[0] else 0
-    return dict(tokens=T, gap_in=float(sv[T - 1] / sv[0]), gap_out=float(sv[T] / sv[0]),
-                median=float(value.median()), worst=float(value.max()), warm=int(roots.shape[0]), true=true,
-                warm_s=time.perf_counter() - t0)
+    return dict(row, ranks=[T, T], median=float(value.median()), worst=float(value.max()), warm=int(roots.shape[0]),
+                true=true, warm_s=time.perf_counter() - t0)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -73,7 +77,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--gamma", type=float, default=0.27, help="share of the patches an MJP client shuffles")
     p.add_argument("--iterations", type=int, default=60, help="the warm start's Levenberg-Marquardt steps")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--precisions", default="float64,float32", help="the clients' precisions, comma-separated")
     args = p.parse_args(argv)
+    dtypes = {"float64": torch.float64, "float32": torch.float32}
+    if not args.precisions or any(d not in dtypes for d in args.precisions.split(",")):
+        p.error(f"--precisions {args.precisions!r}: give float64 and/or float32, comma-separated")
     if args.num_images < 1 or args.iterations < 1:
         p.error("--num-images and --iterations take at least 1")
     if not 0.0 <= args.gamma <= 1.0:
@@ -90,9 +98,9 @@ def main(argv: list[str] | None = None) -> None:
     mean = torch.tensor(model.default_cfg["mean"])[:, None, None]
     std = torch.tensor(model.default_cfg["std"])[:, None, None]
     N = int(model.patch_embed.num_patches)
-    print("| photograph | client | fc2 sv at B T / B T + 1 | true tokens' squared residual: median, largest "
-          f"(search tol {SEARCH_TOL:g}) | warm roots (true) of T | warm start s |")
-    print("|---|---|---|---|---|---|")
+    print("| photograph | client | fc2 sv at B T / B T + 1 | fc1, fc2 span ranks seen (of T) | true tokens' squared "
+          f"residual: median, largest (search tol {SEARCH_TOL:g}) | warm roots (true) of T | warm start s |")
+    print("|---|---|---|---|---|---|---|")
     for i in range(len(ims)):
         mask = None
         if getattr(model, "unk_embed", None) is not None:
@@ -100,9 +108,9 @@ def main(argv: list[str] | None = None) -> None:
             gen = torch.Generator().manual_seed(1000 * args.seed + i)
             mask[0, torch.randperm(N, generator=gen)[:round(args.gamma * N)]] = True
         x = ((ims.images[i:i + 1] - mean) / std).double()
-        for dtype in (torch.float64, torch.float32):
-            r = one_update(model, x, mask, dtype, args.iterations)
-            print(f"| {i} | {str(dtype).split('.')[-1]} | {r['gap_in']:.1e} / {r['gap_out']:.1e} | "
+        for name in args.precisions.split(","):
+            r = one_update(model, x, mask, dtypes[name], args.iterations)
+            print(f"| {i} | {name} | {r['gap_in']:.1e} / {r['gap_out']:.1e} | {r['ranks'][0]}, {r['ranks'][1]} | "
                   f"{r['median']:.1e}, {r['worst']:.1e} | {r['warm']} ({r['true']}) of {r['tokens']} | "
                   f"{r['warm_s']:.0f} |", flush=True)
 
