@@ -67,21 +67,15 @@ from ..optimization.batch_match import batch_labels
 from ..solvers.jigsaw import unshuffle_image
 from ..solvers.spans import input_spans, span_rank
 from .design_a import DESIGN_A_MAX_UNKNOWNS, STRUCTURED_ROUNDS, design_a_embeddings
-from .completion import COMPLETION_MEMORY, POINTS_PER_DIMENSION, complete_span, completion_bytes, near_roots
+from .completion import COMPLETED_TOL, COMPLETION_MEMORY, POINTS_PER_DIMENSION, complete_span, completion_bytes, near_roots
 from .linear import outputs_past_floor, token_equations
 from .placement import (DESIGN_A_POSITION_TOL, POSITION_TOL, assemble_images, assign_images, image_indicators,
                         needs_gradient_placement, place_by_gradients, place_tokens, position_residuals,
                         token_offsets)
-from .polish import SPAN_POLISH_JACOBIANS, SpanPolish, span_polish
+from .polish import ROOT_POLISH_JACOBIANS, SPAN_POLISH_JACOBIANS, RootPolish, SpanPolish, root_polish, span_polish
 from .roots import RootSearch, find_roots
 from .token_roots import MLPSpans
 from .warm import closed_form_tokens, warm_roots
-
-#: fc2's span counts as completed where the fit's (k+1)-th singular value is below this: it ends at
-#: the rounding floor (2e-13) when its points are true tokens, from ~2e-4 at its start
-#: (tests/test_block0_completion.py: test_the_completed_span_makes_every_true_token_a_root_and_the_search_finds_only_true_ones)
-COMPLETED_TOL = 1e-10
-
 
 @dataclass
 class BatchFromRoots:
@@ -103,6 +97,7 @@ class BatchFromRoots:
         attention_floor: design A, where the structured solve ran: the noise in c it was held to
             (:func:`attacks.structure.linear.outputs_from_roots`); None elsewhere.
         structured_rounds: design A: the structured solve's rounds (0: the free solve's start kept).
+        root_polish: past B T = D - 1, the refit of every image's patches to its roots (None elsewhere).
     """
 
     images: torch.Tensor
@@ -115,17 +110,21 @@ class BatchFromRoots:
     attention_residual: float | None = None
     attention_floor: float | None = None
     structured_rounds: int = 0
+    root_polish: RootPolish | None = None
 
 
 def batch_from_roots(vit: nn.Module, grads: Mapping[str, torch.Tensor], roots: torch.Tensor, batch: int,
                      attention_iterations: int = 40, attention_starts: int = 2,
                      generator: torch.Generator | None = None,
-                     structured_rounds: int = STRUCTURED_ROUNDS) -> BatchFromRoots:
+                     structured_rounds: int = STRUCTURED_ROUNDS,
+                     polish_jacobians: int = ROOT_POLISH_JACOBIANS) -> BatchFromRoots:
     """The batch, from all B T roots (fc1 inputs) of block 0's MLP and the update (module doc, steps 2-4).
 
     On design A (B = 1) the tokens' embeddings come from the attention solve
     (:func:`attacks.structure.design_a.design_a_embeddings`: ``attention_iterations``,
     ``attention_starts``, ``generator`` and ``structured_rounds``) instead of the residual around attention.
+    Past B T = D - 1 every image's patches are then refit to its own roots
+    (:func:`attacks.structure.polish.root_polish`, at most ``polish_jacobians`` Jacobians per image; 0: off).
 
     Raises:
         AttackFailure: the attention solve fails (design A), a token fits no position, a position
@@ -153,10 +152,14 @@ def batch_from_roots(vit: nn.Module, grads: Mapping[str, torch.Tensor], roots: t
             placed = place_tokens(vit, base, batch, DESIGN_A_POSITION_TOL if design_a else POSITION_TOL)
         m = image_indicators(blk, placed.tokens, eq.outputs, placed.position, batch)
         image, margin, free = assign_images(m, placed.position, int(vit.pos_embed.shape[1]))
-        images = assemble_images(vit, placed.patches, placed.position, image, free)
+        patches, polish = placed.patches, None
+        if not design_a and polish_jacobians and roots.shape[0] > max_tokens(int(roots.shape[1])):
+            polish = root_polish(vit, roots, placed.position, image, patches, polish_jacobians)
+            patches = polish.patches
+        images = assemble_images(vit, patches, placed.position, image, free)
     return BatchFromRoots(images, placed.position, image, placed.residual, placed.runner_up, margin, free,
                           None if emb is None else emb.residual, None if emb is None else emb.floor,
-                          0 if emb is None else emb.structured_rounds)
+                          0 if emb is None else emb.structured_rounds, polish)
 
 
 def max_tokens(width: int) -> int:
@@ -348,7 +351,8 @@ class Block0Roots(Attack):
         done = complete_span(work.blocks[0], fc2_part, tokens, points)
         if done.next_singular > COMPLETED_TOL:
             raise AttackFailure(f"fc2's span did not complete: the fit of {points.shape[0]} near-roots ended with "
-                                f"a (k+1)-th singular value of {done.next_singular:.1e} > {COMPLETED_TOL:g}")
+                                f"a (k+1)-th singular value of {done.next_singular:.1e} > {COMPLETED_TOL:g} "
+                                f"({done.dropped} points dropped as off the true tokens; raise starts)")
         return {"blocks.0.mlp.fc1": full, "blocks.0.mlp.fc2": done.basis}
 
     def _polish(self, work: nn.Module, grads: Mapping[str, torch.Tensor],

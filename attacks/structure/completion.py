@@ -37,6 +37,10 @@ from .token_roots import MLPSpans
 #: Bytes the completion's dense Jacobian (m 4D x m D, float64) may take; m = 3 k points
 #: (k = B T - rank): k <= 10 on the CIFAR geometry.
 COMPLETION_MEMORY = 2e9
+#: fc2's span counts as completed where the fit's (k+1)-th singular value is below this: it ends at
+#: the rounding floor (2e-13) when its points are true tokens, from ~2e-4 at its start
+#: (tests/test_block0_completion.py: test_the_completed_span_makes_every_true_token_a_root_and_the_search_finds_only_true_ones)
+COMPLETED_TOL = 1e-10
 #: Points per missing dimension: m = POINTS_PER_DIMENSION k tokens fit (the count needs
 #: (m - k)(4D - r - k) >= m D equations; at B = 3 on CIFAR, k = 4, m >= 7).
 POINTS_PER_DIMENSION = 3
@@ -61,7 +65,8 @@ class Completion:
         points: [m, D] the fitted tokens (fc1 inputs), true tokens where ``value`` is at the floor.
         value_first, value: the rank-k residual ||W - W_k||^2 at the start and at the end.
         next_singular: W's (k+1)-th singular value at the end (the rounding floor where exact).
-        jacobians: Levenberg-Marquardt Jacobians taken.
+        jacobians: Levenberg-Marquardt Jacobians taken, over every refit.
+        dropped: points dropped as off the rank-k problem's true tokens (:func:`complete_span`).
     """
 
     basis: torch.Tensor
@@ -70,6 +75,7 @@ class Completion:
     value: float
     next_singular: float
     jacobians: int
+    dropped: int = 0
 
 
 def near_roots(problem: MLPSpans, count: int, starts: int, iterations: int, generator: torch.Generator,
@@ -93,10 +99,25 @@ def near_roots(problem: MLPSpans, count: int, starts: int, iterations: int, gene
     return u[kept]
 
 
+def least_points(k: int, rows: int, rank: int, width: int) -> int:
+    """The fewest points m > k whose rank-k fit has as many equations as unknowns: (m - k)(4D - r - k)
+    >= m D, with ``rows`` = 4D the activations' length (7 at B = 3 on the CIFAR geometry)."""
+    free = rows - rank - k  # the off-(R + E) equations each point adds
+    if free <= width:
+        return k + 1 + width  # past this no count suffices quickly; the memory bound refuses first
+    return max(k + 1, -(-k * free // (free - width)))
+
+
 def complete_span(block: nn.Module, fc2_basis: torch.Tensor, tokens: int, points: torch.Tensor,
-                  max_jacobians: int = 30, memory: float = COMPLETION_MEMORY) -> Completion:
+                  max_jacobians: int = 30, memory: float = COMPLETION_MEMORY, tol: float = COMPLETED_TOL,
+                  drops: int | None = None) -> Completion:
     """fc2's input span of ``tokens`` tokens completed from its rank-r part ``fc2_basis`` [4D, r]
     and m near-roots ``points`` [m, D] (module doc).
+
+    A near-root can sit in the basin of a point that is not a true token of the rank-k problem: the
+    fit then ends with W's (k+1)-th singular value above ``tol`` (the rounding floor where every
+    point is a true token), and W without that point's row has the smallest. It is dropped and the others
+    refitted from where they ended, at most ``drops`` times (None: down to :func:`least_points`).
 
     Raises:
         AttackFailure: nothing is missing (r >= tokens), too few points (m <= k), or the Jacobian
@@ -133,13 +154,27 @@ def complete_span(block: nn.Module, fc2_basis: torch.Tensor, tokens: int, points
 
     def jacobian(u: torch.Tensor) -> torch.Tensor:
         _, E, V, _ = parts(u)
+        n = u.shape[0]
         Jt = one(u)  # [m, 4D, D]: each point's own Jacobian
         PJ = Jt - E @ (E.T @ Jt)
-        mix = torch.eye(m, dtype=u.dtype) - V @ V.T  # the coupling through W's right singular vectors
-        return torch.einsum("ij,jab->iajb", mix, PJ).reshape(m * N, m * D)
+        mix = torch.eye(n, dtype=u.dtype) - V @ V.T  # the coupling through W's right singular vectors
+        return torch.einsum("ij,jab->iajb", mix, PJ).reshape(n * N, n * D)
 
+    fewest = least_points(k, N, r, D)
+    left = max(0, m - fewest) if drops is None else min(int(drops), max(0, m - fewest))
+    theta, first, taken, dropped = points.to(torch.float64), None, 0, 0
     with torch.no_grad():
-        out = dense_lm(fun, jacobian, points.to(torch.float64), max_jacobians, ROOTS, floor=0.0)
-        _, E, _, sv = parts(out.theta)
+        while True:
+            out = dense_lm(fun, jacobian, theta, max_jacobians, ROOTS, floor=0.0)
+            _, E, _, sv = parts(out.theta)
+            first = out.value_first if first is None else first
+            taken += out.jacobians
+            if float(sv[k]) <= tol or dropped == left:
+                break
+            W = off_span(out.theta)  # the point whose removal lowers the (k+1)-th singular value most
+            worst = min(range(W.shape[0]), key=lambda i: float(torch.linalg.svdvals(
+                torch.cat([W[:i], W[i + 1:]]))[k]))
+            theta = torch.cat([out.theta[:worst], out.theta[worst + 1:]])
+            dropped += 1
     basis = torch.linalg.qr(torch.cat([S2, E], 1))[0]
-    return Completion(basis, out.theta, out.value_first, out.value, float(sv[k]), out.jacobians)
+    return Completion(basis, out.theta, first, out.value, float(sv[k]), taken, dropped)

@@ -57,3 +57,87 @@ def span_polish(vit: nn.Module, grads: Mapping[str, torch.Tensor], image: torch.
     with torch.no_grad():
         polished = prob.image(b, a)
     return SpanPolish(polished, before, after, taken)
+
+
+#: past the floor: Levenberg-Marquardt Jacobians of the root polish per image at most
+#: (tests/test_block0_completion.py: test_a_b3_batch_follows_from_its_roots_in_any_order reaches the
+#: rounding floor within 4 from the linear steps' 74-82 dB)
+ROOT_POLISH_JACOBIANS = 8
+#: the root polish stops once ||u(x) - u||^2 is below this times ||u||^2: Gauss-Newton is then one
+#: step from the roots' rounding floor (~1e-31 relative), the patches past 200 dB
+ROOT_POLISH_FLOOR = 1e-20
+#: Jacobian columns per vmapped forward-mode pass of the root polish (one image: ~100 MB of tangents)
+ROOT_POLISH_CHUNK = 256
+
+
+@dataclass
+class RootPolish:
+    """Outcome of :func:`root_polish`: every token's patch [n, C p^2] (the class tokens' zero), and per
+    image the squared root residual before and after [B] and the Jacobians taken [B]."""
+
+    patches: torch.Tensor
+    residual_before: torch.Tensor
+    residual_after: torch.Tensor
+    jacobians: list[int]
+
+
+def block0_roots_of(block: nn.Module, Z: torch.Tensor) -> torch.Tensor:
+    """Block 0's fc1 inputs norm2(z + attention(norm1(z))) [n, D] for one image's embeddings Z [n, D]
+    (every token attends to every other; the order of the tokens is free: attention is
+    permutation-equivariant and the embeddings carry the positions)."""
+    from .attention import attention_output
+
+    attn = block.attn
+    c = attention_output(attn, block.norm1(Z))
+    c = getattr(attn, "norm", nn.Identity())(c)
+    return block.norm2(Z + block.ls1(attn.proj(c)))
+
+
+def root_polish(vit: nn.Module, roots: torch.Tensor, position: torch.Tensor, image: torch.Tensor,
+                patches: torch.Tensor, jacobians: int = ROOT_POLISH_JACOBIANS) -> RootPolish:
+    """Past B T = D - 1: every image's patches refit so that block 0 maps them onto their own roots.
+
+    Once each root's image and position are known (steps 3 and 4), image b's tokens are a function
+    of its patches alone, Z_b = off[p] + W_e x (the class token: cls + P_0; an E_unk token: E_unk +
+    b_e), and its roots u_t = norm2(z_t + attention(norm1(Z_b))_t) are T D equations in (T - 1) C p^2
+    unknowns whose Jacobian has full column rank (W_e does, and norm2 removes two directions per
+    token only). The linear steps leave the patches close but not exact past the floor (the part of
+    the attention outputs the position equations leave free); Gauss-Newton on these equations,
+    image by image, takes them to the rounding floor of the roots (Levenberg-Marquardt,
+    :func:`attacks.solvers.lm.dense_lm`, at most ``jacobians`` per image)."""
+    from torch.func import jvp, vmap
+
+    from ..solvers.lm import dense_lm
+    from .linear import token_offsets
+
+    blk = vit.blocks[0]
+    We, off, _, _ = token_offsets(vit)
+    out = patches.clone()
+    batch = int(image.max()) + 1
+    before = torch.zeros(batch, dtype=torch.float64)
+    after = torch.zeros(batch, dtype=torch.float64)
+    taken = []
+    for b in range(batch):
+        idx = (image == b).nonzero().flatten()
+        own = idx[position[idx] != 0]  # the patch tokens (the class token's embedding is fixed)
+        order = torch.cat([idx[position[idx] == 0], own])
+        base, target = off[position[order]], roots[order].to(torch.float64)
+        shape = patches[own].shape
+
+        def fun(x: torch.Tensor) -> torch.Tensor:
+            Z = base + torch.cat([torch.zeros(1, We.shape[0], dtype=x.dtype), x.reshape(shape) @ We.T])
+            return (block0_roots_of(blk, Z) - target).reshape(-1)
+
+        def jacobian(x: torch.Tensor) -> torch.Tensor:
+            eye = torch.eye(x.numel(), dtype=torch.float64)
+            column = lambda t: jvp(fun, (x,), (t,))[1]  # noqa: E731
+            return torch.cat([vmap(column)(eye[i:i + ROOT_POLISH_CHUNK])
+                              for i in range(0, x.numel(), ROOT_POLISH_CHUNK)]).T
+
+        with torch.no_grad():
+            res = dense_lm(fun, jacobian, patches[own].reshape(-1).to(torch.float64), max_jacobians=jacobians,
+                           floor=ROOT_POLISH_FLOOR * float(target.pow(2).sum()))
+        out[own] = res.theta.reshape(shape)
+        before[b], after[b] = res.value_first, res.value
+        taken.append(res.jacobians)
+    return RootPolish(out, before, after, taken)
