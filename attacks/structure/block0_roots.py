@@ -35,9 +35,12 @@ token: fc2's is completed first (:mod:`attacks.structure.completion`) and fc1's 
 space, so step 1 finds the roots again; in step 2 proj's weight update gives the scales
 (:func:`attacks.structure.linear.scales_past_floor`) and, from every token's position equation, the
 attention outputs but for a small part all tokens share
-(:func:`attacks.structure.linear.outputs_past_floor`); steps 3 and 4 hold as they are. The images
-come back close (tests/test_block0_completion.py), not at the rounding floor. Refused past the
-completion's memory bound (:func:`max_completed`: B >= 4 on the CIFAR geometry).
+(:func:`attacks.structure.linear.outputs_past_floor`); steps 3 and 4 hold as they are, and leave the
+images close, not at the rounding floor, and on MJP some tokens in the wrong image; the membership
+is repaired on the roots (:func:`attacks.structure.polish.refit_membership`), and with every
+token's image and position known each image's patches are then refit to its own roots (:func:`attacks.structure.polish.root_polish`), which takes
+them to the rounding floor (tests/test_block0_completion.py). Refused past the completion's memory
+bound (:func:`max_completed`: B >= 4 on the CIFAR geometry).
 
 **Design A** (APRIL's block 0: no norm1, no residual around attention) at B = 1: steps 1 and 2 hold as
 they are, the embeddings then come from the attention solve, or where c is too noisy for it, from the
@@ -72,7 +75,8 @@ from .linear import outputs_past_floor, token_equations
 from .placement import (DESIGN_A_POSITION_TOL, POSITION_TOL, assemble_images, assign_images, image_indicators,
                         needs_gradient_placement, place_by_gradients, place_tokens, position_residuals,
                         token_offsets)
-from .polish import ROOT_POLISH_JACOBIANS, SPAN_POLISH_JACOBIANS, RootPolish, SpanPolish, root_polish, span_polish
+from .polish import (ROOT_POLISH_FIT, ROOT_POLISH_JACOBIANS, SPAN_POLISH_JACOBIANS, RootPolish, SpanPolish,
+                     refit_membership, root_polish, span_polish)
 from .roots import RootSearch, find_roots
 from .token_roots import MLPSpans
 from .warm import closed_form_tokens, warm_roots
@@ -98,6 +102,8 @@ class BatchFromRoots:
             (:func:`attacks.structure.linear.outputs_from_roots`); None elsewhere.
         structured_rounds: design A: the structured solve's rounds (0: the free solve's start kept).
         root_polish: past B T = D - 1, the refit of every image's patches to its roots (None elsewhere).
+        membership_repairs: past B T = D - 1, the changes the membership repair made to step 4's
+            assignment (:func:`attacks.structure.polish.refit_membership`).
     """
 
     images: torch.Tensor
@@ -111,6 +117,7 @@ class BatchFromRoots:
     attention_floor: float | None = None
     structured_rounds: int = 0
     root_polish: RootPolish | None = None
+    membership_repairs: int = 0
 
 
 def batch_from_roots(vit: nn.Module, grads: Mapping[str, torch.Tensor], roots: torch.Tensor, batch: int,
@@ -123,12 +130,14 @@ def batch_from_roots(vit: nn.Module, grads: Mapping[str, torch.Tensor], roots: t
     On design A (B = 1) the tokens' embeddings come from the attention solve
     (:func:`attacks.structure.design_a.design_a_embeddings`: ``attention_iterations``,
     ``attention_starts``, ``generator`` and ``structured_rounds``) instead of the residual around attention.
-    Past B T = D - 1 every image's patches are then refit to its own roots
+    Past B T = D - 1 the membership is repaired on the roots
+    (:func:`attacks.structure.polish.refit_membership`) and every image's patches are then refit to its own roots
     (:func:`attacks.structure.polish.root_polish`, at most ``polish_jacobians`` Jacobians per image; 0: off).
 
     Raises:
         AttackFailure: the attention solve fails (design A), a token fits no position, a position
-            gets a wrong number of tokens, or the class tokens are not B.
+            gets a wrong number of tokens, the class tokens are not B, or past B T = D - 1 the
+            images do not refit their roots (:data:`attacks.structure.polish.ROOT_POLISH_FIT`).
     """
     blk = cast(nn.Module, vit.blocks[0])
     attn = cast(nn.Module, blk.attn)
@@ -152,14 +161,24 @@ def batch_from_roots(vit: nn.Module, grads: Mapping[str, torch.Tensor], roots: t
             placed = place_tokens(vit, base, batch, DESIGN_A_POSITION_TOL if design_a else POSITION_TOL)
         m = image_indicators(blk, placed.tokens, eq.outputs, placed.position, batch)
         image, margin, free = assign_images(m, placed.position, int(vit.pos_embed.shape[1]))
-        patches, polish = placed.patches, None
+        patches, polish, repaired = placed.patches, None, 0
         if not design_a and polish_jacobians and roots.shape[0] > max_tokens(int(roots.shape[1])):
+            image, repaired = refit_membership(vit, roots, placed.position, image, patches)
+            if repaired:  # the shuffled positions follow the repaired membership
+                T = int(vit.pos_embed.shape[1])
+                held = (placed.position >= 1) & (placed.position < T)
+                free = torch.ones_like(free)
+                free[image[held], placed.position[held] - 1] = False
             polish = root_polish(vit, roots, placed.position, image, patches, polish_jacobians)
             patches = polish.patches
+            if polish.relative > ROOT_POLISH_FIT:
+                raise AttackFailure(f"past B T = D - 1 the images do not refit their roots (relative squared "
+                                    f"residual {polish.relative:.1e} > {ROOT_POLISH_FIT:g}): the membership solve "
+                                    f"(smallest margin {margin:.2f}) put tokens in the wrong images")
         images = assemble_images(vit, patches, placed.position, image, free)
     return BatchFromRoots(images, placed.position, image, placed.residual, placed.runner_up, margin, free,
                           None if emb is None else emb.residual, None if emb is None else emb.floor,
-                          0 if emb is None else emb.structured_rounds, polish)
+                          0 if emb is None else emb.structured_rounds, polish, repaired)
 
 
 def max_tokens(width: int) -> int:
@@ -272,7 +291,7 @@ class Block0Roots(Attack):
         seed: seed of the starts.
     """
 
-    threat = Threat(batch="B T <= width - 1 exactly (B <= 2 on the CIFAR models, B = 1 at 224 px); B = 3 on the CIFAR models close, through fc2's completed span; one local step", labels="not needed (read off the head)", architecture="standard pre-norm block 0 (the model as trained); design A at B = 1, T <= 100", precision="float64 clients for an exact copy")
+    threat = Threat(batch="B T <= width - 1 exactly (B <= 2 on the CIFAR models, B = 1 at 224 px); B = 3 on the CIFAR models too, through fc2's completed span and the root polish; one local step", labels="not needed (read off the head)", architecture="standard pre-norm block 0 (the model as trained); design A at B = 1, T <= 100", precision="float64 clients for an exact copy")
 
     name = "block0_roots"
 
@@ -402,6 +421,14 @@ class Block0Roots(Attack):
                      position_runner_up_min=float(out.runner_up.min()), membership_margin=out.membership_margin,
                      estimate_cpu_s=time.process_time() - c0, time_s=(time.perf_counter() - t0) / B,
                      attack=self.name, notes=notes, **label_stats)
+        if out.root_polish is not None:  # past B T = D - 1: the patches refit to their roots
+            rp = out.root_polish
+            stats.update(root_polish_jacobians=list(rp.jacobians), root_polish_residual=rp.relative,
+                         membership_repairs=out.membership_repairs)
+            notes.append(f"past B T = D - 1 the membership repaired on the roots ({out.membership_repairs} changes) "
+                         f"and every image's patches refit to its roots ({max(rp.jacobians)} Jacobians at most): "
+                         f"squared root residual {float(rp.residual_before.max()):.1e} -> "
+                         f"{float(rp.residual_after.max()):.1e}")
         design_a_stats, design_a_notes = _design_a_stats(out, polish, polish_failed)
         stats.update(design_a_stats)
         notes.extend(design_a_notes)

@@ -66,6 +66,12 @@ ROOT_POLISH_JACOBIANS = 8
 #: the root polish stops once ||u(x) - u||^2 is below this times ||u||^2: Gauss-Newton is then one
 #: step from the roots' rounding floor (~1e-31 relative), the patches past 200 dB
 ROOT_POLISH_FLOOR = 1e-20
+#: past the floor the images count as read where every image's polished squared root residual is
+#: below this times ||u||^2 (measured 1e-21 relative with every token in its image, 2e-3 to 6e-3
+#: with MJP's membership wrong before :func:`refit_membership`: tests/test_block0_completion.py)
+ROOT_POLISH_FIT = 1e-12
+#: past the floor: sweeps of the membership repair at most (:func:`refit_membership`)
+MEMBERSHIP_SWEEPS = 4
 #: Jacobian columns per vmapped forward-mode pass of the root polish (one image: ~100 MB of tangents)
 ROOT_POLISH_CHUNK = 256
 
@@ -73,12 +79,19 @@ ROOT_POLISH_CHUNK = 256
 @dataclass
 class RootPolish:
     """Outcome of :func:`root_polish`: every token's patch [n, C p^2] (the class tokens' zero), and per
-    image the squared root residual before and after [B] and the Jacobians taken [B]."""
+    image the squared root residual before and after [B], the Jacobians taken [B] and ||u||^2 of its
+    roots [B]."""
 
     patches: torch.Tensor
     residual_before: torch.Tensor
     residual_after: torch.Tensor
     jacobians: list[int]
+    norms: torch.Tensor
+
+    @property
+    def relative(self) -> float:
+        """The largest polished residual relative to its image's ||u||^2."""
+        return float((self.residual_after / self.norms).max())
 
 
 def block0_roots_of(block: nn.Module, Z: torch.Tensor) -> torch.Tensor:
@@ -116,6 +129,7 @@ def root_polish(vit: nn.Module, roots: torch.Tensor, position: torch.Tensor, ima
     batch = int(image.max()) + 1
     before = torch.zeros(batch, dtype=torch.float64)
     after = torch.zeros(batch, dtype=torch.float64)
+    norms = torch.zeros(batch, dtype=torch.float64)
     taken = []
     for b in range(batch):
         idx = (image == b).nonzero().flatten()
@@ -138,6 +152,95 @@ def root_polish(vit: nn.Module, roots: torch.Tensor, position: torch.Tensor, ima
             res = dense_lm(fun, jacobian, patches[own].reshape(-1).to(torch.float64), max_jacobians=jacobians,
                            floor=ROOT_POLISH_FLOOR * float(target.pow(2).sum()))
         out[own] = res.theta.reshape(shape)
-        before[b], after[b] = res.value_first, res.value
+        before[b], after[b], norms[b] = res.value_first, res.value, float(target.pow(2).sum())
         taken.append(res.jacobians)
-    return RootPolish(out, before, after, taken)
+    return RootPolish(out, before, after, taken, norms)
+
+
+def refit_membership(vit: nn.Module, roots: torch.Tensor, position: torch.Tensor, image: torch.Tensor,
+                     patches: torch.Tensor, sweeps: int = MEMBERSHIP_SWEEPS) -> tuple[torch.Tensor, int]:
+    """Past B T = D - 1: the membership ``image`` [n] repaired where its linear solve was wrong.
+
+    The linear steps' patches are close whatever the membership (steps 3 and 4 are separate), and
+    block 0 maps an image's patches onto its own roots only with every token in its image, so the
+    sum over images of ||u(Z_b) - u_b||^2 (:func:`block0_roots_of`, patches as given) is an objective
+    for the membership alone. Coordinate descent on it: at every position the holders' images are
+    permuted, a holder moved to an image whose position p was shuffled with one of that image's E_unk
+    tokens moved back, and every pair of E_unk tokens in different images swapped, each change kept where
+    the sum falls, for at most ``sweeps`` sweeps or until one changes nothing. Each image keeps its
+    class token and its shuffled positions. Returns (the membership, the changes made)."""
+    from itertools import permutations
+
+    from .linear import token_offsets
+
+    blk = vit.blocks[0]
+    We, off, _, _ = token_offsets(vit)
+    T = int(vit.pos_embed.shape[1])
+    Z_all = off[position] + patches.to(torch.float64) @ We.T  # the class tokens' patches are zero
+    target = roots.to(torch.float64)
+    image = image.clone()
+    batch = int(image.max()) + 1
+
+    def cost(b: int, img: torch.Tensor) -> float:
+        idx = (img == b).nonzero().flatten()
+        with torch.no_grad():
+            return float((block0_roots_of(blk, Z_all[idx]) - target[idx]).pow(2).sum())
+
+    costs = [cost(b, image) for b in range(batch)]
+    changes = 0
+    for _ in range(sweeps):
+        changed = 0
+        groups = [(position == p).nonzero().flatten() for p in range(1, T)]
+        for idx in groups:
+            if idx.numel() < 2:
+                continue
+            holders = image[idx].tolist()
+            best, pick = sum(costs[b] for b in holders), None
+            for perm in permutations(holders):
+                if list(perm) == holders:
+                    continue
+                trial = image.clone()
+                trial[idx] = torch.tensor(perm)
+                c = {b: cost(b, trial) for b in holders}
+                if sum(c.values()) < best:
+                    best, pick = sum(c.values()), (trial, c)
+            if pick is not None:
+                image = pick[0]
+                for b, c_ in pick[1].items():
+                    costs[b] = c_
+                changed += 1
+        unk = (position == T).nonzero().flatten().tolist()
+        for idx in groups:  # a token to an image whose position p was shuffled, an E_unk token back
+            if not unk or idx.numel() in (0, batch):
+                continue
+            for s in idx.tolist():
+                a = int(image[s])
+                for c in sorted(set(range(batch)) - set(image[idx].tolist())):
+                    best, pick = costs[a] + costs[c], None
+                    for t in unk:
+                        if int(image[t]) != c:
+                            continue
+                        trial = image.clone()
+                        trial[s], trial[t] = c, a
+                        ca, cc = cost(a, trial), cost(c, trial)
+                        if ca + cc < best:
+                            best, pick = ca + cc, (trial, ca, cc)
+                    if pick is not None:
+                        image, costs[a], costs[c] = pick
+                        a = c
+                        changed += 1
+        for i, s in enumerate(unk):
+            for t in unk[i + 1:]:
+                a, b = int(image[s]), int(image[t])
+                if a == b:
+                    continue
+                trial = image.clone()
+                trial[s], trial[t] = b, a
+                ca, cb = cost(a, trial), cost(b, trial)
+                if ca + cb < costs[a] + costs[b]:
+                    image, costs[a], costs[b] = trial, ca, cb
+                    changed += 1
+        changes += changed
+        if not changed:
+            break
+    return image, changes
