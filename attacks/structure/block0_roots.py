@@ -81,6 +81,7 @@ from .roots import RootSearch, find_roots
 from .token_roots import MLPSpans
 from .warm import closed_form_tokens, warm_roots
 
+
 @dataclass
 class BatchFromRoots:
     """Outcome of :func:`batch_from_roots`.

@@ -1,4 +1,8 @@
-"""The span polish of the block-0 read's design-A answer (:mod:`attacks.structure.block0_roots`).
+"""The block-0 read's last steps (:mod:`attacks.structure.block0_roots`): the span polish of its
+design-A answer, and past B T = D - 1 the membership repair and the root polish, which take the
+linear steps' close answer to the roots' rounding floor (:func:`refit_membership`, :func:`root_polish`).
+
+**Span polish (design A).**
 
 The position-structured solve's answer (:func:`attacks.structure.design_a.structured_tokens`) rests
 on c, whose noise (the roots' floor amplified through step 2) keeps it close to x~ but not on it;
