@@ -158,22 +158,13 @@ def test_an_mjp_b3_batch_follows_from_its_roots_the_membership_repaired_on_them(
     0.04), and no patch refit could then reach the roots. The repair on the roots
     (attacks.structure.polish.refit_membership) puts every token in its image, and each image's
     shuffled set and its other patches come out exact."""
-    import timm
-
     import attacks
     from attacks.structure.block0_roots import batch_from_roots
     from benchmark.scoring import pair_reconstructions
-    from fedmjp.checkpoint import load_checkpoint
     from tests.helpers import MEAN, STD, bundled_images
-    from tests.test_block0_roots import CHECKPOINT
 
     B = 3
-    torch.manual_seed(0)
-    model = timm.create_model("mjp_vit_cifar_patch4_32", variant="mjp", first_block="standard", depth=4)
-    load_checkpoint(model, CHECKPOINT.with_name("cifar_deit_mjp.safetensors"))
-    model = model.eval().double()
-    for blk in model.blocks:
-        blk.attn.fused_attn = False
+    model = _deit(variant="mjp")
     gen = torch.Generator().manual_seed(B)
     mask = torch.zeros(B, 64, dtype=torch.bool)
     for b in range(B):

@@ -27,8 +27,7 @@ CHECKPOINT = Path(__file__).resolve().parents[1] / "checkpoints" / "cifar_deit.s
 def _deit(first_block: str = "standard", variant: str = "plain") -> torch.nn.Module:
     torch.manual_seed(0)
     model = timm.create_model("mjp_vit_cifar_patch4_32", variant=variant, first_block=first_block, depth=4)
-    if variant == "plain":
-        load_checkpoint(model, CHECKPOINT)
+    load_checkpoint(model, CHECKPOINT if variant == "plain" else CHECKPOINT.with_name("cifar_deit_mjp.safetensors"))
     model = model.eval().double()
     for blk in model.blocks:
         blk.attn.fused_attn = False
@@ -125,12 +124,7 @@ def test_mjp_tokens_with_e_unk_give_their_patches_and_the_shuffled_set(B: int) -
     random order, the tokens carrying E_unk are told apart from every position, so each image's
     shuffled set comes out exact, every other patch in its place to the rounding floor, and the
     shuffled patches as a set (each the patch of one E_unk token)."""
-    torch.manual_seed(0)
-    model = timm.create_model("mjp_vit_cifar_patch4_32", variant="mjp", first_block="standard", depth=4)
-    load_checkpoint(model, CHECKPOINT.with_name("cifar_deit_mjp.safetensors"))
-    model = model.eval().double()
-    for blk in model.blocks:
-        blk.attn.fused_attn = False
+    model = _deit(variant="mjp")
     gen = torch.Generator().manual_seed(B)
     mask = torch.zeros(B, 64, dtype=torch.bool)
     for b in range(B):
