@@ -24,6 +24,11 @@ again and again, so the search runs two kinds of round:
   plain polish steps. Where two tokens nearly coincide, the update's rounding leaves their roots above
   the search's tolerance: a missing round also keeps a point below :data:`FLOOR_TOL` that two of its
   starts or more reach.
+* **tail** (past B T > D - 1, once D roots are found and at most :data:`attacks.structure.tail.TAIL_MAX`
+  are missing): fc1's span is the whole input space, so the missing round has no equations; the
+  missing tokens' fc1 inputs span a subspace that fc1's update gives once the found tokens' share is
+  taken out (:func:`attacks.structure.tail.missing_span`), and the round's starts lie in it. A tail
+  round that adds nothing hands over to a steered one.
 """
 from __future__ import annotations
 
@@ -36,6 +41,7 @@ import torch.nn as nn
 from ..api.progress import report
 from ..solvers.lm import ROOTS, batched_lm
 from ..solvers.spans import complement
+from .tail import TAIL_MAX, missing_span, tail_starts
 from .token_roots import MLPSpans, span_part, span_value
 
 _logger = logging.getLogger(__name__)
@@ -57,7 +63,7 @@ DISTINCT = 1e-11
 @dataclass
 class RootSearch:
     """Outcome of :func:`find_roots`: the distinct roots [k, D] (fc1 inputs), the starts run, the roots
-    each round added, how that round started (``"steered"`` or ``"missing"``) and how many roots the
+    each round added, how that round started (``"steered"``, ``"missing"`` or ``"tail"``) and how many roots the
     search was given before its first round."""
 
     roots: torch.Tensor
@@ -209,7 +215,17 @@ def find_roots(block: nn.Module, fc1_basis: torch.Tensor, fc2_basis: torch.Tenso
         report("block0_roots", len(per_round), rounds, f"root search: {found.shape[0]} of {count} roots found")
         # a missing round needs the part of fc1's span the found roots leave empty: past B T > D
         # (fc1's span the whole input space) it is gone once D roots are found, and steered rounds go on
-        if steering or found.shape[0] == 0 or found.shape[0] >= fc1_basis.shape[1]:
+        missing = count - found.shape[0]
+        past_d = found.shape[0] >= fc1_basis.shape[1]
+        if past_d and missing <= TAIL_MAX and not (modes and modes[-1] == "tail" and per_round[-1] == 0):
+            # past D the missing tokens' span comes off fc1's update (attacks.structure.tail); a tail
+            # round that added nothing (a found point that is no token) hands over to a steered one
+            with torch.no_grad():
+                span = missing_span(block, found, fc1_grad, fc2_grad, missing).basis
+                u = tail_starts(span, found.norm(dim=1), starts, generator)
+                alpha = problem.solve(u @ fc1_basis, iterations)[0]
+            modes.append("tail")
+        elif steering or found.shape[0] == 0 or past_d:
             v = steered_starts(problem, fc2_basis, found, starts, steer_steps, steer_lr, generator)
             with torch.no_grad():
                 alpha = problem.solve(problem.coordinates(v), iterations)[0]
