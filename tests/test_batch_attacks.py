@@ -170,6 +170,45 @@ def test_simulated_fedavg_delta_is_the_clients_own() -> None:
     assert approx > 1e-3 * scale
 
 
+@pytest.mark.parametrize("steps,lr", [(2, 0.05), (5, 0.05), (4, 0.5)])
+def test_a_fedavg_delta_of_one_image_is_read_exactly_off_the_patch_embedding(steps: int, lr: float) -> None:
+    """E local SGD steps on one image (the model as trained, block 0 standard): the patch embedding's
+    input is the image's patches at every step, so its delta is -lr sum_t (sum_e g_te) x_t^T and the
+    position embedding's -lr sum_e g_te, one gradient's equations with each token's gradient summed
+    over the steps (docs/design.md, "Several local steps"). pe_closed_form reads the image to the
+    rounding floor whatever E and lr, where the mean-gradient reading of the rest of the model is off
+    by far more than rounding (test_simulated_fedavg_delta_is_the_clients_own)."""
+    torch.manual_seed(0)
+    model = timm.create_model("mjp_vit_cifar_patch4_32", variant="plain", first_block="standard", depth=4)
+    load_checkpoint(model, CHECKPOINT)
+    model = model.eval().double()
+    y = torch.tensor([3])
+    x = bundled_images(1, 32, 4).double()
+    delta = _fedavg(model, x, y, steps=steps, lr=lr)
+    meta = {"num_images": 1, "mean": MEAN.tolist(), "std": STD.tolist(), "labels": y, "update_type": "delta",
+            "lr": lr, "local_steps": steps}
+    res = attacks.create_attack("pe_closed_form").reconstruct(model, delta, dict(meta))
+    assert not res.failed, res.reason
+    assert float((res.images.double() - x).abs().max()) < 1e-6  # the float32 result's rounding: 6e-8
+
+
+def test_block0_roots_names_the_tokens_a_fedavg_delta_holds() -> None:
+    """A 2-step delta at B = 2 sends E B T = 260 tokens through block 0's MLP: block0_roots refuses
+    with that count and names the attacker that simulates the steps; at B = 1 it names the closed form."""
+    torch.manual_seed(0)
+    model = timm.create_model("mjp_vit_cifar_patch4_32", variant="plain", first_block="standard", depth=4)
+    load_checkpoint(model, CHECKPOINT)
+    model = model.eval().double()
+    for B in (1, 2):
+        y = torch.tensor([3, 5][:B])
+        delta = _fedavg(model, bundled_images(B, 32).double(), y, steps=2, lr=0.05)
+        meta = {"num_images": B, "mean": MEAN.tolist(), "std": STD.tolist(), "labels": y, "update_type": "delta",
+                "lr": 0.05, "local_steps": 2}
+        res = attacks.create_attack("block0_roots").reconstruct(model, delta, meta)
+        assert res.failed and f"E B T = {2 * B * 65} tokens" in res.reason, res.reason
+        assert ("pe_closed_form" if B == 1 else "batch_match") in res.reason
+
+
 ITERS = 30
 
 

@@ -661,3 +661,36 @@ def test_at_224_px_the_tokens_gradients_place_them_and_give_every_patch() -> Non
     *_, other = _deits224_mjp_update(53, photo=1)
     with pytest.raises(attacks.AttackFailure, match="roots missing or duplicated|match no position"):
         batch_from_roots(model, update, torch.cat([U[:-1], other[-1:]]), 1)
+
+
+@pytest.mark.parametrize("B", [1, 2])
+def test_a_fedavg_deltas_fc2_span_holds_the_first_steps_tokens_only_within_d(B: int) -> None:
+    """Two local SGD steps (lr 0.05) send E B T tokens through block 0's MLP (docs/design.md,
+    "Several local steps"): at B = 1 (130 <= D - 1) the first step's fc2 inputs lie in the delta's
+    fc2 span to the rounding floor (measured 4e-13), at B = 2 (260 > D) the delta has the largest
+    rank an update past D has, D - 1 (attacks.structure.block0_roots.max_tokens), and they lie
+    decades off it (measured 1.5e-2), the B T = 260 case of one gradient."""
+    import copy
+
+    from attacks.structure.block0_roots import max_tokens
+
+    model = _deit()
+    x, xn, _, U = _update_and_tokens(model, B)
+    y = torch.tensor([3, 5][:B])
+    work = copy.deepcopy(model)
+    before = {n: p.detach().clone() for n, p in work.named_parameters()}
+    for _ in range(2):
+        g = attacks.compute_update(work, xn, y)
+        with torch.no_grad():
+            for n, p in work.named_parameters():
+                p -= 0.05 * g[n]
+    name = "blocks.0.mlp.fc2.weight"
+    delta = dict(work.named_parameters())[name].detach() - before[name]
+    s = torch.linalg.svdvals(delta)
+    rank = int((s > 1e-12 * s[0]).sum())
+    assert rank == min(2 * B * 65, max_tokens(192))
+    basis = torch.linalg.svd(delta, full_matrices=False)[2][:rank].T
+    with torch.no_grad():
+        a = model.blocks[0].mlp.act(model.blocks[0].mlp.fc1(U))
+    off = float(((a - a @ basis @ basis.T).norm(dim=1) / a.norm(dim=1)).max())
+    assert off < 1e-10 if B == 1 else off > 1e-3, off

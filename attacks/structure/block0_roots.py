@@ -182,6 +182,17 @@ def batch_from_roots(vit: nn.Module, grads: Mapping[str, torch.Tensor], roots: t
                           0 if emb is None else emb.structured_rounds, polish, repaired)
 
 
+def delta_refusal(steps: int, batch: int, tokens: int | None) -> str:
+    """Why a FedAvg delta of ``steps`` local steps on one batch is not read (docs/design.md, "Several
+    local steps"): every step sends its own tokens through block 0's MLP, so fc2's update holds
+    E B T of them; the patch embedding's input alone is the same at every step."""
+    held = f"E B T = {steps * batch * tokens} tokens" if tokens else "E B T tokens"
+    where = ("pe_closed_form reads one image's delta exactly (the patch embedding sees the same patches at every "
+             "step)" if batch == 1 else "batch_match's unroll simulates the steps")
+    return (f"block0_roots reads one gradient; a FedAvg delta of {steps} local steps holds every step's tokens in "
+            f"block 0's MLP updates ({held}, each step's own fc1 inputs), not the first step's alone; {where}")
+
+
 def max_tokens(width: int) -> int:
     """The most tokens B T whose inputs block 0's per-token span test still sees: D - 1.
 
@@ -391,11 +402,11 @@ class Block0Roots(Attack):
     def _reconstruct(self, model: nn.Module, update: Update, meta: AttackMetadata) -> AttackResult:
         t0, c0 = time.perf_counter(), time.process_time()
         B = meta.num_images
-        if meta.update_type == "delta" and meta.local_steps > 1:
-            raise AttackFailure(f"block0_roots reads one gradient; a FedAvg delta of {meta.local_steps} local "
-                                "steps is not one (batch_match's unroll simulates them)")
-        grads, notes = update_to_gradients(update, meta)
         vit = unwrap_vit(model)
+        if meta.update_type == "delta" and meta.local_steps > 1:
+            pos = getattr(vit, "pos_embed", None)
+            raise AttackFailure(delta_refusal(meta.local_steps, B, None if pos is None else int(pos.shape[1])))
+        grads, notes = update_to_gradients(update, meta)
         check_model(vit, grads, B)
         work = cast(nn.Module, copy.deepcopy(vit)).to("cpu", torch.float64).eval().requires_grad_(False)
         gen = torch.Generator().manual_seed(self.seed)
