@@ -677,6 +677,8 @@ def test_a_fedavg_deltas_fc2_span_holds_the_first_steps_tokens_only_within_d(B: 
     model = _deit()
     x, xn, _, U = _update_and_tokens(model, B)
     y = torch.tensor([3, 5][:B])
+    # the steps by hand on the float64 model the tokens U come from: clients.update.fedavg_update's
+    # client path leaves the first step's tokens 1e-7 off at B = 1, its own rounding, not the span's
     work = copy.deepcopy(model)
     before = {n: p.detach().clone() for n, p in work.named_parameters()}
     for _ in range(2):
