@@ -10,7 +10,10 @@ one CIFAR-10 validation image each (labels known), each defended by
 (``--attack``, default ``april_robust``: the fast robust read; ``likelihood_match`` fits on top of
 it at minutes per update, bench/likelihood_match.py). Per point: the median PSNR over the images,
 their median cosine(sent, clean) and the median flat-image PSNR (a flat image of the model's
-normalisation mean: what an attacker scores without reading the update).
+normalisation mean: what an attacker scores without reading the update) and, for local DP, the
+ReRo median ceiling: the PSNR no attacker reaches on more than half the images of a batch-1 update
+under that noise (``defences.rero``: mu = 1 / sigma at batch 1, the prior the first ``--prior-images``
+images of ``--images``; "inf" where mu is too large for the prior to resolve any bound).
 
 ``--images`` takes a folder of JPEGs or ``embedded`` (the bundled photographs)."""
 from __future__ import annotations
@@ -30,10 +33,12 @@ sys.path.insert(0, str(ROOT))
 
 import attacks  # noqa: E402
 from benchmark.scoring import flat_psnr  # noqa: E402
+from defences.rero import needed_baseline, release_mu  # noqa: E402
 from defences.spec import validate_defence  # noqa: E402
 from defences.transforms import cosine_similarity  # noqa: E402
 from fedmjp.data import load_images  # noqa: E402
 from fedmjp.factory import build_model  # noqa: E402
+from metrics.prior import MAX_PRIOR_IMAGES, guess_psnr  # noqa: E402
 
 _logger = logging.getLogger("defence_curves")
 
@@ -60,8 +65,9 @@ def _values(text: str, flag: str, kind) -> list:
     return out
 
 
-def curves(model, ims, attack, points: dict[str, list]) -> list[dict]:
-    """One row per (family, value): medians over the images of PSNR, cosine and the flat floor."""
+def curves(model, ims, attack, points: dict[str, list], prior: torch.Tensor | None = None) -> list[dict]:
+    """One row per (family, value): medians over the images of PSNR, cosine and the flat floor, and
+    with ``prior`` the ReRo median ceiling of a Gaussian DP point (``ceiling``, with its ``mu``)."""
     mean = torch.tensor(model.default_cfg["mean"]).double()
     std = torch.tensor(model.default_cfg["std"]).double()
     rows = []
@@ -83,9 +89,14 @@ def curves(model, ims, attack, points: dict[str, list]) -> list[dict]:
             row = dict(family=family, value=v, psnr=statistics.median(got) if got else float("nan"),
                        failed=len(ims) - len(got), cos=statistics.median(cos), flat=statistics.median(flat),
                        seconds=sum(secs))
+            mu = release_mu(spec, 1, 1)
+            if mu is not None and prior is not None:
+                row.update(mu=mu, ceiling=guess_psnr(prior, needed_baseline(0.5, mu)))
             rows.append(row)
             _logger.info("%(family)s=%(value)g: PSNR %(psnr).2f dB (flat %(flat).2f), cos %(cos).4f, %(failed)d "
                          "failed, %(seconds).1f s", row)
+            if "ceiling" in row:
+                _logger.info("  mu %(mu).4g: ReRo median ceiling %(ceiling).2f dB", row)
     return rows
 
 
@@ -103,6 +114,9 @@ def plot(rows: list[dict], path: Path, attack: str, n: int) -> None:
         xs = [r["value"] for r in rs]
         ax.plot(xs, [r["psnr"] for r in rs], "o-", label=f"{attack} (median of {n})")
         ax.plot(xs, [r["flat"] for r in rs], ":", color="grey", label="flat image")
+        if any("ceiling" in r for r in rs):  # the bound where the prior resolves it (inf: none)
+            ax.plot(xs, [r.get("ceiling", float("nan")) if r.get("ceiling", 0) < float("inf") else float("nan")
+                         for r in rs], "v-.", color="tab:green", ms=4, label="ReRo median ceiling")
         ax.set_xlabel(labels[fam])
         ax.set_ylabel("PSNR (dB)")
         if fam != "bits":
@@ -126,11 +140,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--options", default=None, help="its options in YAML, e.g. '{iterations: 3}'")
     p.add_argument("--bits", default="2,3,4,6,8,12,16")
     p.add_argument("--keep", default="0.01,0.03,0.1,0.3,0.6,0.9")
-    p.add_argument("--sigma", default="1e-6,1e-5,1e-4,1e-3,1e-2")
+    p.add_argument("--sigma", default="1e-6,1e-5,1e-4,1e-3,1e-2,0.3,1")
+    p.add_argument("--prior-images", type=int, default=1000, help="images of --images the ReRo ceilings' prior "
+                   "takes (0: no ceilings)")
     p.add_argument("--plot", type=Path, default=None, help="write the curves to this PNG")
     args = p.parse_args(argv)
     if args.num_images < 1:
         p.error(f"--num-images {args.num_images}: give at least 1")
+    if args.prior_images != 0 and not 2 <= args.prior_images <= MAX_PRIOR_IMAGES:
+        p.error(f"--prior-images {args.prior_images}: give 0 or 2 to {MAX_PRIOR_IMAGES}")
     points = {"bits": _values(args.bits, "--bits", int), "keep": _values(args.keep, "--keep", float),
               "sigma": _values(args.sigma, "--sigma", float)}
     try:
@@ -146,7 +164,11 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     ims = load_images(args.images, 32, args.num_images, 10)
     model = build_model(MODEL).double()
-    rows = curves(model, ims, attack, {k: v for k, v in points.items() if v})
+    prior = load_images(args.images, 32, args.prior_images, 10).images if args.prior_images else None
+    if prior is not None and len(prior) < 2:
+        prior = None
+        _logger.warning("%s holds fewer than 2 images: no ReRo ceilings", args.images)
+    rows = curves(model, ims, attack, {k: v for k, v in points.items() if v}, prior)
     if args.plot is not None and rows:
         plot(rows, args.plot, args.attack, len(ims))
         _logger.info("wrote %s", args.plot)

@@ -95,8 +95,38 @@ def frontier_points(frame: pd.DataFrame, mjp_models: Sequence[str] = ("DeiT+MJP"
             "epsilon": float(eps) if eps is not None and not pd.isna(eps) else math.nan,
             "delta": float(row.get("utility_dp_delta", math.nan)),
             "psnr": float(row["psnr"]), "lpips": float(row.get("lpips", math.nan)), "n": int(row.get("n", 0)),
+            "rero_mu": float(row.get("rero_mu", math.nan)) if not pd.isna(row.get("rero_mu", math.nan)) else math.nan,
         })
     return pd.DataFrame(out)
+
+
+#: the success rate the ReRo ceiling is read at: the median image (frontier.md's column)
+CEILING_SUCCESS = 0.5
+
+
+def rero_ceilings(points: pd.DataFrame, prior: Any, success: float = CEILING_SUCCESS) -> pd.DataFrame:
+    """``points`` with ``rero_ceiling``: for each point whose tapped update is a Gaussian-DP release
+    (``rero_mu``), the PSNR (dB) that no attacker reaches on more than ``success`` of the images of
+    the ``prior`` [N, 3, H, W] (in [0, 1], the clients' distribution): the highest PSNR the prior's
+    best fixed guess reaches on the baseline share :func:`defences.rero.needed_baseline` (``success``,
+    mu) (Hayes et al. 2023's bound, :mod:`defences.rero`; :func:`metrics.prior.guess_psnr`). +inf where
+    that share is below one image of the prior (mu too large for any bound the sample resolves); NaN
+    where the point is no Gaussian-DP release."""
+    from defences.rero import needed_baseline
+    from metrics.prior import guess_psnr
+
+    out = points.copy()
+    cache: dict[float, float] = {}
+    ceilings = []
+    for mu in out.get("rero_mu", pd.Series(math.nan, index=out.index)):
+        if mu is None or pd.isna(mu):
+            ceilings.append(math.nan)
+            continue
+        if float(mu) not in cache:
+            cache[float(mu)] = guess_psnr(prior, needed_baseline(success, float(mu)))
+        ceilings.append(cache[float(mu)])
+    out["rero_ceiling"] = ceilings
+    return out
 
 
 def curves(points: pd.DataFrame) -> dict[tuple[str, str, str], pd.DataFrame]:
@@ -203,16 +233,29 @@ def _fmt(v: float, lo: float, hi: float, digits: int) -> str:
     return f"{v:.{digits}f}{inner}"
 
 
+def _ceiling_text(p: pd.Series) -> str:
+    """A point's ReRo cells: mu of the tapped update and the median ceiling (:func:`rero_ceilings`)."""
+    mu = p.get("rero_mu", math.nan)
+    if mu is None or pd.isna(mu):
+        return "| |" if p["curve"] != "central_dp" else "| none: the tap sees the clean update |"
+    ceiling = p.get("rero_ceiling", math.nan)
+    if ceiling is None or pd.isna(ceiling):
+        return f"{mu:.3g} | |"
+    return f"{mu:.3g} | {'none the prior resolves' if math.isinf(ceiling) else f'{ceiling:.1f}'} |"
+
+
 def points_markdown(points: pd.DataFrame) -> str:
-    """The frontier's points as a Markdown table (top-1 with interval, epsilon, PSNR, LPIPS)."""
-    lines = ["| point | model (setting) | curve | top-1 % [95 % CI] | epsilon (delta) | PSNR dB | LPIPS | images |",
-             "|---|---|---|---|---|---|---|---|"]
+    """The frontier's points as a Markdown table (top-1 with interval, epsilon, PSNR, LPIPS, and the
+    tapped update's mu with its ReRo median ceiling where :func:`rero_ceilings` ran)."""
+    lines = ["| point | model (setting) | curve | top-1 % [95 % CI] | epsilon (delta) | PSNR dB | LPIPS | images | "
+             "mu (tapped update) | ReRo median ceiling dB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for _, p in points.sort_values("sweep_index").iterrows():
         eps = "" if math.isnan(p["epsilon"]) else f"{p['epsilon']:.3g} ({p['delta']:g})"
         name = "no defence" if p["curve"] == NONE else f"{p['curve']} {p['point_label']}"
         lines.append(f"| {name} | {p['model']} ({p['setting']}) | {p['curve']} | "
                      f"{_fmt(p['top1'], p['top1_low'], p['top1_high'], 2)} | {eps} | {p['psnr']:.1f} | "
-                     f"{p['lpips']:.2f} | {p['n']} |")
+                     f"{p['lpips']:.2f} | {p['n']} | {_ceiling_text(p)}")
     return "\n".join(lines) + "\n"
 
 
@@ -295,13 +338,16 @@ def frontier_plot(points: pd.DataFrame, path: str | Path, title: Optional[str] =
 
 
 def write_frontier(sweep_csv: str | Path, out_dir: str | Path, mjp_models: Sequence[str] = ("DeiT+MJP",),
-                   title: Optional[str] = None) -> dict[str, str]:
+                   title: Optional[str] = None, prior: Any = None) -> dict[str, str]:
     """``frontier_points.csv``, ``matched_utility.csv``, ``frontier.md`` (both tables) and
-    ``frontier.png`` of a sweep's ``sweep.csv`` in ``out_dir``."""
+    ``frontier.png`` of a sweep's ``sweep.csv`` in ``out_dir``; with ``prior`` (images [N, 3, H, W]
+    of the clients' distribution) the DP points' ReRo ceilings too (:func:`rero_ceilings`)."""
     from .files import write_text
 
     out = Path(out_dir)
     points = frontier_points(pd.read_csv(sweep_csv), mjp_models)
+    if prior is not None:
+        points = rero_ceilings(points, prior)
     table = matched_table(points)
     write_text(out / "frontier_points.csv", points.to_csv(index=False))
     write_text(out / "matched_utility.csv", table.to_csv(index=False))
@@ -310,6 +356,24 @@ def write_frontier(sweep_csv: str | Path, out_dir: str | Path, mjp_models: Seque
     plot = frontier_plot(points, out / "frontier.png", title)
     return {"points": str(out / "frontier_points.csv"), "table": str(out / "matched_utility.csv"),
             "markdown": str(out / "frontier.md"), "plot": str(plot)}
+
+
+#: prior images the ReRo ceilings are estimated from by default (their pairwise PSNR: N^2 values)
+PRIOR_IMAGES = 1000
+
+
+def load_prior(source: Any, size: int, num_images: int = PRIOR_IMAGES) -> Any:
+    """The ReRo ceilings' prior: ``num_images`` images of ``source`` (an image folder, a data set
+    archive or ``embedded``: :func:`fedmjp.data.load_images`) at ``size`` px, [N, 3, H, W] in [0, 1].
+
+    Raises:
+        fedmjp.data.DataError: the source cannot be read; ValueError: fewer than 2 images."""
+    from fedmjp.data import load_images
+
+    images = load_images(source, size, num_images).images
+    if len(images) < 2:
+        raise ValueError(f"the prior {source} holds {len(images)} image(s): the ReRo ceiling needs at least 2")
+    return images
 
 
 def finished_points_csv(config: str | Path, sweep_dir: str | Path) -> tuple[Path, list[str], int]:
@@ -341,9 +405,12 @@ def finished_points_csv(config: str | Path, sweep_dir: str | Path) -> tuple[Path
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m benchmark.frontier SWEEP_DIR [--mjp-model NAME ...] [--plot PATH]``."""
+    """``python -m benchmark.frontier SWEEP_DIR [--mjp-model NAME ...] [--plot PATH] [--prior SOURCE]``."""
     import argparse
     import shutil
+
+    from fedmjp.data import DataError
+    from metrics.prior import MAX_PRIOR_IMAGES
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("sweep_dir", help="a sweep's run folder (with sweep.csv)")
@@ -353,7 +420,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--title")
     p.add_argument("--config", help="the sweep's config: use the points that have finished so far (a sweep "
                    "still running or stopped) instead of sweep.csv")
+    p.add_argument("--prior", help="images of the clients' distribution (a folder, a data set archive or "
+                   "'embedded'): the DP points get their ReRo median ceiling (defences/rero.py)")
+    p.add_argument("--prior-images", type=int, default=PRIOR_IMAGES, help="images of --prior to use (default "
+                   f"{PRIOR_IMAGES})")
+    p.add_argument("--image-size", type=int, default=32, help="--prior's images are resized to this (default 32)")
     args = p.parse_args(argv)
+    if not 2 <= args.prior_images <= MAX_PRIOR_IMAGES:
+        p.error(f"--prior-images must be in [2, {MAX_PRIOR_IMAGES}], got {args.prior_images}")
+    if not 8 <= args.image_size <= 512:
+        p.error(f"--image-size must be in [8, 512], got {args.image_size}")
     csv = Path(args.sweep_dir) / "sweep.csv"
     mjp = args.mjp_model or ["DeiT+MJP"]
     if args.config:
@@ -365,8 +441,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.error(f"{csv} does not exist: run the sweep first (python run_benchmark.py --config ... --output DIR), "
                 "or pass --config for the points finished so far")
     try:
-        written = write_frontier(csv, args.sweep_dir, mjp, args.title)
-    except ValueError as err:
+        prior = load_prior(args.prior, args.image_size, args.prior_images) if args.prior else None
+        written = write_frontier(csv, args.sweep_dir, mjp, args.title, prior)
+    except (ValueError, DataError) as err:
         p.error(str(err))
     if args.plot:
         shutil.copyfile(written["plot"], args.plot)

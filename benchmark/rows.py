@@ -44,6 +44,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from defences.rero import release_mu
 from defences.spec import DefenceSpec, DpSgd
 from metrics.scoring import PSNR_CAP_DB
 
@@ -212,6 +213,7 @@ class ResultRow:
     defence_cos: float | Absent = ABSENT
     dp_epsilon: float | Absent = ABSENT
     dp_delta: float | Absent = ABSENT
+    rero_mu: float | Absent = ABSENT
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -346,11 +348,18 @@ class RowContext:
     def defence_columns(self, metrics: Mapping[str, Any]) -> dict[str, Any]:
         """The defence fields of a row: the defence's name and label, and what the client reported
         in its update's metrics (cosine similarity of the sent update to its clean one, DP-SGD's
-        epsilon; the delta comes from the spec)."""
+        epsilon; the delta comes from the spec) and, for a Gaussian DP defence at the client,
+        ``rero_mu``: the sent update's mu as a Gaussian-DP release of each image of the batch
+        (:func:`defences.rero.release_mu`; the ReRo bound's mu)."""
         out = {"defence": self.defence.name, "defence_label": self.defence.label,
                "defence_cos": float(metrics.get("defence-cos", 1.0))}
         if "dp-epsilon" in metrics and isinstance(self.defence, DpSgd):
             out["dp_epsilon"], out["dp_delta"] = float(metrics["dp-epsilon"]), self.defence.delta
+        if "batch_size" in self.federation:  # the tapped update as a Gaussian-DP release of each image
+            mu = release_mu(self.defence, int(self.federation["batch_size"]),
+                            int(self.federation.get("local_steps", 1)))
+            if mu is not None and math.isfinite(mu):
+                out["rero_mu"] = mu
         return out
 
 

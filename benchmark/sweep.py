@@ -99,12 +99,29 @@ def _run_points(cfg: BenchmarkConfig, output: str, federate: Callable[..., Any] 
 
         # the MJP rows: every row of an MJP variant in any point (their undefended points form MJP's curve)
         mjp = sorted({m.name for pc in configs for m in pc.models if m.variant == "mjp"})
-        plots.append(Path(write_frontier(csv, top.folder, mjp)["plot"]))
+        plots.append(Path(write_frontier(csv, top.folder, mjp, prior=_rero_prior(cfg, frame))["plot"]))
     from .report import write_report
 
     write_report(top.folder)  # report.html over sweep.csv and the plots, linking each point's report
     return {"folder": str(top.folder), "points": [str(f) for f in folders], "csv": str(csv),
             "plots": [str(p) for p in plots], "rows": len(rows), "summaries": summaries}
+
+
+def _rero_prior(cfg: BenchmarkConfig, frame: Any) -> Any:
+    """The ReRo ceilings' prior (:func:`benchmark.frontier.load_prior`: the attack images' source) where
+    some point's tapped update is a Gaussian-DP release (``rero_mu``), else None; a source that cannot
+    be read leaves the ceilings out with a warning, not the sweep's tables."""
+    if "rero_mu" not in frame or not frame["rero_mu"].notna().any():
+        return None
+    from fedmjp.data import DataError
+
+    from .frontier import load_prior
+
+    try:
+        return load_prior(cfg.data.source, cfg.data.image_size)
+    except (DataError, ValueError) as err:
+        _logger.warning("the ReRo ceilings are left out: no prior from %s (%s)", cfg.data.source, err)
+        return None
 
 
 def point_utility(cfg: BenchmarkConfig, folder: Path, federate: Callable[..., Any] | None = None

@@ -23,6 +23,9 @@ WORST_METRICS = ("psnr", "ssim", "lpips")
 #: model): carried into sweep.csv beside the metrics, not plotted against the grid
 UTILITY_COLUMNS = ("utility_top1_low", "utility_top1_high", "utility_top1_start_low", "utility_top1_start_high",
                    "utility_dp_epsilon", "utility_dp_delta", "utility_rounds", "utility_num_eval")
+#: per-point privacy columns of the rows, carried into sweep.csv beside the metrics, not plotted: the
+#: tapped update's mu as a Gaussian-DP release of each image (:func:`defences.rero.release_mu`)
+PRIVACY_COLUMNS = ("rero_mu",)
 
 
 def gather_rows(points: list[dict[str, Any]], folders: list[Path]) -> list[dict]:
@@ -57,7 +60,7 @@ def sweep_table(rows: list[dict]) -> pd.DataFrame:
         return df
     # with several attackers: the per-image best of them as attack "strongest" (aggregate.STRONGEST_NOTE)
     df = with_strongest(df, extra_keys=("sweep_index",) if "sweep_index" in df else ())
-    for col in ("defence_cos", "dp_epsilon", "utility_top1", "utility_top1_start", *UTILITY_COLUMNS):
+    for col in ("defence_cos", "dp_epsilon", "utility_top1", "utility_top1_start", *UTILITY_COLUMNS, *PRIVACY_COLUMNS):
         if col in df:
             df[col] = pd.to_numeric(df[col], errors="coerce").astype(float)
     for col in (c for c in M.CAPPED_METRICS if c in df):  # exact reconstructions (+inf) count as the cap
@@ -68,7 +71,7 @@ def sweep_table(rows: list[dict]) -> pd.DataFrame:
     keys = [k for k in keys if k in df] + sorted(c for c in df if c.startswith("sweep."))
     ok = df[~df["failed"].astype(bool)] if "failed" in df else df
     # flat_psnr: the images' floor of no information beside the PSNR (benchmark.scoring.flat_psnr)
-    metrics = [m for m in (*SWEEP_METRICS, FLAT_COLUMN, *UTILITY_COLUMNS) if m in df]
+    metrics = [m for m in (*SWEEP_METRICS, FLAT_COLUMN, *UTILITY_COLUMNS, *PRIVACY_COLUMNS) if m in df]
     table = ok.groupby(keys, dropna=False)[metrics].mean(numeric_only=True).reset_index()
     # the most-leaked image of each point (metrics.aggregate's <metric>_worst)
     worst = [m for m in WORST_METRICS if m in df]
