@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--bits", default="2,3,4,6,8,12,16")
     p.add_argument("--keep", default="0.01,0.03,0.1,0.3,0.6,0.9")
     p.add_argument("--sigma", default="1e-6,1e-5,1e-4,1e-3,1e-2,0.3,1")
-    p.add_argument("--prior-images", type=int, default=1000, help="images of --images the ReRo ceilings' prior "
+    p.add_argument("--prior-images", type=int, default=MAX_PRIOR_IMAGES, help="images of --images the ReRo ceilings' prior "
                    "takes (0: no ceilings)")
     p.add_argument("--plot", type=Path, default=None, help="write the curves to this PNG")
     args = p.parse_args(argv)
