@@ -1,7 +1,11 @@
-"""What a client's precision leaves of block 0's roots: float64 against float32 updates, side by side.
+"""What a client's precision or defence leaves of block 0's roots: float64 against float32 updates,
+and defended ones, side by side.
 
     OMP_NUM_THREADS=1 python bench/roots_floor.py --checkpoint checkpoints/deits224_mjp.safetensors \\
         --images $FEDMJP_DATA/imagenet-sample --num-images 2
+    OMP_NUM_THREADS=1 python bench/roots_floor.py --checkpoint checkpoints/cifar_deit.safetensors \\
+        --images $FEDMJP_DATA/cifar10.tar.gz --num-images 4 --precisions float64 \\
+        --defences '[{name: quantize, bits: 16}, {name: quantize, bits: 12}, {name: local_dp, sigma: 1.0e-6}]'
 
 For each photograph (an MJP client's batch-1 FedSGD update, gamma ``--gamma`` of the patches shuffled
 where the model has E_unk) and each precision (``--precisions``): fc2's update's singular values at
@@ -11,6 +15,14 @@ squared residual of the true tokens' fc1 inputs in block 0's per-token problem (
 against the root search's tolerance, and how many true tokens the warm start (the closed form's read,
 :mod:`attacks.structure.warm`) converges to, with its wall time. A precision whose true tokens sit
 above the tolerance leaves the search nothing to find.
+
+Each ``--defences`` spec adds a row per photograph for the update as the client sends it under that
+defence (``defences.transforms.apply_update_defence``, seeded). There the rank test refuses, and the
+row says what a noise-aware read would still have: fc2's update's span truncated to its known rank
+B T (the top B T right singular vectors: total least squares), and the distance of each true token's
+unit fc2 input (its MLP activation) from it, median and largest, beside the smallest distance of a
+token of the same photograph mirrored (tokens of no client, where a root search must not stop). True
+tokens well below the mirrored ones: the roots are still separable at the defence's noise.
 """
 from __future__ import annotations
 
@@ -21,6 +33,7 @@ import time
 from pathlib import Path
 
 import torch
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -29,6 +42,8 @@ import attacks  # noqa: E402
 from attacks.solvers.spans import input_spans, span_rank  # noqa: E402
 from attacks.structure.token_roots import MLPSpans  # noqa: E402
 from attacks.structure.warm import closed_form_tokens, warm_roots  # noqa: E402
+from defences.spec import DefenceSpec, validate_defence  # noqa: E402
+from defences.transforms import apply_update_defence  # noqa: E402
 from fedmjp.data import load_images  # noqa: E402
 from fedmjp.trainutils import model_from_checkpoint  # noqa: E402
 
@@ -37,9 +52,31 @@ _logger = logging.getLogger("roots_floor")
 SEARCH_TOL = 1e-16
 
 
+def fc1_inputs(model: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Every token's fc1 input [T, D] of the image ``x`` [1, C, H, W] (model input), float64."""
+    seen: dict[str, torch.Tensor] = {}
+    hook = model.blocks[0].mlp.fc1.register_forward_hook(lambda _m, a, _o: seen.__setitem__("u", a[0].detach()))
+    with torch.no_grad():
+        model(x, **({"unk_mask": mask} if mask is not None else {}))
+    hook.remove()
+    return seen["u"][0].double()
+
+
+def span_distances(model: torch.nn.Module, fc2_update: torch.Tensor, rank: int, tokens: torch.Tensor) -> torch.Tensor:
+    """[n] distance of each token's unit fc2 input (its activation) from the row space of fc2's update
+    truncated to ``rank`` (its top singular vectors)."""
+    V = torch.linalg.svd(fc2_update, full_matrices=False)[2][:rank]
+    blk = model.blocks[0]
+    with torch.no_grad():
+        a = blk.mlp.act(blk.mlp.fc1(tokens))
+    a = a / a.norm(dim=-1, keepdim=True)
+    return (a - (a @ V.T) @ V).norm(dim=-1)
+
+
 def one_update(model: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor | None, dtype: torch.dtype,
-               iterations: int) -> dict:
-    """The row of one photograph ``x`` [1, C, H, W] (model input) at the client's ``dtype``."""
+               iterations: int, defence: DefenceSpec | None = None, seed: int = 0) -> dict:
+    """The row of one photograph ``x`` [1, C, H, W] (model input) at the client's ``dtype``, the update
+    sent under ``defence`` (seeded by ``seed``) where one is given."""
     m = model.to(dtype)
     seen: dict[str, torch.Tensor] = {}
     hook = m.blocks[0].mlp.fc1.register_forward_hook(lambda _m, a, _o: seen.__setitem__("u", a[0].detach()))
@@ -48,16 +85,22 @@ def one_update(model: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor | Non
     hook.remove()
     m.double()
     update = {k: v.double() for k, v in update.items()}
+    if defence is not None:
+        update = {k: v.double() for k, v in
+                  apply_update_defence(update, defence, torch.Generator().manual_seed(seed)).items()}
     T = int(m.pos_embed.shape[1])
     sv = torch.linalg.svdvals(update["blocks.0.mlp.fc2.weight"])
     spans = {sp.name: sp.basis for sp in input_spans(m, update, T)}
     row = dict(tokens=T, gap_in=float(sv[T - 1] / sv[0]), gap_out=float(sv[T] / sv[0]))
+    truth = seen["u"][0].double()
+    own = span_distances(m, update["blocks.0.mlp.fc2.weight"], T, truth)
+    mirrored = span_distances(m, update["blocks.0.mlp.fc2.weight"], T, fc1_inputs(m, x.double().flip(-1), mask))
+    row.update(span_median=float(own.median()), span_worst=float(own.max()), span_other=float(mirrored.min()))
     if "blocks.0.mlp.fc1" not in spans or "blocks.0.mlp.fc2" not in spans:  # the rank test sees no span of B T
         ranks = [span_rank(update[f"blocks.0.mlp.{k}.weight"], T)[0] for k in ("fc1", "fc2")]
         return dict(row, ranks=ranks, median=float("nan"), worst=float("nan"), warm=0, true=0, warm_s=0.0)
     S1, S2 = spans["blocks.0.mlp.fc1"], spans["blocks.0.mlp.fc2"]
     problem = MLPSpans(m.blocks[0], S1, S2)
-    truth = seen["u"][0].double()
     with torch.no_grad():
         value = problem.value(truth @ S1)
     t0 = time.perf_counter()
@@ -78,7 +121,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--iterations", type=int, default=60, help="the warm start's Levenberg-Marquardt steps")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--precisions", default="float64,float32", help="the clients' precisions, comma-separated")
+    p.add_argument("--defences", default=None, help="defences to apply to each precision's update, a YAML list "
+                   "of specs, e.g. '[{name: quantize, bits: 16}]' (docs/defences.md)")
     args = p.parse_args(argv)
+    defences: list[DefenceSpec | None] = [None]
+    if args.defences:
+        try:
+            specs = yaml.safe_load(args.defences)
+            if not isinstance(specs, list) or not specs:
+                raise ValueError("give a non-empty YAML list of defence specs")
+            defences += [validate_defence(spec) for spec in specs]
+        except (yaml.YAMLError, ValueError) as err:
+            p.error(f"--defences {args.defences!r}: {err}")
     dtypes = {"float64": torch.float64, "float32": torch.float32}
     if not args.precisions or any(d not in dtypes for d in args.precisions.split(",")):
         p.error(f"--precisions {args.precisions!r}: give float64 and/or float32, comma-separated")
@@ -99,8 +153,9 @@ def main(argv: list[str] | None = None) -> None:
     std = torch.tensor(model.default_cfg["std"])[:, None, None]
     N = int(model.patch_embed.num_patches)
     print("| photograph | client | fc2 sv at B T / B T + 1 | fc1, fc2 span ranks seen (of T) | true tokens' squared "
-          f"residual: median, largest (search tol {SEARCH_TOL:g}) | warm roots (true) of T | warm start s |")
-    print("|---|---|---|---|---|---|---|")
+          f"residual: median, largest (search tol {SEARCH_TOL:g}) | warm roots (true) of T | warm start s | "
+          "distance from fc2's rank-B T span: true tokens median, largest; mirrored tokens smallest |")
+    print("|---|---|---|---|---|---|---|---|")
     for i in range(len(ims)):
         mask = None
         if getattr(model, "unk_embed", None) is not None:
@@ -109,10 +164,13 @@ def main(argv: list[str] | None = None) -> None:
             mask[0, torch.randperm(N, generator=gen)[:round(args.gamma * N)]] = True
         x = ((ims.images[i:i + 1] - mean) / std).double()
         for name in args.precisions.split(","):
-            r = one_update(model, x, mask, dtypes[name], args.iterations)
-            print(f"| {i} | {name} | {r['gap_in']:.1e} / {r['gap_out']:.1e} | {r['ranks'][0]}, {r['ranks'][1]} | "
-                  f"{r['median']:.1e}, {r['worst']:.1e} | {r['warm']} ({r['true']}) of {r['tokens']} | "
-                  f"{r['warm_s']:.0f} |", flush=True)
+            for defence in defences:
+                r = one_update(model, x, mask, dtypes[name], args.iterations, defence, 1000 * args.seed + i)
+                client = name if defence is None else f"{name}, {defence.label}"
+                print(f"| {i} | {client} | {r['gap_in']:.1e} / {r['gap_out']:.1e} | {r['ranks'][0]}, {r['ranks'][1]} | "
+                      f"{r['median']:.1e}, {r['worst']:.1e} | {r['warm']} ({r['true']}) of {r['tokens']} | "
+                      f"{r['warm_s']:.0f} | {r['span_median']:.1e}, {r['span_worst']:.1e}; {r['span_other']:.1e} |",
+                      flush=True)
 
 
 if __name__ == "__main__":

@@ -288,7 +288,8 @@ def psnr_cap(points: pd.DataFrame, exact: float = 60.0, margin: float = 4.0) -> 
 
 def frontier_plot(points: pd.DataFrame, path: str | Path, title: Optional[str] = None) -> Path:
     """PSNR (left) and LPIPS (right) of the strongest attacker against top-1 with its interval; one
-    line per defence curve in strength order, MJP points as stars, no defence as a black square."""
+    line per defence curve in strength order, MJP points as stars, no defence as a black square, and
+    where :func:`rero_ceilings` gave one, each DP point's ReRo median ceiling as a green triangle."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -315,6 +316,11 @@ def frontier_plot(points: pd.DataFrame, path: str | Path, title: Optional[str] =
                 if p["curve"] != NONE:
                     ax.annotate(p["point_label"], (p["top1"], min(p[metric], cap)), fontsize=6,
                                 textcoords="offset points", xytext=(3, 3))
+        if metric == "psnr" and "rero_ceiling" in points:  # what DP allows at each DP point (rero_ceilings)
+            bounded = points[np.isfinite(points["rero_ceiling"].to_numpy(float))]
+            if len(bounded):
+                ax.scatter(bounded["top1"], np.minimum(bounded["rero_ceiling"], cap), marker="v", s=40,
+                           facecolors="none", edgecolors="tab:green", zorder=6, label="ReRo median ceiling (DP)")
         none = points[points["curve"] == NONE]
         if len(none):
             xerr = np.vstack([none["top1"] - none["top1_low"], none["top1_high"] - none["top1"]])
@@ -330,7 +336,11 @@ def frontier_plot(points: pd.DataFrame, path: str | Path, title: Optional[str] =
         ax.set_ylabel(f"{metric.upper()} of the strongest attacker" + (" (dB)" if metric == "psnr" else ""),
                       fontsize=8)
         ax.grid(alpha=0.3)
-    axes[0][1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    shown: dict[str, Any] = {}  # both panels' entries once each (the ceiling is drawn on PSNR's alone)
+    for ax in axes[0]:
+        for handle, text in zip(*ax.get_legend_handles_labels()):
+            shown.setdefault(text, handle)
+    axes[0][1].legend(list(shown.values()), list(shown), fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     if title:
         fig.suptitle(title, fontsize=9)
     fig.tight_layout()

@@ -170,3 +170,33 @@ def test_every_row_of_a_gaussian_dp_update_carries_its_mu():
     row = ResultRow(model="DeiT", setting="a", round=1, partition_id=0, batch_index=0, image_id="x", attack="a",
                     failed=False, **{k: v for k, v in cols.items()})
     assert ResultRow.from_json(row.to_json()).rero_mu == pytest.approx(4.0)
+
+
+def test_the_frontier_plot_marks_the_ceilings(tmp_path):
+    """frontier.png draws each bounded DP point's ceiling in the PSNR panel and names it in the legend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from unittest import mock
+
+    import matplotlib.axes
+
+    from benchmark.frontier import frontier_points, frontier_plot, rero_ceilings
+    from benchmark.sweep_table import sweep_table
+    from tests.test_frontier import _sweep_rows
+
+    rows = _sweep_rows()
+    for r in rows:
+        if r["defence"] == "local_dp":
+            r["rero_mu"] = 1.0
+    points = rero_ceilings(frontier_points(sweep_table(rows)), torch.rand(64, 3, 8, 8))
+    calls = []
+    real = matplotlib.axes.Axes.scatter
+
+    def spy(self, *args, **kwargs):
+        calls.append(kwargs.get("label"))
+        return real(self, *args, **kwargs)
+
+    with mock.patch.object(matplotlib.axes.Axes, "scatter", spy):
+        frontier_plot(points, tmp_path / "f.png")
+    assert calls.count("ReRo median ceiling (DP)") == 1 and (tmp_path / "f.png").stat().st_size > 0
