@@ -66,6 +66,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="a defence spec in YAML, e.g. '{name: prune, keep: 0.1}' (replaces --bits)")
     p.add_argument("--iterations", type=int, default=12, help="Gauss-Newton iterations at most")
     p.add_argument("--cg-iterations", type=int, default=60, help="conjugate-gradient iterations per trial step")
+    p.add_argument("--sketch-rows", type=int, default=0,
+                   help="likelihood_match's CG preconditioner: vector-Jacobian products per iteration (0: plain CG)")
+    p.add_argument("--first", type=int, default=0, help="skip this many images of --images")
     p.add_argument("--rounding", choices=("gaussian", "cells"), default="gaussian")
     p.add_argument("--start", choices=("april_robust", "invertinggradients_batched", "mean"), default="april_robust",
                    help="likelihood_match's start (the baseline printed beside it)")
@@ -78,6 +81,10 @@ def main(argv: list[str] | None = None) -> None:
     for flag in ("num_images", "iterations", "cg_iterations"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: give at least 1")
+    if not 0 <= args.sketch_rows <= 4 * 3 * 32 * 32:
+        p.error(f"--sketch-rows {args.sketch_rows}: give 0 to {4 * 3 * 32 * 32} (4 x the image's entries)")
+    if args.first < 0:
+        p.error(f"--first {args.first}: give 0 or more")
     if not 2 <= args.bits <= 16:
         p.error(f"--bits {args.bits}: give 2 to 16 (1 bit keeps signs only: no rounding error to model)")
     try:
@@ -97,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     if spec.name == "none" or not spec.observation().perturbs:
         p.error(f"--defence {args.defence!r}: give a defence that changes the update (quantize, prune, local_dp)")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    ims = load_images(args.images, 32, args.num_images, 10)
+    ims = load_images(args.images, 32, args.first + args.num_images, 10)
     torch.manual_seed(0)
     model = timm.create_model("mjp_vit_cifar_patch4_32", variant="plain", first_block="standard", depth=4)
     load_checkpoint(model, ROOT / "checkpoints" / "cifar_deit.safetensors")
@@ -107,9 +114,10 @@ def main(argv: list[str] | None = None) -> None:
     robust = attacks.create_attack(args.start, **start_options) if args.start != "mean" else None
     lm = attacks.create_attack("likelihood_match", iterations=args.iterations, cg_iterations=args.cg_iterations,
                                rounding=args.rounding, start=args.start, start_options=start_options,
+                               sketch_rows=args.sketch_rows,
                                prior=args.prior, **({"prior_weight": args.prior_weight} if args.prior_weight else {}))
     rows = []
-    for i in range(len(ims)):
+    for i in range(args.first, len(ims)):
         x, y = ims.images[i:i + 1].double(), ims.labels[i:i + 1]
         meta = attacks.AttackMetadata(1, (3, 32, 32), mean, std, y, defence=spec)
         clean, q = attacks.defended_update(model, meta, x, y, i)
@@ -124,10 +132,11 @@ def main(argv: list[str] | None = None) -> None:
         st = got.stats[0]
         row = dict(i=i, start=psnr(start.images, x), lm=psnr(got.images, x), residual=st["residual_end"],
                    truth=truth_residual(model, q, meta, x, args.rounding), its=st["iterations"],
-                   t_start=t_start, t_lm=st["time_s"], cos=cosine_similarity(q, clean), name=args.start)
+                   t_start=t_start, t_lm=st["time_s"], cos=cosine_similarity(q, clean), name=args.start,
+                   cg=st.get("cg_steps", 0))
         rows.append(row)
         _logger.info("image %(i)d: %(name)s %(start).2f dB (%(t_start).1f s); likelihood_match %(lm).2f dB "
-                     "after %(its)d iterations (%(t_lm).0f s), residual %(residual).3e against the true "
+                     "after %(its)d iterations, %(cg)d CG steps (%(t_lm).0f s), residual %(residual).3e against the true "
                      "image's %(truth).3e; the update's cosine to the clean one %(cos).4f", row)
     if rows:
         med = {k: statistics.median(r[k] for r in rows) for k in ("start", "lm", "t_start", "t_lm")}

@@ -96,6 +96,24 @@ def test_likelihood_match_refuses_a_shuffled_mjp_update() -> None:
     assert got.failed and "mjp_adaptive" in got.reason and got.error is None
 
 
+def test_the_sketch_preconditioner_is_bounded_and_reaches_the_solver() -> None:
+    """sketch_rows: negative is refused when built, more than 4 x the image's entries is a failed row
+    naming the bound, and a valid one runs the preconditioned solve (its CG steps counted)."""
+    with pytest.raises(ValueError, match="sketch_rows"):
+        attacks.create_attack("likelihood_match", sketch_rows=-1)
+    model = _tiny("plain")
+    x, y = bundled_images(1, 16), torch.tensor([1])
+    spec = validate_defence({"name": "quantize", "bits": 8})
+    meta = attacks.AttackMetadata(1, (3, 16, 16), MEAN.double(), STD.double(), y, defence=spec)
+    q = apply_update_defence(attacks.compute_update(model, normalize(x), y), spec, torch.Generator())
+    big = attacks.create_attack("likelihood_match", iterations=1, cg_iterations=2, sketch_rows=4 * 768 + 1,
+                                start="mean").reconstruct(model, q, meta)
+    assert big.failed and "sketch_rows" in big.reason
+    got = attacks.create_attack("likelihood_match", iterations=1, cg_iterations=3, sketch_rows=16,
+                                start="mean").reconstruct(model, q, meta)
+    assert not got.failed and 1 <= got.stats[0]["cg_steps"] and got.stats[0]["residual_end"] < got.stats[0]["residual_start"]
+
+
 def test_bad_start_options_fail_when_built() -> None:
     with pytest.raises(ValueError, match="start_options"):
         attacks.create_attack("likelihood_match", start_options={"nonsense": 1})

@@ -117,6 +117,9 @@ class LikelihoodMatch(Attack):
     Args:
         iterations: Gauss-Newton iterations at most (each one pullback and up to a few CG solves).
         cg_iterations, cg_tol: conjugate-gradient iterations per trial step and their relative tolerance.
+        sketch_rows: 0: plain CG; m > 0: CG preconditioned by a low-rank model of J^T J read off m
+            vector-Jacobian products per iteration (:class:`attacks.solvers.linalg.SketchPreconditioner`,
+            :func:`attacks.solvers.lm.matrix_free_lm`), at most 4 x the image's entries.
         rounding: the quantiser's observation model: ``gaussian`` (rounding error as noise of std
             step / sqrt 12) or ``cells`` (the distance outside each entry's cell).
         start: the attacker whose read is the start, with the same metadata (one of two:
@@ -146,6 +149,7 @@ class LikelihoodMatch(Attack):
         iterations: Int = option(12, ge=1)
         cg_iterations: Int = option(60, ge=1)
         cg_tol: Float = option(1e-6, gt=0.0, lt=1.0)
+        sketch_rows: Int = option(0, ge=0, le=1 << 16)
         rounding: Literal["gaussian", "cells"] = "gaussian"
         start: Literal["april_robust", "invertinggradients_batched", "mean"] = "april_robust"
         start_options: dict[str, Any] = Field(default_factory=dict)
@@ -160,6 +164,7 @@ class LikelihoodMatch(Attack):
 
         o = self._parse_options(options)
         self.iterations, self.cg_iterations, self.cg_tol = o.iterations, o.cg_iterations, o.cg_tol
+        self.sketch_rows = o.sketch_rows
         self.rounding, self.start, self.label_strategy = o.rounding, o.start, o.label_strategy
         self.device = resolve_device(o.device)
         self.patch_prior, self.prior_weight = None, o.prior_weight
@@ -209,7 +214,10 @@ class LikelihoodMatch(Attack):
                 return torch.cat([data_fun(theta), prior_fun(theta)])
         with torch.no_grad():
             r0 = float(data_fun(theta0).pow(2).sum())
-        res = matrix_free_lm(fun, theta0, max_iterations=self.iterations, sketch_rows=0,
+        if self.sketch_rows > 4 * theta0.numel():
+            raise AttackFailure(f"likelihood_match: sketch_rows {self.sketch_rows} exceeds 4 x the image's "
+                                f"{theta0.numel()} entries")
+        res = matrix_free_lm(fun, theta0, max_iterations=self.iterations, sketch_rows=self.sketch_rows,
                              cg_iterations=self.cg_iterations, cg_tol=self.cg_tol)
         lo, hi = meta.box(_DT, self.device)
         x = torch.max(torch.min(res.theta.view(1, *size), hi), lo)
@@ -217,6 +225,7 @@ class LikelihoodMatch(Attack):
             r1 = float(fun(x.reshape(-1)).pow(2).sum())
             data1 = float(data_fun(x.reshape(-1)).pow(2).sum())
         stats = dict(objective=r1, iterations=int(res.jacobians), residual_start=r0, residual_end=data1,
+                     cg_steps=int(sum(res.cg_iterations)),
                      prior_weight=weight,
                      entries=int(sum(t.shape[1] for t in terms.flat)), start=self.start,
                      start_time_s=start_time, time_s=time.perf_counter() - t0, notes=notes)
