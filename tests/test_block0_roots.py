@@ -269,13 +269,20 @@ def test_past_d_minus_1_tokens_no_true_token_is_in_fc2s_span() -> None:
     ("design_a", "design-A block 0 at B = 1 only"),
     ("batch_4", r"past B T = D - 1 \(4 images x 65 tokens = 260 > 191, width 192\) block0_roots completes fc2's "
                 r"span by k = 69 dimensions, whose fit takes \S+ GB > 2.0 GB.*B <= 3 on this model"),
+    ("batch_12", r"B T = 12 images x 65 tokens = 780 >= 768, fc2's input width.*separates no token.*B <= 11 on "
+                 r"this model"),
     ("fedavg", "local steps"),
     ("design_a_large", r"dense solve in T\^2 = 21025 unknowns \(145 tokens\); it takes at most 10000.*10\.6 GB here against 2\.4 GB"),
 ])
 def test_conditions_it_cannot_meet_are_failed_rows_with_the_reason(case: str, match: str) -> None:
     attack = attacks.create_attack("block0_roots", rounds=1, starts=1)
     B = {"batch_4": 4, "design_a": 2}.get(case, 1)
-    if case == "design_a_large":  # 48 px: 145 tokens, B T <= D holds, the dense solve would not fit
+    if case == "batch_12":  # past fc2's width: refused before any work, so any 12 images do
+        model = _deit()
+        B = 12
+        xn = torch.randn(B, 3, 32, 32, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        update = attacks.compute_update(model, xn, torch.arange(B) % 10)
+    elif case == "design_a_large":  # 48 px: 145 tokens, B T <= D holds, the dense solve would not fit
         torch.manual_seed(0)
         model = timm.create_model("mjp_vit_cifar_patch4_32", variant="plain", first_block="april", depth=1,
                                   img_size=48).double()

@@ -233,6 +233,12 @@ def check_model(vit: nn.Module, grads: Mapping[str, torch.Tensor], batch: int) -
                             "(the class tokens say which image each token belongs to)")
     D = int(vit.embed_dim)
     T = int(vit.pos_embed.shape[1])
+    hidden = int(blk.mlp.fc1.out_features)
+    if batch * T >= hidden:
+        raise AttackFailure(f"B T = {batch} images x {T} tokens = {batch * T} >= {hidden}, fc2's input width: the "
+                            "tokens' fc2 inputs fill that whole space, so even fc2's completed span separates no "
+                            f"token and no read of block 0's MLP can start (B <= {(hidden - 1) // T} on this model; "
+                            "docs/design.md, \"What survives batching\")")
     if batch * T > max_tokens(D):
         if is_design_a(blk):
             raise AttackFailure(f"block0_roots reads design A within B T <= D - 1 only; got {batch * T} tokens")
