@@ -82,3 +82,33 @@ def batch_plot(frame: pd.DataFrame, path: Path) -> Path | None:
     save_figure(fig, path, dpi=120)
     plt.close(fig)
     return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m benchmark.batch_plot SWEEP_DIR ... --out PNG``: one ``batch_size.png`` over several
+    sweeps of ``federation.batch_size`` (their ``sweep.csv`` joined, each point kept apart), for batch
+    sizes measured in separate runs (the larger ones on fewer updates, say)."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=main.__doc__.split("\n")[0] if main.__doc__ else None)
+    p.add_argument("sweep_dirs", nargs="+", type=Path, help="sweep run folders (each with sweep.csv)")
+    p.add_argument("--out", type=Path, required=True, help="the PNG to write")
+    args = p.parse_args(argv)
+    frames = []
+    for d in args.sweep_dirs:
+        csv = d / "sweep.csv"
+        if not csv.is_file():
+            p.error(f"{csv} does not exist: give the folders of finished batch-size sweeps")
+        frame = pd.read_csv(csv)
+        if f"sweep.{BATCH_KEY}" not in frame:
+            p.error(f"{csv} is not a sweep of {BATCH_KEY}")
+        offset = sum(int(f["sweep_index"].max()) + 1 for f in frames)
+        frames.append(frame.assign(sweep_index=frame["sweep_index"] + offset))
+    if batch_plot(pd.concat(frames, ignore_index=True), args.out) is None:
+        p.error("no scored rows to plot")
+    print(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -137,6 +137,32 @@ def test_batch_plot_draws_the_strongest_row_against_b(tmp_path: Path) -> None:
     assert batch_plot(frame.drop(columns=["sweep.federation.batch_size"]), tmp_path / "none.png") is None
 
 
+def test_batch_plot_joins_several_sweeps(tmp_path: Path) -> None:
+    """``python -m benchmark.batch_plot A B --out PNG``: two sweeps' points (each numbered from 0) on one
+    plot, the same as one sweep of both; a folder without sweep.csv or of another key is a clear error."""
+    import pandas as pd
+
+    from benchmark.batch_plot import batch_plot, main
+
+    def sweep(folder: Path, sizes: list[int]) -> list[dict]:
+        rows = [{"sweep_index": i, "model": "DeiT", "defence": "none", "setting": "c", "attack": "batch_match",
+                 "sweep.federation.batch_size": B, "psnr": 20.0 - B, "lpips": 0.1 * B} for i, B in enumerate(sizes)]
+        folder.mkdir()
+        pd.DataFrame(rows).to_csv(folder / "sweep.csv", index=False)
+        return rows
+
+    a, b = sweep(tmp_path / "a", [1, 2]), sweep(tmp_path / "b", [16])
+    assert main([str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "joined.png")]) == 0
+    whole = pd.DataFrame(a + [{**b[0], "sweep_index": 2}])
+    batch_plot(whole, tmp_path / "whole.png")
+    assert (tmp_path / "joined.png").read_bytes() == (tmp_path / "whole.png").read_bytes()
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "missing"), "--out", str(tmp_path / "x.png")])
+    pd.DataFrame([{"sweep_index": 0, "sweep.gamma": 0.1}]).to_csv(tmp_path / "a" / "sweep.csv", index=False)
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "a"), "--out", str(tmp_path / "x.png")])
+
+
 def _fedavg(model: torch.nn.Module, images: torch.Tensor, y: torch.Tensor, steps: int, lr: float) -> dict:
     """The client's own FedAvg update (clients.update.fedavg_update) of a copy of ``model``."""
     import copy
