@@ -151,7 +151,7 @@ def _main(args: argparse.Namespace) -> int:
             with logging_redirect_tqdm():
                 if args.train_missing:  # every point attacks the same checkpoints: train them once, first
                     _print_trained(train_missing(cfg, progress=not args.no_progress))
-                swept = run_sweep(cfg, output, progress=not args.no_progress)
+                swept = run_sweep(cfg, output, progress=not args.no_progress, force=args.force)
             import pandas as pd
 
             from benchmark.sweep_table import sweep_table_text

@@ -47,9 +47,11 @@ _logger = logging.getLogger(__name__)
 
 
 def run_sweep(cfg: BenchmarkConfig, output: str, federate: Callable[..., Any] | None = None,
-              progress: bool = True) -> dict[str, Any]:
+              progress: bool = True, force: bool = False) -> dict[str, Any]:
     """Run every grid point into ``output/points/`` (each resumable), then gather rows, write
-    ``results.jsonl``, ``sweep.csv`` and the plots in ``output``.
+    ``results.jsonl``, ``sweep.csv`` and the plots in ``output``. ``force`` (``--force``) is each
+    point's and the top folder's (:class:`benchmark.store.RunFolder`): a point whose stored rows came
+    from other code resumes with the differences recorded in its provenance.json.
 
     Returns:
         {"folder", "points": [point folders], "csv", "plots": [paths], "rows", "summaries": [each
@@ -58,11 +60,11 @@ def run_sweep(cfg: BenchmarkConfig, output: str, federate: Callable[..., Any] | 
     from fedmjp.checkpoint import read_once
 
     with read_once():  # every point (and its utility) uses the checkpoints as read once, at the first
-        return _run_points(cfg, output, federate, progress)
+        return _run_points(cfg, output, federate, progress, force)
 
 
 def _run_points(cfg: BenchmarkConfig, output: str, federate: Callable[..., Any] | None,
-                progress: bool) -> dict[str, Any]:
+                progress: bool, force: bool = False) -> dict[str, Any]:
     """The body of :func:`run_sweep`, inside its :func:`fedmjp.checkpoint.read_once` block."""
     from .pipeline import run_benchmark
     from .store import RunFolder
@@ -71,14 +73,14 @@ def _run_points(cfg: BenchmarkConfig, output: str, federate: Callable[..., Any] 
     if not points:
         raise ConfigError("run_sweep needs a non-empty sweep (sweep: {key: [values]} or --sweep key=v1,v2)")
     configs = [point_config(cfg, p) for p in points]  # every bad point fails before any work
-    top = RunFolder(output)
+    top = RunFolder(output, force=force)
     top.init(cfg)
     folders, summaries = [], []
     for i, (point, pcfg) in enumerate(zip(points, configs)):
         folder = top.folder / "points" / point_folder_name(i, point)
         pcfg.output = str(folder)
         _logger.info("sweep point %d/%d: %s", i + 1, len(points), point_label(point))
-        summaries.append(run_benchmark(pcfg, str(folder), federate=federate, progress=progress))
+        summaries.append(run_benchmark(pcfg, str(folder), federate=federate, progress=progress, force=force))
         if pcfg.utility.rounds > 0:
             point_utility(pcfg, folder, federate)
         folders.append(folder)

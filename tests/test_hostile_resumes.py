@@ -61,6 +61,26 @@ def test_a_resume_by_changed_code_is_refused_naming_the_file_unless_forced(tmp_p
     assert len(json.loads((out / "provenance.json").read_text())["resumes"]) == 3
 
 
+def test_a_sweep_point_of_other_code_resumes_with_force(tmp_path: Path, capsys) -> None:
+    """A sweep's point folders carry their own provenance: rows of other code refuse the resume with
+    the message's remedy, --force, and --force reaches every point (it resumes, recording what differed)."""
+    import json
+
+    config, out = small_config(tmp_path), tmp_path / "out"
+    assert cli(config, out, "--dry-run", "--sweep", "gamma=0.27") == 0
+    point = next((out / "points").iterdir())
+    record = json.loads((point / "provenance.json").read_text())
+    record["code"]["files"]["attacks/closed_form/april.py"] = "0" * 16
+    record["code"]["fingerprint"] = "0" * 64
+    (point / "provenance.json").write_text(json.dumps(record))
+    capsys.readouterr()
+    assert cli(config, out, "--dry-run", "--sweep", "gamma=0.27") == 6
+    one_line_error(capsys.readouterr().err, "code.files.attacks/closed_form/april.py", "--force")
+    assert cli(config, out, "--dry-run", "--sweep", "gamma=0.27", "--force") == 0
+    now = json.loads((point / "provenance.json").read_text())
+    assert any("attacks/closed_form/april.py" in d for d in now["resumes"][-1]["forced_differences"])
+
+
 # ------------------------------------------------------------------ display-only keys
 def test_a_report_layout_change_resumes_and_an_oversized_tile_is_refused(tmp_path: Path, capsys) -> None:
     """report.tile changes no row: a run stored with one tile size resumes with another (no exit 6,
