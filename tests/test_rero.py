@@ -200,3 +200,23 @@ def test_the_frontier_plot_marks_the_ceilings(tmp_path):
     with mock.patch.object(matplotlib.axes.Axes, "scatter", spy):
         frontier_plot(points, tmp_path / "f.png")
     assert calls.count("ReRo median ceiling (DP)") == 1 and (tmp_path / "f.png").stat().st_size > 0
+
+
+def test_a_sweep_with_a_dp_point_takes_its_prior_from_the_attack_images(tmp_path, caplog):
+    """benchmark/sweep.py: the ReRo prior is loaded from the run's data source only where some point
+    carries rero_mu; a source that cannot be read leaves the ceilings out with a warning."""
+    from types import SimpleNamespace
+
+    from benchmark.sweep import _rero_prior
+
+    def cfg(source):
+        return SimpleNamespace(data=SimpleNamespace(source=source, image_size=16))
+
+    dp = pd.DataFrame({"rero_mu": [math.nan, 2.0]})
+    prior = _rero_prior(cfg("embedded"), dp)
+    assert prior is not None and prior.shape[1:] == (3, 16, 16) and len(prior) >= 2
+    assert _rero_prior(cfg("embedded"), pd.DataFrame({"rero_mu": [math.nan]})) is None
+    assert _rero_prior(cfg("embedded"), pd.DataFrame({"psnr": [10.0]})) is None
+    with caplog.at_level("WARNING"):
+        assert _rero_prior(cfg(str(tmp_path / "missing")), dp) is None
+    assert "ReRo ceilings are left out" in caplog.text
