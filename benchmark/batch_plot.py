@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("sweep_dirs", nargs="+", type=Path, help="sweep run folders (each with sweep.csv)")
     p.add_argument("--out", type=Path, required=True, help="the PNG to write")
     args = p.parse_args(argv)
-    frames = []
+    frames: list[pd.DataFrame] = []
     for d in args.sweep_dirs:
         csv = d / "sweep.csv"
         if not csv.is_file():
