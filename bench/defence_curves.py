@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import attacks  # noqa: E402
+from benchmark.frontier import load_prior  # noqa: E402
 from benchmark.scoring import flat_psnr  # noqa: E402
 from defences.rero import needed_baseline, release_mu  # noqa: E402
 from defences.spec import validate_defence  # noqa: E402
@@ -164,10 +165,12 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     ims = load_images(args.images, 32, args.num_images, 10)
     model = build_model(MODEL).double()
-    prior = load_images(args.images, 32, args.prior_images, 10).images if args.prior_images else None
-    if prior is not None and len(prior) < 2:
-        prior = None
-        _logger.warning("%s holds fewer than 2 images: no ReRo ceilings", args.images)
+    prior = None
+    if args.prior_images:
+        try:
+            prior = load_prior(args.images, 32, args.prior_images)
+        except ValueError as err:
+            _logger.warning("no ReRo ceilings: %s", err)
     rows = curves(model, ims, attack, {k: v for k, v in points.items() if v}, prior)
     if args.plot is not None and rows:
         plot(rows, args.plot, args.attack, len(ims))

@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from ._validate import check_image_batch
+from .pixel import psnr_from_mse
 
 #: Prior images scored against each other at most, and pixel values (N x 3 x H x W, held in float64)
 #: at most: their pairwise PSNR is N^2 values (tests/test_rero.py: test_the_prior_is_bounded).
@@ -28,7 +29,7 @@ def _psnr_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """[len(a), len(b)] PSNR (dB) of every pair of flattened images, by the Gram matrix (no
     len(a) x len(b) x pixels tensor)."""
     d = a.pow(2).sum(1)[:, None] + b.pow(2).sum(1)[None, :] - 2.0 * a @ b.T
-    return 10.0 * torch.log10(a.shape[1] / d.clamp_min(0.0))
+    return psnr_from_mse(d.clamp_min(0.0) / a.shape[1])
 
 
 def _guess_psnr_matrix(prior: torch.Tensor, guesses: Optional[torch.Tensor]) -> list[torch.Tensor]:
