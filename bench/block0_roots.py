@@ -13,8 +13,10 @@ and the ratio of the wall times. ``--images`` takes a folder of JPEGs or an arch
 layer's span holds a true token: near-roots against fc2's incomplete span (2 ``--starts``
 steered starts), fc2's span completed from 3 k of them (k = B T - its rank;
 :mod:`attacks.structure.completion`), then ``--rounds`` rounds of the root search in the completed
-span. Per update: the completion's residual and its points' largest 1 - cos to a true token, the
-roots found of B T and how many are true tokens, each stage's wall time.
+span. Per update: how many distinct true tokens the near-roots sit next to (1 - cos below
+``NEAR_GAP``, against the count the fit needs), the completion's residual and its points' largest
+1 - cos to a true token, the roots found of B T and how many are true tokens, each stage's wall
+time; where the completion refuses, its reason beside the near-roots' count.
 
 ``--membership B`` asks what the roots leave (docs/design.md, "What survives batching"): given every
 true fc1 input of a batch of B, block 0's fc1 inputs of candidate images are fitted to them
@@ -111,10 +113,23 @@ def membership(model: torch.nn.Module, x: torch.Tensor, mean: torch.Tensor, std:
     return out
 
 
+#: ``--past-floor``: the 1 - cos to a true token within which a near-root counts as near it (a
+#: completion's start converges from 5e-3 and closer: docs/results/structure.md, "At B = 4")
+NEAR_GAP = 1e-2
+
+
+def near_coverage(points: torch.Tensor, unit: torch.Tensor) -> int:
+    """How many distinct true tokens (``unit``: their unit fc1 inputs) have a near-root among ``points``
+    within :data:`NEAR_GAP`: the completion needs more than k true tokens among its points."""
+    cos = (points / points.norm(dim=1, keepdim=True)) @ unit.T
+    best = cos.max(1)
+    return len(set(best.indices[1 - best.values < NEAR_GAP].tolist()))
+
+
 def past_floor(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, mean: torch.Tensor, std: torch.Tensor,
                starts: int, rounds: int, seed: int) -> dict:
     """``--past-floor``: fc2's span completed, then the root search in it, against the true tokens."""
-    from attacks.structure.completion import POINTS_PER_DIMENSION, complete_span, near_roots
+    from attacks.structure.completion import POINTS_PER_DIMENSION, complete_span, least_points, near_roots
     from attacks.structure.roots import find_roots
     from attacks.structure.token_roots import MLPSpans
 
@@ -135,17 +150,19 @@ def past_floor(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, mean: t
     points = near_roots(MLPSpans(blk, full, Vh[:r].T.contiguous()), POINTS_PER_DIMENSION * (n - r), 2 * starts, 60,
                         gen)
     t1 = time.perf_counter()
+    near = near_coverage(points, unit)
     try:
         done = complete_span(blk, Vh[:r].T.contiguous(), n, points)
     except AttackFailure as e:  # too few distinct near-roots (raise --starts), or too large
-        return dict(failed=str(e), near_s=t1 - t0)
+        return dict(failed=str(e), near_s=t1 - t0, near=near, missing=n - r, points=int(points.shape[0]),
+                    least=least_points(n - r, G2.shape[1], r, D))
     t2 = time.perf_counter()
     search = find_roots(blk, full, done.basis, update["blocks.0.mlp.fc1.weight"].double(), G2, n, starts, rounds, 60,
                         gen)
     t3 = time.perf_counter()
     hits = (search.roots / search.roots.norm(dim=1, keepdim=True)) @ unit.T
     true = (1 - hits.max(1).values < 1e-10)
-    return dict(tokens=n, rank=r, points=int(points.shape[0]), value=done.value, points_gap=gap(done.points),
+    return dict(tokens=n, rank=r, points=int(points.shape[0]), near=near, value=done.value, points_gap=gap(done.points),
                 found=int(search.roots.shape[0]), true=int(true.sum()),
                 distinct=len(set(hits.max(1).indices[true].tolist())), near_s=t1 - t0, complete_s=t2 - t1,
                 search_s=t3 - t2)
@@ -278,11 +295,13 @@ def main(argv: list[str] | None = None) -> None:
             row = past_floor(model, ims.images[idx].double(), ims.labels[idx], mean, std, args.starts, args.rounds,
                              args.seed + u)
             if "failed" in row:
-                _logger.info("past the floor, B=%d update %d: failed: %s (%.0f s)", args.past_floor, u, row["failed"],
-                             row["near_s"])
+                _logger.info("past the floor, B=%d update %d: %d near-roots, near %d distinct true tokens (1 - cos < "
+                             "%.0e; k = %d missing dimensions, the fit needs at least %d true tokens); failed: %s "
+                             "(%.0f s)", args.past_floor, u, row["points"], row["near"], NEAR_GAP, row["missing"],
+                             row["least"], row["failed"], row["near_s"])
                 continue
             _logger.info("past the floor, B=%(B)d update %(u)d: fc2's span rank %(rank)d of %(tokens)d tokens, completed "
-                         "from %(points)d near-roots to a residual of %(value).1e (their largest 1 - cos to a true token "
+                         "from %(points)d near-roots (near %(near)d distinct true tokens) to a residual of %(value).1e (their largest 1 - cos to a true token "
                          "%(points_gap).1e); roots found %(found)d of %(tokens)d, %(true)d true tokens (%(distinct)d "
                          "distinct); near-roots %(near_s).0f s, completion %(complete_s).0f s, search %(search_s).0f s",
                          dict(row, B=args.past_floor, u=u))

@@ -193,14 +193,22 @@ def test_block0_roots_past_floor_mode_reads_true_roots_at_b3(caplog: pytest.LogC
     caplog.set_level("INFO")
     bench.main(["--images", "embedded", "--pool", "3", "--past-floor", "3", "--updates", "1", "--starts", "8",
                 "--rounds", "1"])
-    m = re.search(r"fc2's span rank 191 of 195 tokens, completed from (\d+) near-roots to a residual of (\S+) "
-                  r"\(their largest 1 - cos to a true token (\S+)\); roots found (\d+) of 195, (\d+) true tokens",
-                  caplog.text)
+    m = re.search(r"fc2's span rank 191 of 195 tokens, completed from (\d+) near-roots \(near (\d+) distinct true "
+                  r"tokens\) to a residual of (\S+) \(their largest 1 - cos to a true token (\S+)\); roots found "
+                  r"(\d+) of 195, (\d+) true tokens", caplog.text)
     assert m, caplog.text[-3000:]
-    assert int(m[1]) > 4 and float(m[2]) < 1e-20 and float(m[3]) < 1e-12
-    assert int(m[4]) == int(m[5]) >= 3
+    assert int(m[1]) > 4 and 1 <= int(m[2]) <= int(m[1]) and float(m[3]) < 1e-20 and float(m[4]) < 1e-12
+    assert int(m[5]) == int(m[6]) >= 3
     with pytest.raises(SystemExit):
         bench.main(["--images", "embedded", "--pool", "2", "--past-floor", "2"])
+    # B = 4 (k = 69): the failed row says how many true tokens the near-roots reach and how many the
+    # fit needs (111 at k = 69 on this geometry), beside the completion's own refusal
+    caplog.clear()
+    bench.main(["--images", "embedded", "--pool", "4", "--past-floor", "4", "--updates", "1", "--starts", "4"])
+    m = re.search(r"B=4 update 0: (\d+) near-roots, near (\d+) distinct true tokens .*k = 69 missing dimensions, "
+                  r"the fit needs at least 111 true tokens\); failed: completing fc2's span by 69", caplog.text)
+    assert m, caplog.text[-3000:]
+    assert int(m[2]) <= int(m[1]) <= 8
 
 
 @pytest.mark.slow
