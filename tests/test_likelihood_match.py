@@ -83,17 +83,42 @@ def test_likelihood_match_beats_its_start_on_a_real_8bit_update() -> None:
     assert "start: april_robust" in st["notes"]
 
 
-def test_likelihood_match_refuses_a_shuffled_mjp_update() -> None:
-    """Its forward is the plain one: an update with a nonzero E_unk gradient is refused, naming the
-    attacks that read the shuffled image."""
+@pytest.mark.parametrize("spec", [None, {"name": "quantize", "bits": 16}, {"name": "local_dp", "clip": 1.0, "sigma": 1e-5}])
+def test_an_mjp_clients_update_gives_its_shuffled_positions_and_x_tilde_fits_it(spec: dict | None) -> None:
+    """An MJP client's update (E_unk at every third position): the rows of dL/dP at the defence's own
+    level (exact zeros; a quantiser's levels next to 0, where a zero lands; the DP noise's
+    chi-square) are the client's shuffled positions, no more, no fewer, and with E_unk there the
+    residual at x~ is the defence's own (zero in every cell, unit variance under the noise) while
+    the plain forward's at the same image is far larger. The attack then fits x~ and returns it
+    unshuffled by the jigsaw solver for setting (c)."""
+    from attacks.optimization.likelihood_match import LikelihoodMatch
+
     model = _tiny("mjp")
     x, y = bundled_images(1, 16), torch.tensor([1])
     mask = torch.zeros(1, 16, dtype=torch.bool)
     mask[:, ::3] = True
+    spec = validate_defence(spec) if spec is not None else None
+    meta = attacks.AttackMetadata(1, (3, 16, 16), MEAN.double(), STD.double(), y, defence=spec)
     update = attacks.compute_update(model, normalize(x), y, unk_mask=mask)
-    meta = attacks.AttackMetadata(1, (3, 16, 16), MEAN.double(), STD.double(), y)
-    got = attacks.create_attack("likelihood_match", iterations=1, cg_iterations=2).reconstruct(model, update, meta)
-    assert got.failed and "mjp_adaptive" in got.reason and got.error is None
+    if spec is not None:
+        update = apply_update_defence(update, spec, torch.Generator().manual_seed(0))
+    attack = LikelihoodMatch(iterations=1, cg_iterations=2)
+    notes: list[str] = []
+    read = attack._shuffled(model, update, meta, notes)
+    assert read is not None and torch.equal(read[0], mask[0]), notes
+    S, clean = read
+    work = attack_copy(model, torch.float64)
+    r = defence_residual(work, clean, meta, y, "cells", S, update)[0]
+    plain = defence_residual(work, clean, meta, y, "cells", None, update)[0]
+    with torch.no_grad():
+        at, off = r(normalize(x).reshape(-1)), plain(normalize(x).reshape(-1))
+    if spec is not None and spec.name == "local_dp":
+        assert abs(float(at.pow(2).mean()) - 1) < 0.05 and float(off.pow(2).mean()) > 2
+    else:
+        assert float(at.abs().max()) < 1e-8 and float(off.pow(2).sum()) > 1e-3
+    got = attack.reconstruct(model, update, meta)
+    assert not got.failed, got.reason
+    assert got.unshuffled is not None and got.stats[0]["shuffled_positions"] == int(mask.sum())
 
 
 def test_the_sketch_preconditioner_is_bounded_and_reaches_the_solver() -> None:

@@ -24,6 +24,23 @@ def detect_shuffled(g_pe_patches: torch.Tensor, atol: float = 0.0) -> torch.Tens
     return g_pe_patches.abs().amax(dim=-1) <= atol
 
 
+#: a row of dL/dP counts as pure noise of std s while ||row||^2 <= s^2 (D + NOISE_ROW_SIGMAS sqrt(2 D)):
+#: the chi-square's mean plus that many of its standard deviations, so that no E_unk row of a DP
+#: client's update is taken for a position embedding's (tests/test_likelihood_match.py:
+#: test_an_mjp_clients_noisy_update_gives_its_shuffled_positions)
+NOISE_ROW_SIGMAS = 6.0
+
+
+def detect_shuffled_noisy(g_pe_patches: torch.Tensor, noise: float) -> torch.Tensor:
+    """Shuffled positions from the patch rows of a noisy dL/dP [N, D] (additive Gaussian noise of std
+    ``noise`` per entry): rows whose squared norm is within :data:`NOISE_ROW_SIGMAS` of pure noise's.
+    ``noise`` 0 is :func:`detect_shuffled`'s exact test. Returns [N] bool."""
+    if noise <= 0:
+        return detect_shuffled(g_pe_patches)
+    D = g_pe_patches.shape[-1]
+    return g_pe_patches.pow(2).sum(-1) <= noise ** 2 * (D + NOISE_ROW_SIGMAS * (2 * D) ** 0.5)
+
+
 def dal_pe_term(vit: nn.Module, shuffled: torch.Tensor, dtype: torch.dtype = torch.float64
                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Gradient of the unit-weight DAL loss on the unshuffled positions (the client's extra term).
@@ -46,12 +63,15 @@ def dal_pe_term(vit: nn.Module, shuffled: torch.Tensor, dtype: torch.dtype = tor
     return out.pop("pos_embed"), out
 
 
-def read_mjp_update(vit: nn.Module, grads: dict[str, torch.Tensor], dal_weight: Optional[float] = None
-                    ) -> tuple[torch.Tensor, dict, dict]:
+def read_mjp_update(vit: nn.Module, grads: dict[str, torch.Tensor], dal_weight: Optional[float] = None,
+                    noise: float = 0.0, atol: float = 0.0) -> tuple[torch.Tensor, dict, dict]:
     """(S [N] bool, gradients with the DAL term removed, stats) from one update's gradients.
 
     ``dal_weight``: the client's DAL weight where the attacker knows it; None: fitted to the DAL
-    head's gradients (least squares on the unit-weight term).
+    head's gradients (least squares on the unit-weight term). ``noise``: the std of additive noise
+    on every entry (a DP defence's, in gradient units): the shuffled rows are then those at the
+    noise's level (:func:`detect_shuffled_noisy`); ``atol``: rows whose every entry is within it of
+    zero (a quantiser's half step: its levels need not hold 0); both 0: the exact zero rows.
     """
     if "pos_embed" not in grads:
         raise AttackFailure("update lacks 'pos_embed': the shuffled positions cannot be read")
@@ -61,7 +81,7 @@ def read_mjp_update(vit: nn.Module, grads: dict[str, torch.Tensor], dal_weight: 
     grads = LazyGradients(grads, lambda v: v.to("cpu", torch.float64))  # each array when first read
     g_pe = grads["pos_embed"].reshape(-1, D)
     patch_rows = g_pe[-vit.patch_embed.num_patches:]
-    S = detect_shuffled(patch_rows)
+    S = detect_shuffled_noisy(patch_rows, noise) if noise > 0 else detect_shuffled(patch_rows, atol)
     stats: dict[str, Any] = dict(shuffled_positions=[int(i) for i in torch.nonzero(S).flatten()])
     head = getattr(vit, "dal_head", None)
     head_names = [n for n in grads if n.startswith("dal_head.")]

@@ -24,8 +24,10 @@ The solver is Levenberg-Marquardt without forming the Jacobian
 (:func:`attacks.solvers.lm.matrix_free_lm`, plain conjugate gradients): each CG step is one
 Jacobian-vector and one vector-Jacobian product of the model's double backward, in float64. Batch
 1 per update (the start is a batch-1 closed form), labels given or read off the head's bias
-gradient. The model's MJP forward is not modelled: an update whose E_unk gradient is nonzero (a
-shuffled client) is refused, naming the attacks that read it (``mjp_adaptive``, ``block0_roots``).
+gradient. An MJP client's update (a nonzero E_unk gradient) is fitted with its own forward: the shuffled
+positions are dL/dP's rows at the defence's noise level (exactly zero without noise), E_unk takes
+their place, the client's DAL term is removed from the target, and the image fitted is x~ (its
+shuffled patches' order, setting (c), is the jigsaw solver's).
 docs/results/attacks.md, "Second-order likelihood match after 8-bit", has its measurements
 (bench/likelihood_match.py); tests/test_likelihood_match.py pins that it beats its start on a
 real 8-bit update.
@@ -48,8 +50,12 @@ from fedmjp.devices import resolve_device
 
 from ..api.base import Attack, AttackFailure, AttackMetadata, AttackOptions, AttackResult, Update, update_to_gradients
 from ..api.registry import Threat, register_attack
+from ..closed_form.first_layer import unwrap_vit
 from ..closed_form.labels import recover_labels
+from ..closed_form.mjp_update import read_mjp_update
+from ..solvers.jigsaw import unshuffle_image
 from ..solvers.lm import matrix_free_lm
+from .batch_match import forward_kwargs
 from .breaching_adapter import attack_copy, matched_names
 from .match_terms import MatchTerms, defence_match
 
@@ -57,16 +63,19 @@ _DT = torch.float64
 
 
 def update_residual(work: nn.Module, names: Sequence[str], terms: MatchTerms, labels: torch.Tensor,
-                    shape: tuple[int, ...], rounding: str = "gaussian") -> Callable[[torch.Tensor], torch.Tensor]:
+                    shape: tuple[int, ...], rounding: str = "gaussian", unk_mask: Optional[torch.Tensor] = None
+                    ) -> Callable[[torch.Tensor], torch.Tensor]:
     """theta (a flat normalised image, [C H W]) -> [entries]: ``terms.residual`` of the gradients of
     ``names`` that image sends with ``labels`` (mean cross-entropy), differentiable by torch.func
-    in theta (forward and reverse mode). ``work``'s other parameters stay fixed."""
+    in theta (forward and reverse mode). ``work``'s other parameters stay fixed. ``unk_mask`` ([N]
+    bool): an MJP client's shuffled positions, which take E_unk in the forward (theta is then x~)."""
+    kwargs = forward_kwargs(unk_mask, shape[0])
     chosen = {nm: p.detach() for nm, p in work.named_parameters() if nm in set(names)}
     fixed = {nm: p.detach() for nm, p in work.named_parameters() if nm not in chosen}
     fixed.update(dict(work.named_buffers()))
 
     def loss(p: dict, theta: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(functional_call(work, {**fixed, **p}, (theta.view(shape),)), labels)
+        return F.cross_entropy(functional_call(work, {**fixed, **p}, (theta.view(shape),), kwargs), labels)
 
     gradient = grad(loss)
 
@@ -97,16 +106,21 @@ def patch_prior_residual(prior, mean: torch.Tensor, std: torch.Tensor, shape: tu
     return fun
 
 
-def defence_residual(work: nn.Module, grads, meta: AttackMetadata, labels: torch.Tensor, rounding: str = "gaussian"
+def defence_residual(work: nn.Module, grads, meta: AttackMetadata, labels: torch.Tensor, rounding: str = "gaussian",
+                     unk_mask: Optional[torch.Tensor] = None, raw=None
                      ) -> tuple[Callable[[torch.Tensor], torch.Tensor], MatchTerms, list[str]]:
     """(theta -> residual, its terms, notes): :func:`update_residual` of every parameter the forward
     uses that ``grads`` carries, under the defence ``meta`` names (:func:`defence_match`), in
-    ``work``'s dtype and on its device."""
+    ``work``'s dtype and on its device. An MJP client's update (``unk_mask``, its shuffled positions):
+    ``grads`` with the DAL term removed, ``raw`` as sent (the quantiser's bins and the pruned support
+    are the sent update's); the DAL head, which the image does not reach, is left out."""
     p = next(work.parameters())
-    names = matched_names(work, grads, meta.image_size)
+    names = [nm for nm in matched_names(work, grads, meta.image_size)
+             if unk_mask is None or not nm.startswith("dal_head.")]
     targets = {nm: grads[nm].detach().to(p.device, p.dtype)[None] for nm in names}
-    terms, notes = defence_match(targets, [grads], [meta], names)
-    return update_residual(work, names, terms, labels, (1, *meta.image_size), rounding), terms, notes
+    terms, notes = defence_match(targets, [grads if raw is None else raw], [meta], names)
+    return (update_residual(work, names, terms, labels, (1, *meta.image_size), rounding, unk_mask), terms,
+            notes)
 
 
 @register_attack("likelihood_match")
@@ -140,7 +154,7 @@ class LikelihoodMatch(Attack):
     """
 
     threat = Threat(batch="1 per update", labels="given, or read off the head's bias gradient",
-                    architecture="any ViT (MJP: only an update without a shuffle)",
+                    architecture="any ViT (MJP: x~, the shuffled positions read off dL/dP)",
                     precision="any; the defence's observation model from the metadata")
 
     name = "likelihood_match"
@@ -187,14 +201,14 @@ class LikelihoodMatch(Attack):
             raise AttackFailure(f"likelihood_match fits one image per update (its start is a batch-1 closed "
                                 f"form), got num_images={meta.num_images}; batch_match fits a batch")
         grads, notes = update_to_gradients(update, meta)
-        unk = [nm for nm in grads if nm.split(".")[-1] == "unk_embed"]
-        if unk and float(grads[unk[0]].abs().max()) > 0:
-            raise AttackFailure("the update carries a nonzero E_unk gradient (an MJP client shuffled its image): "
-                                "this attack's forward is the plain one; mjp_adaptive and block0_roots read x~")
         work = attack_copy(model, _DT, self.device)
         size = meta.image_size
+        raw, mask = grads, self._shuffled(model, grads, meta, notes)
+        if mask is not None:
+            grads = mask[1]
+            mask = mask[0].to(self.device)
         y = self._labels(work, grads, meta, notes)
-        fun, terms, more = defence_residual(work, grads, meta, y, self.rounding)
+        fun, terms, more = defence_residual(work, grads, meta, y, self.rounding, mask, raw)
         notes.extend(more)
         if terms.kind == "bins":
             notes.append(f"rounding model: {self.rounding}")
@@ -229,7 +243,37 @@ class LikelihoodMatch(Attack):
                      prior_weight=weight,
                      entries=int(sum(t.shape[1] for t in terms.flat)), start=self.start,
                      start_time_s=start_time, time_s=time.perf_counter() - t0, notes=notes)
-        return AttackResult(meta.denormalize(x), [stats], labels=y.cpu())
+        images = meta.denormalize(x)
+        unshuffled = None
+        if mask is not None and bool(mask.any()):  # x~'s shuffled patches in place; their order a jigsaw (setting c)
+            stats["shuffled_positions"] = int(mask.sum())
+            unshuffled = unshuffle_image(images, mask.cpu(), int(unwrap_vit(model).patch_embed.patch_size[0]))[0]
+        return AttackResult(images, [stats], labels=y.cpu(), unshuffled=unshuffled)
+
+    def _shuffled(self, model: nn.Module, grads, meta: AttackMetadata, notes: list[str]):
+        """None for a plain update; for an MJP client's (a nonzero E_unk gradient): (its shuffled
+        positions [N] bool, the gradients with its DAL term removed), read off dL/dP's rows at the
+        defence's noise level (:func:`attacks.closed_form.mjp_update.read_mjp_update`)."""
+        unk = [nm for nm in grads if nm.split(".")[-1] == "unk_embed"]
+        if not unk or not float(grads[unk[0]].abs().max()) > 0:
+            return None
+        obs = meta.defence.observation() if meta.defence is not None else None
+        noise = meta.defence_noise(obs)[0] if obs is not None and obs.noise is not None else 0.0
+        atol = 0.0
+        if obs is not None and obs.quant_bits is not None and obs.quant_bits > 1:
+            # a row of zeros lands on the levels next to 0, half a step (a whole one, stochastic) away
+            pe = [nm for nm in grads if nm.split(".")[-1] == "pos_embed"]
+            top = float(grads[pe[0]].abs().max()) if pe else 0.0
+            atol = top / (2 ** obs.quant_bits - 1) * (2.0 if obs.quant_stochastic else 1.0) * (1 + 1e-9)
+        S, clean, st = read_mjp_update(unwrap_vit(model), dict(grads), noise=noise, atol=atol)
+        level = "noise-level" if noise else ("nearest-zero-level" if atol else "zero")
+        if not bool(S.any()) or bool(S.all()):
+            raise AttackFailure(f"the update carries a nonzero E_unk gradient but {'every' if S.any() else 'no'} "
+                                f"patch row of dL/dP is at the {level} level: the shuffled positions cannot be read")
+        notes.append(f"MJP client: {int(S.sum())} shuffled positions read off dL/dP's {level} rows, E_unk there "
+                     "in the forward; the image fitted is x~"
+                     + (f"; DAL term of weight {st['dal_weight']:.3g} removed" if "dal_weight" in st else ""))
+        return S, clean
 
     def _labels(self, work: nn.Module, grads, meta: AttackMetadata, notes: list[str]) -> torch.Tensor:
         """[1]: the granted label, else the one read off the head's gradient (noted)."""
