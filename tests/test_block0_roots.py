@@ -268,7 +268,8 @@ def test_past_d_minus_1_tokens_no_true_token_is_in_fc2s_span() -> None:
 @pytest.mark.parametrize("case, match", [
     ("design_a", "design-A block 0 at B = 1 only"),
     ("batch_4", r"past B T = D - 1 \(4 images x 65 tokens = 260 > 191, width 192\) block0_roots completes fc2's "
-                r"span by k = 69 dimensions, whose fit takes \S+ GB > 2.0 GB.*B <= 3 on this model"),
+                r"span by k = 69 dimensions, whose fit takes \S+ GB > 2.0 GB.*B <= 3 on this model.*at least "
+                r"111 near-roots at true tokens"),
     ("batch_12", r"B T = 12 images x 65 tokens = 780 >= 768, fc2's input width.*separates no token.*B <= 11 on "
                  r"this model"),
     ("fedavg", "local steps"),

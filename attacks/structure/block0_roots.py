@@ -70,7 +70,8 @@ from ..optimization.batch_match import batch_labels
 from ..solvers.jigsaw import unshuffle_image
 from ..solvers.spans import input_spans, span_rank
 from .design_a import DESIGN_A_MAX_UNKNOWNS, STRUCTURED_ROUNDS, design_a_embeddings
-from .completion import COMPLETED_TOL, COMPLETION_MEMORY, POINTS_PER_DIMENSION, complete_span, completion_bytes, near_roots
+from .completion import (COMPLETED_TOL, COMPLETION_MEMORY, POINTS_PER_DIMENSION, complete_span, completion_bytes,
+                         least_points, near_roots)
 from .linear import outputs_past_floor, token_equations
 from .placement import (DESIGN_A_POSITION_TOL, POSITION_TOL, assemble_images, assign_images, image_indicators,
                         needs_gradient_placement, place_by_gradients, place_tokens, position_residuals,
@@ -249,7 +250,9 @@ def check_model(vit: nn.Module, grads: Mapping[str, torch.Tensor], batch: int) -
                                 f"width {D}) block0_roots completes fc2's span by k = {k} dimensions, whose fit "
                                 f"takes {need / 1e9:.1f} GB > {COMPLETION_MEMORY / 1e9:.1f} GB "
                                 f"(attacks/structure/completion.py); B <= {(max_tokens(D) + max_completed(D)) // T} "
-                                f"on this model")
+                                f"on this model. The fit would also need at least "
+                                f"{least_points(k, 4 * D, max_tokens(D), D)} near-roots at true tokens, more than "
+                                "steered starts reach there (docs/results/structure.md, \"At B = 4\")")
     if is_design_a(blk) and T * T > DESIGN_A_MAX_UNKNOWNS:
         raise AttackFailure(f"block0_roots reads design A through a dense solve in T^2 = {T * T} unknowns "
                             f"({T} tokens); it takes at most {DESIGN_A_MAX_UNKNOWNS} (T <= "
