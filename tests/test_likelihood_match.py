@@ -83,7 +83,9 @@ def test_likelihood_match_beats_its_start_on_a_real_8bit_update() -> None:
     assert "start: april_robust" in st["notes"]
 
 
-@pytest.mark.parametrize("spec", [None, {"name": "quantize", "bits": 16}, {"name": "local_dp", "clip": 1.0, "sigma": 1e-5}])
+@pytest.mark.parametrize("spec", [None, {"name": "quantize", "bits": 16},
+                                  {"name": "quantize", "bits": 16, "stochastic": True},
+                                  {"name": "local_dp", "clip": 1.0, "sigma": 1e-5}])
 def test_an_mjp_clients_update_gives_its_shuffled_positions_and_x_tilde_fits_it(spec: dict | None) -> None:
     """An MJP client's update (E_unk at every third position): the rows of dL/dP at the defence's own
     level (exact zeros; a quantiser's levels next to 0, where a zero lands; the DP noise's
@@ -119,6 +121,22 @@ def test_an_mjp_clients_update_gives_its_shuffled_positions_and_x_tilde_fits_it(
     got = attack.reconstruct(model, update, meta)
     assert not got.failed, got.reason
     assert got.unshuffled is not None and got.stats[0]["shuffled_positions"] == int(mask.sum())
+
+
+def test_an_mjp_update_whose_patch_rows_all_sit_at_the_quantisers_zero_level_is_a_failed_row() -> None:
+    """At 8 bits the tiny fresh model's class-token row of dL/dP sets the quantiser's scale and every
+    patch row lands on the levels next to 0: no position can be told shuffled, and the row says so."""
+    model = _tiny("mjp")
+    x, y = bundled_images(1, 16), torch.tensor([1])
+    mask = torch.zeros(1, 16, dtype=torch.bool)
+    mask[:, ::3] = True
+    spec = validate_defence({"name": "quantize", "bits": 8})
+    meta = attacks.AttackMetadata(1, (3, 16, 16), MEAN.double(), STD.double(), y, defence=spec)
+    update = apply_update_defence(attacks.compute_update(model, normalize(x), y, unk_mask=mask), spec,
+                                  torch.Generator())
+    got = attacks.create_attack("likelihood_match", iterations=1, cg_iterations=2).reconstruct(model, update, meta)
+    assert got.failed and got.error is None
+    assert "every patch row of dL/dP is at the quantiser's nearest-to-zero level" in got.reason
 
 
 def test_the_sketch_preconditioner_is_bounded_and_reaches_the_solver() -> None:

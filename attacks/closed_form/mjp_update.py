@@ -27,7 +27,7 @@ def detect_shuffled(g_pe_patches: torch.Tensor, atol: float = 0.0) -> torch.Tens
 #: a row of dL/dP counts as pure noise of std s while ||row||^2 <= s^2 (D + NOISE_ROW_SIGMAS sqrt(2 D)):
 #: the chi-square's mean plus that many of its standard deviations, so that no E_unk row of a DP
 #: client's update is taken for a position embedding's (tests/test_likelihood_match.py:
-#: test_an_mjp_clients_noisy_update_gives_its_shuffled_positions)
+#: test_an_mjp_clients_update_gives_its_shuffled_positions_and_x_tilde_fits_it)
 NOISE_ROW_SIGMAS = 6.0
 
 

@@ -261,17 +261,19 @@ class LikelihoodMatch(Attack):
         noise = meta.defence_noise(obs)[0] if obs is not None and obs.noise is not None else 0.0
         atol = 0.0
         if obs is not None and obs.quant_bits is not None and obs.quant_bits > 1:
-            # a row of zeros lands on the levels next to 0, half a step (a whole one, stochastic) away
+            # the 2^bits levels on [-m, m] (m: the tensor's largest |entry|, which stays a level) are
+            # 2m / (2^bits - 1) apart and hold no 0: a zero entry lands on one of the two next to it,
+            # m / (2^bits - 1) away, whether rounded to the nearest or stochastically
             pe = [nm for nm in grads if nm.split(".")[-1] == "pos_embed"]
             top = float(grads[pe[0]].abs().max()) if pe else 0.0
-            atol = top / (2 ** obs.quant_bits - 1) * (2.0 if obs.quant_stochastic else 1.0) * (1 + 1e-9)
+            atol = top / (2 ** obs.quant_bits - 1) * (1 + 1e-9)
         S, clean, st = read_mjp_update(unwrap_vit(model), dict(grads), noise=noise, atol=atol)
-        level = "noise-level" if noise else ("nearest-zero-level" if atol else "zero")
+        level = "noise" if noise else ("quantiser's nearest-to-zero" if atol else "zero")
         if not bool(S.any()) or bool(S.all()):
             raise AttackFailure(f"the update carries a nonzero E_unk gradient but {'every' if S.any() else 'no'} "
                                 f"patch row of dL/dP is at the {level} level: the shuffled positions cannot be read")
-        notes.append(f"MJP client: {int(S.sum())} shuffled positions read off dL/dP's {level} rows, E_unk there "
-                     "in the forward; the image fitted is x~"
+        notes.append(f"MJP client: {int(S.sum())} shuffled positions read off dL/dP's rows at the {level} level, "
+                     "E_unk there in the forward; the image fitted is x~"
                      + (f"; DAL term of weight {st['dal_weight']:.3g} removed" if "dal_weight" in st else ""))
         return S, clean
 
