@@ -113,8 +113,8 @@ def membership(model: torch.nn.Module, x: torch.Tensor, mean: torch.Tensor, std:
     return out
 
 
-#: ``--past-floor``: the 1 - cos to a true token within which a near-root counts as near it (a
-#: completion's start converges from 5e-3 and closer: docs/results/structure.md, "At B = 4")
+#: ``--past-floor``: the 1 - cos to a true token within which a near-root counts as near it
+#: (docs/results/structure.md, "At B = 4"; tests/test_bench_scripts.py: test_block0_roots_past_floor_mode_reads_true_roots_at_b3)
 NEAR_GAP = 1e-2
 
 

@@ -90,6 +90,12 @@ def prune_update(update: Update, keep: float) -> dict[str, torch.Tensor]:
     return out
 
 
+def quantizer_step(m: float, bits: int) -> float:
+    """The spacing of :func:`quantize_tensor`'s 2^bits levels on [-m, m] (bits > 1), m = max|t|:
+    2 m / (2^bits - 1). The levels hold no 0: a zero entry lands half a step away."""
+    return 2 * m / (2 ** bits - 1)
+
+
 def quantize_tensor(t: torch.Tensor, bits: int, stochastic: bool = False,
                     generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """One tensor on at most 2^bits levels.

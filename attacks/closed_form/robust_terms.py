@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from defences.spec import DefenceSpec
+from defences.transforms import quantizer_step
 
 from ..api.base import AttackMetadata
 from .priors import PatchPrior
@@ -85,7 +86,7 @@ class NoiseModel:
             if bits == 1:
                 var += m ** 2 / 3
             else:
-                step = 2 * m / (2 ** bits - 1)
+                step = quantizer_step(m, bits)
                 # nearest level: uniform error on [-step/2, step/2]; unbiased stochastic rounding:
                 # variance p (1 - p) step^2, 1/6 step^2 on average over the position p in the step
                 var += step ** 2 / (6 if stochastic else 12)

@@ -46,6 +46,7 @@ from pydantic import Field
 from torch.func import functional_call, grad
 
 from fedmjp.config import Float, Int, option
+from defences.transforms import quantizer_step
 from fedmjp.devices import resolve_device
 
 from ..api.base import Attack, AttackFailure, AttackMetadata, AttackOptions, AttackResult, Update, update_to_gradients
@@ -261,12 +262,11 @@ class LikelihoodMatch(Attack):
         noise = meta.defence_noise(obs)[0] if obs is not None and obs.noise is not None else 0.0
         atol = 0.0
         if obs is not None and obs.quant_bits is not None and obs.quant_bits > 1:
-            # the 2^bits levels on [-m, m] (m: the tensor's largest |entry|, which stays a level) are
-            # 2m / (2^bits - 1) apart and hold no 0: a zero entry lands on one of the two next to it,
-            # m / (2^bits - 1) away, whether rounded to the nearest or stochastically
+            # a zero entry lands on one of the two levels next to 0, half a step away, whether rounded
+            # to the nearest or stochastically (m, the tensor's largest |entry|, stays a level)
             pe = [nm for nm in grads if nm.split(".")[-1] == "pos_embed"]
             top = float(grads[pe[0]].abs().max()) if pe else 0.0
-            atol = top / (2 ** obs.quant_bits - 1) * (1 + 1e-9)
+            atol = quantizer_step(top, obs.quant_bits) / 2 * (1 + 1e-9)
         S, clean, st = read_mjp_update(unwrap_vit(model), dict(grads), noise=noise, atol=atol)
         level = "noise" if noise else ("quantiser's nearest-to-zero" if atol else "zero")
         if not bool(S.any()) or bool(S.all()):

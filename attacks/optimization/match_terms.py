@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from defences.spec import NoDefence
+from defences.transforms import quantizer_step
 
 from ..api.base import AttackMetadata
 
@@ -246,7 +247,7 @@ def defence_match(targets: dict[str, torch.Tensor], raw: Sequence[Any], metas: S
                 hi[nm] = torch.where(q < 0, torch.zeros_like(q), torch.where(q > 0, inf, torch.zeros_like(q)))
             else:
                 m = flat.amax(1).reshape(-1, *([1] * (q.dim() - 1)))  # the largest level: max |g|
-                half = (2 * m / (2 ** bits - 1)) * (1.0 if stochastic else 0.5)
+                half = quantizer_step(m, bits) * (1.0 if stochastic else 0.5)
                 lo[nm], hi[nm] = torch.maximum(q - half, -m), torch.minimum(q + half, m)
             lo[nm], hi[nm] = lo[nm] + shift, hi[nm] + shift
         what = f"{bits} bit{'s' if bits > 1 else ''}{', stochastic' if stochastic else ''}"
