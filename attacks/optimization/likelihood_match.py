@@ -204,10 +204,9 @@ class LikelihoodMatch(Attack):
         grads, notes = update_to_gradients(update, meta)
         work = attack_copy(model, _DT, self.device)
         size = meta.image_size
-        raw, mask = grads, self._shuffled(model, grads, meta, notes)
-        if mask is not None:
-            grads = mask[1]
-            mask = mask[0].to(self.device)
+        raw, mask, read = grads, None, self._shuffled(model, grads, meta, notes)
+        if read is not None:  # an MJP client: its shuffled positions, its gradients less the DAL term
+            mask, grads = read[0].to(self.device), read[1]
         y = self._labels(work, grads, meta, notes)
         fun, terms, more = defence_residual(work, grads, meta, y, self.rounding, mask, raw)
         notes.extend(more)
