@@ -32,6 +32,7 @@ SMALLEST: dict[str, list[str]] = {
                            "--setting", "a", "--parts", "--set", "attacks=[{name: pe_closed_form}]",
                            "--set", "models=[{name: DeiT, arch: mjp_vit_cifar_patch4_32, kwargs: {depth: 1}, "
                            "variant: plain, april: surgery, checkpoint: null}]"],
+    "block_solve": ["--size", "32", "--patch", "4", "--width", "192", "--calls", "1"],
     "block0_roots": ["--images", "embedded", "--batch-sizes", "1", "--updates", "1", "--pool", "2", "--starts", "2",
                      "--rounds", "1", "--match-iterations", "1"],
     "closed_forms": ["--data", "{imagenet}", "--images", "1", "--defences", "none", "--priors", "smooth",
