@@ -65,10 +65,16 @@ def fc1_inputs(model: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor | Non
     return seen["u"][0].double()
 
 
+def truncated_span(update: torch.Tensor, rank: int) -> torch.Tensor:
+    """[fan-in, rank] orthonormal basis of a weight update's row space truncated to ``rank`` (its top
+    right singular vectors: the total-least-squares span of a perturbed update)."""
+    return torch.linalg.svd(update, full_matrices=False)[2][:rank].T.contiguous()
+
+
 def span_distances(model: torch.nn.Module, fc2_update: torch.Tensor, rank: int, tokens: torch.Tensor) -> torch.Tensor:
     """[n] distance of each token's unit fc2 input (its activation) from the row space of fc2's update
-    truncated to ``rank`` (its top singular vectors)."""
-    V = torch.linalg.svd(fc2_update, full_matrices=False)[2][:rank]
+    truncated to ``rank`` (:func:`truncated_span`)."""
+    V = truncated_span(fc2_update, rank).T
     blk = model.blocks[0]
     with torch.no_grad():
         a = blk.mlp.act(blk.mlp.fc1(tokens))
@@ -81,8 +87,7 @@ def nearest_minima(model: torch.nn.Module, update: dict, rank: int, truth: torch
     problem (:class:`attacks.structure.token_roots.MLPSpans`) that Levenberg-Marquardt reaches from it,
     on fc1's and fc2's spans truncated to ``rank`` (total least squares): how close the best a
     noise-aware root search could land is to the token, before any linear step."""
-    S1, S2 = (torch.linalg.svd(update[f"blocks.0.mlp.{k}.weight"], full_matrices=False)[2][:rank].T.contiguous()
-              for k in ("fc1", "fc2"))
+    S1, S2 = (truncated_span(update[f"blocks.0.mlp.{k}.weight"], rank) for k in ("fc1", "fc2"))
     problem = MLPSpans(model.blocks[0], S1, S2)
     with torch.no_grad():
         alpha = problem.solve(truth @ S1, iterations, 0.0)[0]
