@@ -23,6 +23,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from attacks.closed_form.robust_steps import block_cholesky_solve  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from attack_throughput import alternate  # noqa: E402  (the bench scripts' side-by-side order)
+
 
 def factors(size: int, patch: int, width: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """(L [J, N, N] lower Cholesky factors of w_j G G^T + diag, a right-hand side [N, J])."""
@@ -52,21 +55,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", type=int, default=224, help="image size in pixels")
     p.add_argument("--patch", type=int, default=16, help="patch size")
     p.add_argument("--width", type=int, default=384, help="embedding width D (columns of G)")
-    p.add_argument("--calls", type=int, default=20, help="timed calls of each route (order alternated)")
+    p.add_argument("--calls", type=int, default=20, help="timed calls of each route per run (two runs, order alternated)")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     args = p.parse_args(argv)
     if min(args.patch, args.width, args.calls, args.threads) < 1 or args.size < args.patch or args.size % args.patch:
         p.error("need size a positive multiple of patch, and patch, width, calls and threads >= 1")
     torch.set_num_threads(args.threads)
     L, X = factors(args.size, args.patch, args.width, torch.Generator().manual_seed(0))
-    per_call = {"cholesky_solve": 0.0, "two triangular solves": 0.0}
     routes = {"cholesky_solve": cholesky_solve_route, "two triangular solves": block_cholesky_solve}
-    answers = {}
-    for rep in range(2):  # each route first once
-        for name in (list(routes) if rep == 0 else list(routes)[::-1]):
-            dt, answers[name] = timed(routes[name], L, X, args.calls)
-            per_call[name] += dt / 2
-    a, b = answers.values()
+    runs = alternate({name: (lambda fn=fn: timed(fn, L, X, args.calls)) for name, fn in routes.items()}, 2)
+    per_call = {name: sum(dt for dt, _ in got) / len(got) for name, got in runs.items()}
+    a, b = (got[-1][1] for got in runs.values())
     diff = float((a - b).abs().max() / a.abs().max())
     J, N = L.shape[0], L.shape[1]
     print(f"[block solve] {args.size} px, patch {args.patch}: [{J}, {N}, {N}] factors, {args.threads} thread(s)")
