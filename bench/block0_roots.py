@@ -16,7 +16,11 @@ steered starts), fc2's span completed from 3 k of them (k = B T - its rank;
 span. Per update: how many distinct true tokens the near-roots sit next to (1 - cos below
 ``NEAR_GAP``, against the count the fit needs), the completion's residual and its points' largest
 1 - cos to a true token, the roots found of B T and how many are true tokens, each stage's wall
-time; where the completion refuses, its reason beside the near-roots' count.
+time; where the completion refuses, its reason beside the near-roots' count. ``--oracle N`` adds
+what no search can beat: from each of N true tokens (a random draw; every token where N >= B T)
+the same Levenberg-Marquardt steps against fc2's incomplete span, and how many of the minima they
+reach lie within ``NEAR_GAP`` of their own token (scaled to B T where N < B T): a token whose own
+start ends farther off has no near-root for any search to find.
 
 ``--membership B`` asks what the roots leave (docs/design.md, "What survives batching"): given every
 true fc1 input of a batch of B, block 0's fc1 inputs of candidate images are fitted to them
@@ -126,9 +130,23 @@ def near_coverage(points: torch.Tensor, unit: torch.Tensor) -> int:
     return len(set(best.indices[1 - best.values < NEAR_GAP].tolist()))
 
 
+def reachable(problem, truth: torch.Tensor, sample: int, generator: torch.Generator) -> tuple[int, int, float]:
+    """``--oracle``: (tokens started, how many of them end within :data:`NEAR_GAP` of themselves, the
+    median 1 - cos) when each of ``sample`` true tokens (fc1 inputs ``truth``; a random draw) starts
+    the near-roots' Levenberg-Marquardt steps against ``problem``'s spans: the most true tokens any
+    search for near-roots can reach (a start elsewhere ends at one of these minima or farther off)."""
+    pick = torch.randperm(truth.shape[0], generator=generator)[:sample]
+    with torch.no_grad():
+        alpha, _ = problem.solve(truth[pick] @ problem.S1, 60, settled=0.0)  # the token itself (an fc1 input)
+    u = alpha @ problem.S1.T
+    gap = 1 - ((u / u.norm(dim=1, keepdim=True)) * (truth[pick] / truth[pick].norm(dim=1, keepdim=True))).sum(1)
+    return int(pick.numel()), int((gap < NEAR_GAP).sum()), float(gap.median())
+
+
 def past_floor(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, mean: torch.Tensor, std: torch.Tensor,
-               starts: int, rounds: int, seed: int) -> dict:
-    """``--past-floor``: fc2's span completed, then the root search in it, against the true tokens."""
+               starts: int, rounds: int, seed: int, oracle: int = 0) -> dict:
+    """``--past-floor``: fc2's span completed, then the root search in it, against the true tokens;
+    ``oracle`` > 0: :func:`reachable` from that many true tokens first (``row["oracle"]``)."""
     from attacks.structure.completion import POINTS_PER_DIMENSION, complete_span, least_points, near_roots
     from attacks.structure.roots import find_roots
     from attacks.structure.token_roots import MLPSpans
@@ -146,15 +164,22 @@ def past_floor(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, mean: t
     r = int((sv > 1e-10 * sv[0]).sum())
     full = torch.eye(D, dtype=torch.float64)  # B T > D: fc1's span is the whole input space
     gen = torch.Generator().manual_seed(seed)
+    problem = MLPSpans(blk, full, Vh[:r].T.contiguous())
+    extra: dict = {}
+    if oracle:
+        t0 = time.perf_counter()
+        started, within, median = reachable(problem, truth, oracle, torch.Generator().manual_seed(seed))
+        extra = dict(oracle=f"{within} of {started} true tokens' own starts end within {NEAR_GAP:.0e} of them "
+                     f"(median 1 - cos {median:.1e}; about {round(within * n / started)} of {n} tokens, "
+                     f"{time.perf_counter() - t0:.0f} s)")
     t0 = time.perf_counter()
-    points = near_roots(MLPSpans(blk, full, Vh[:r].T.contiguous()), POINTS_PER_DIMENSION * (n - r), 2 * starts, 60,
-                        gen)
+    points = near_roots(problem, POINTS_PER_DIMENSION * (n - r), 2 * starts, 60, gen)
     t1 = time.perf_counter()
     near = near_coverage(points, unit)
     try:
         done = complete_span(blk, Vh[:r].T.contiguous(), n, points)
     except AttackFailure as e:  # too few distinct near-roots (raise --starts), or too large
-        return dict(failed=str(e), near_s=t1 - t0, near=near, missing=n - r, points=int(points.shape[0]),
+        return dict(extra, failed=str(e), near_s=t1 - t0, near=near, missing=n - r, points=int(points.shape[0]),
                     least=least_points(n - r, G2.shape[1], r, D))
     t2 = time.perf_counter()
     search = find_roots(blk, full, done.basis, update["blocks.0.mlp.fc1.weight"].double(), G2, n, starts, rounds, 60,
@@ -162,7 +187,7 @@ def past_floor(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, mean: t
     t3 = time.perf_counter()
     hits = (search.roots / search.roots.norm(dim=1, keepdim=True)) @ unit.T
     true = (1 - hits.max(1).values < 1e-10)
-    return dict(tokens=n, rank=r, points=int(points.shape[0]), near=near, value=done.value, points_gap=gap(done.points),
+    return dict(extra, tokens=n, rank=r, points=int(points.shape[0]), near=near, value=done.value, points_gap=gap(done.points),
                 found=int(search.roots.shape[0]), true=int(true.sum()),
                 distinct=len(set(hits.max(1).indices[true].tolist())), near_s=t1 - t0, complete_s=t2 - t1,
                 search_s=t3 - t2)
@@ -217,6 +242,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--membership", type=int, default=0, help="batch size B of the membership test (0: off)")
     p.add_argument("--past-floor", type=int, default=0, help="batch size B of the roots read past B T = D - 1 "
                    "(0: off; B T must exceed D - 1)")
+    p.add_argument("--oracle", type=int, default=0, help="--past-floor: true tokens to start the near-roots' "
+                   "steps from, to count the tokens that have a near-root at all (0: off)")
     p.add_argument("--fit-iterations", type=int, default=40, help="--membership: L-BFGS steps")
     p.add_argument("--design-a", type=int, default=0, help="photographs to read off design A at B = 1 (0: off)")
     p.add_argument("--attention-iterations", type=int, default=40, help="--design-a: the attention solve's "
@@ -241,6 +268,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error(str(e))
     if not 0 <= args.past_floor <= args.pool:
         p.error(f"--past-floor {args.past_floor}: give a batch size between 1 and --pool {args.pool} (0: off)")
+    if args.oracle < 0 or (args.oracle and not args.past_floor):
+        p.error(f"--oracle {args.oracle}: give a count of true tokens (0: off) together with --past-floor")
     if not 0 <= args.membership <= args.pool:
         p.error(f"--membership {args.membership}: give a batch size between 1 and --pool {args.pool} (0: off)")
     for flag in ("updates", "pool", "starts", "rounds", "fit_iterations"):
@@ -293,7 +322,10 @@ def main(argv: list[str] | None = None) -> None:
         for u in range(args.updates):
             idx = torch.randperm(len(ims), generator=gen)[:args.past_floor]
             row = past_floor(model, ims.images[idx].double(), ims.labels[idx], mean, std, args.starts, args.rounds,
-                             args.seed + u)
+                             args.seed + u, args.oracle)
+            if "oracle" in row:
+                _logger.info("past the floor, B=%d update %d: near-roots from the true tokens: %s", args.past_floor, u,
+                             row["oracle"])
             if "failed" in row:
                 _logger.info("past the floor, B=%d update %d: %d near-roots, near %d distinct true tokens (1 - cos < "
                              "%.0e; k = %d missing dimensions, the fit needs at least %d true tokens); failed: %s "

@@ -203,13 +203,21 @@ def test_block0_roots_past_floor_mode_reads_true_roots_at_b3(caplog: pytest.LogC
     with pytest.raises(SystemExit):
         bench.main(["--images", "embedded", "--pool", "2", "--past-floor", "2"])
     # B = 4 (k = 69): the failed row says how many true tokens the near-roots reach and how many the
-    # fit needs (111 at k = 69 on this geometry), beside the completion's own refusal
+    # fit needs (111 at k = 69 on this geometry), beside the completion's own refusal; --oracle counts the
+    # tokens whose own start ends next to them (the most any search for near-roots reaches)
     caplog.clear()
-    bench.main(["--images", "embedded", "--pool", "4", "--past-floor", "4", "--updates", "1", "--starts", "4"])
+    bench.main(["--images", "embedded", "--pool", "4", "--past-floor", "4", "--updates", "1", "--starts", "4",
+                "--oracle", "8"])
     m = re.search(r"B=4 update 0: (\d+) near-roots, near (\d+) distinct true tokens .*k = 69 missing dimensions, "
                   r"the fit needs at least 111 true tokens\); failed: completing fc2's span by 69", caplog.text)
     assert m, caplog.text[-3000:]
     assert int(m[2]) <= int(m[1]) <= 8
+    m = re.search(r"B=4 update 0: near-roots from the true tokens: (\d+) of 8 true tokens' own starts end within "
+                  r"1e-02 of them \(median 1 - cos (\S+); about (\d+) of 260 tokens", caplog.text)
+    assert m, caplog.text[-3000:]
+    assert int(m[3]) == round(int(m[1]) * 260 / 8) and 0 < float(m[2]) < 1
+    with pytest.raises(SystemExit):
+        bench.main(["--images", "embedded", "--pool", "4", "--oracle", "8"])
 
 
 @pytest.mark.slow

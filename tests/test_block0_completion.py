@@ -80,7 +80,7 @@ def test_the_scales_and_positions_past_the_floor_follow_linearly() -> None:
     and with them every token's position is its best fit, given the roots in any order (measured:
     scales to 1e-11 relative, every position right). What is left open is the attention outputs'
     part in the null space of the tokens' output gradients (B T - rank dims): docs/design.md."""
-    from attacks.structure.linear import token_equations
+    from attacks.structure.linear import embeddings_less_shift, token_equations
     from attacks.structure.placement import position_residuals, token_offsets
 
     model = _deit()
@@ -93,8 +93,7 @@ def test_the_scales_and_positions_past_the_floor_follow_linearly() -> None:
     perm = torch.randperm(U.shape[0], generator=torch.Generator().manual_seed(3))
     eq = token_equations(model, update, U[perm])
     assert float(((1 / eq.inv_sigma - sigma[perm]) / sigma[perm]).abs().max()) < 1e-8
-    attn = blk.attn
-    base = eq.normalized / eq.inv_sigma[:, None] - (eq.outputs @ attn.proj.weight.T + attn.proj.bias)
+    base = embeddings_less_shift(blk.attn, eq)
     _, off, _, Qm = token_offsets(model)
     res = position_residuals(base, off, Qm)
     assert torch.equal(res.argmin(1), perm % 65)

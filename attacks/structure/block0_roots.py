@@ -72,7 +72,7 @@ from ..solvers.spans import input_spans, span_rank
 from .design_a import DESIGN_A_MAX_UNKNOWNS, STRUCTURED_ROUNDS, design_a_embeddings
 from .completion import (COMPLETED_TOL, COMPLETION_MEMORY, POINTS_PER_DIMENSION, complete_span, completion_bytes,
                          least_points, near_roots)
-from .linear import outputs_past_floor, token_equations
+from .linear import embeddings_less_shift, outputs_past_floor, token_equations
 from .placement import (DESIGN_A_POSITION_TOL, POSITION_TOL, assemble_images, assign_images, image_indicators,
                         needs_gradient_placement, place_by_gradients, place_tokens, position_residuals,
                         token_offsets)
@@ -152,11 +152,11 @@ def batch_from_roots(vit: nn.Module, grads: Mapping[str, torch.Tensor], roots: t
                                       structured_rounds)
             base = emb.tokens
         else:
-            base = eq.normalized / eq.inv_sigma[:, None] - (eq.outputs @ attn.proj.weight.T + attn.proj.bias)  # z - mu 1
+            base = embeddings_less_shift(attn, eq)
             if roots.shape[0] > max_tokens(int(roots.shape[1])):  # past the floor: C up to N F (outputs_past_floor)
                 _, off, _, Qm = token_offsets(vit)
                 eq = replace(eq, outputs=outputs_past_floor(vit, eq, position_residuals(base, off, Qm).argmin(1)))
-                base = eq.normalized / eq.inv_sigma[:, None] - (eq.outputs @ attn.proj.weight.T + attn.proj.bias)
+                base = embeddings_less_shift(attn, eq)
         if not design_a and batch == 1 and needs_gradient_placement(vit):  # 1 + C p^2 >= D: 224 px, patch 16
             placed = place_by_gradients(vit, grads, base, eq.h_grads)
         else:
@@ -252,7 +252,7 @@ def check_model(vit: nn.Module, grads: Mapping[str, torch.Tensor], batch: int) -
                                 f"(attacks/structure/completion.py); B <= {(max_tokens(D) + max_completed(D)) // T} "
                                 f"on this model. The fit would also need at least "
                                 f"{least_points(k, 4 * D, max_tokens(D), D)} near-roots at true tokens, more than "
-                                "steered starts reach there (docs/results/structure.md, \"At B = 4\")")
+                                "have a near-root there at all (docs/results/structure.md, \"At B = 4\")")
     if is_design_a(blk) and T * T > DESIGN_A_MAX_UNKNOWNS:
         raise AttackFailure(f"block0_roots reads design A through a dense solve in T^2 = {T * T} unknowns "
                             f"({T} tokens); it takes at most {DESIGN_A_MAX_UNKNOWNS} (T <= "

@@ -68,6 +68,12 @@ class TokenEquations:
     outputs: torch.Tensor
 
 
+def embeddings_less_shift(attn: nn.Module, eq: TokenEquations) -> torch.Tensor:
+    """[n, D]: each token's embedding z_t less its LayerNorm shift mu_t 1 on the standard block (the
+    residual around attention: z_t = sigma_t nh_t - W_proj c_t - b_proj + mu_t 1), from step 2's ``eq``."""
+    return eq.normalized / eq.inv_sigma[:, None] - (eq.outputs @ attn.proj.weight.T + attn.proj.bias)
+
+
 def token_equations(vit: nn.Module, grads: Mapping[str, torch.Tensor], roots: torch.Tensor) -> TokenEquations:
     """Step 2 (module doc) from all roots [n, D] (fc1 inputs) of block 0's MLP and the update.
 
@@ -138,12 +144,12 @@ def outputs_past_floor(vit: nn.Module, eq: TokenEquations, position: torch.Tenso
     moves the patches too little to matter for the images (tests/test_block0_completion.py:
     test_a_b3_batch_follows_from_its_roots_in_any_order)."""
     attn = cast(nn.Module, cast(nn.Module, vit.blocks[0]).attn)
-    Wp, bp = attn.proj.weight.to(torch.float64), attn.proj.bias.to(torch.float64)
+    Wp = attn.proj.weight.to(torch.float64)
     _, off, _, Qm = token_offsets(vit)
     n, D = eq.outputs.shape
     _, sv, Vh = torch.linalg.svd(eq.h_grads.T, full_matrices=True)
     N = Vh[int((sv > 1e-10 * sv[0]).sum()):].T  # [n, k]
-    base = eq.normalized / eq.inv_sigma[:, None] - (eq.outputs @ Wp.T + bp)  # z - mu 1 with F = 0
+    base = embeddings_less_shift(attn, eq)  # with F = 0
     one = torch.full((D, 1), D ** -0.5, dtype=torch.float64)
     P_patch = torch.eye(D, dtype=torch.float64) - Qm @ Qm.T
     P_cls = torch.eye(D, dtype=torch.float64) - one @ one.T

@@ -104,9 +104,16 @@ def place_tokens(vit: nn.Module, base: torch.Tensor, batch: int, tol: float) -> 
         if p == 0:
             Z[i] = off[0]
         else:
-            sol = lstsq(M, (off[p] - base[i])[:, None])[:, 0]
-            X[i], Z[i] = sol[1:], base[i] + sol[0]
+            mu, X[i] = patch_at(M, off[p], base[i])
+            Z[i] = base[i] + mu
     return Placement(pos, best, runner_up, Z, X)
+
+
+def patch_at(M: torch.Tensor, offset: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mu, x [C p^2]): a token's shift and patch at the position of ``offset`` [D] (``token_offsets``),
+    the least squares of z = base + mu 1 = W_e x + offset in (mu, x), ``M`` = [1, -W_e]."""
+    sol = lstsq(M, (offset - base)[:, None])[:, 0]
+    return sol[0], sol[1:]
 
 
 def needs_gradient_placement(vit: nn.Module) -> bool:
