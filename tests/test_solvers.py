@@ -99,6 +99,31 @@ def test_batched_lm_solves_each_row_as_dense_lm_solves_it_alone(name: str) -> No
         assert torch.allclose(alone.theta, theta[k], atol=1e-9)
 
 
+def test_batched_lm_refuses_the_step_of_a_singular_row() -> None:
+    """A row whose damped system J^T J + mu max(diag) I is exactly singular at the first mu (here J^T J
+    = diag(-mu, 1), and no gradient) keeps its start and raises nothing, while the other row reaches
+    its minimum; a single singular system is a refused step (None)."""
+    from attacks.solvers.lm import _step
+
+    a = torch.tensor([1.0, 0.5], dtype=F64)
+    starts = torch.tensor([[-0.7, 1.2], [0.3, 0.3]], dtype=F64)
+    flat = torch.diag(torch.tensor([-ROOTS.first, 1.0], dtype=F64))
+
+    def system(t: torch.Tensor, shift: torch.Tensor):
+        r, J = rosenbrock(t, shift), rosenbrock_jacobian(t)
+        G, g = J.mT @ J, (J.mT @ r[..., None])[..., 0]
+        odd = shift == 0.5  # the second row: the singular system
+        return r.pow(2).sum(-1), torch.where(odd[:, None, None], flat, G), torch.where(odd[:, None], 0.0, g)
+
+    def value_of(t: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        return rosenbrock(t, shift).pow(2).sum(-1)
+
+    theta, value = batched_lm(system, value_of, starts, 300, ROOTS, settled=1e-28, rows=(a,))
+    assert torch.allclose(theta[0], torch.tensor([1.0, 1.0], dtype=F64), atol=1e-9)
+    assert torch.equal(theta[1], starts[1])
+    assert _step(torch.zeros(2, 2, dtype=F64), torch.ones(2, dtype=F64), ROOTS) is None
+
+
 def test_batched_lm_leaves_settled_rows_alone() -> None:
     """A row at or below ``settled`` takes no step: its system is never asked for."""
     asked: list[int] = []

@@ -130,14 +130,23 @@ def _damped(G: torch.Tensor, mu: torch.Tensor | float, damping: Damping) -> torc
 
 
 def _step(A: torch.Tensor, g: torch.Tensor, damping: Damping) -> torch.Tensor | None:
-    """h = -A^-1 g for one [n] or K [K, n] right-hand sides; None where a Cholesky factorisation fails."""
+    """h = -A^-1 g for one [n] or K [K, n] right-hand sides; None where a factorisation fails (one
+    system), NaN rows where a batch's system is singular (``lu``: the trial is then not finite and the
+    row's step refused, as a failed factorisation is: tests/test_solvers.py:
+    test_batched_lm_refuses_the_step_of_a_singular_row)."""
     if damping.solve == "cholesky":
         L, info = torch.linalg.cholesky_ex(A)
         if bool((info != 0).any()):
             return None
         return -torch.cholesky_solve(g[..., None], L)[..., 0]
     if damping.solve == "lu":
-        return -torch.linalg.solve(A, g)
+        h, info = torch.linalg.solve_ex(A, -g)
+        bad = info != 0
+        if not bool(bad.any()):
+            return h
+        if A.dim() == 2:
+            return None
+        return torch.where(bad[:, None], torch.full_like(h, math.nan), h)
     return torch.linalg.lstsq(A, -g[..., None]).solution[..., 0]
 
 
