@@ -51,7 +51,7 @@ SMALLEST: dict[str, list[str]] = {
     "mjp_adaptive_strength": ["--num-images", "1", "--weights", "fresh", "--depth", "1", "--attacks", "april"],
     "mjp_overhead": ["--batch", "1", "--repeats", "1", "--steps", "1", "--warmup", "0"],
     "roots_floor": ["--images", "embedded", "--num-images", "1", "--iterations", "2", "--precisions", "float64",
-                    "--defences", "[{name: quantize, bits: 12}]"],
+                    "--search-rounds", "1", "--defences", "[{name: quantize, bits: 12}]"],
     "train_throughput": ["--embed-dim", "48", "--depth", "1", "--heads", "1", "--batch-size", "2", "--steps", "1",
                          "--rounds", "1", "--no-aug", "--device", "cpu", "--amp", "none"],
     "vmap_victims": ["--arch", "mjp_vit_cifar_patch4_32", "--clients", "2", "--repeats", "1",
