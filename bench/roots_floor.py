@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import attacks  # noqa: E402
-from attacks.solvers.spans import input_spans, span_rank  # noqa: E402
+from attacks.solvers.spans import input_spans, span_rank, truncated_span  # noqa: E402
 from patchgrid import patchify  # noqa: E402
 from attacks.structure.linear import embeddings_less_shift, token_equations  # noqa: E402
 from attacks.structure.placement import patch_at, position_residuals, token_offsets  # noqa: E402
@@ -79,15 +79,9 @@ def fc1_inputs(model: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor | Non
     return seen["u"][0].double()
 
 
-def truncated_span(update: torch.Tensor, rank: int) -> torch.Tensor:
-    """[fan-in, rank] orthonormal basis of a weight update's row space truncated to ``rank`` (its top
-    right singular vectors: the total-least-squares span of a perturbed update)."""
-    return torch.linalg.svd(update, full_matrices=False)[2][:rank].T.contiguous()
-
-
 def span_distances(model: torch.nn.Module, fc2_update: torch.Tensor, rank: int, tokens: torch.Tensor) -> torch.Tensor:
     """[n] distance of each token's unit fc2 input (its activation) from the row space of fc2's update
-    truncated to ``rank`` (:func:`truncated_span`)."""
+    truncated to ``rank`` (:func:`attacks.solvers.spans.truncated_span`)."""
     V = truncated_span(fc2_update, rank).T
     blk = model.blocks[0]
     with torch.no_grad():

@@ -12,7 +12,9 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
-from ..api.base import AttackFailure, LazyGradients
+from defences.transforms import quantizer_step
+
+from ..api.base import AttackFailure, AttackMetadata, LazyGradients
 
 
 # ------------------------------------------------------------------------------------ detection
@@ -101,3 +103,29 @@ def read_mjp_update(vit: nn.Module, grads: dict[str, torch.Tensor], dal_weight: 
             for n in head_names:
                 grads[n] = grads[n] - lam * g_dal_head[n]
     return S, grads, stats
+
+
+def read_defended_mjp_update(vit: nn.Module, grads: dict[str, torch.Tensor], meta: AttackMetadata
+                             ) -> tuple[torch.Tensor, dict, dict, str]:
+    """:func:`read_mjp_update` at the level the metadata's defence leaves E_unk's rows of dL/dP at:
+    (S [N] bool, gradients with the DAL term removed, stats, that level in words). Additive noise
+    (local DP, DP-SGD): rows at the noise's level; a quantiser: rows within half a step of zero (a
+    zero entry lands on one of the two levels next to 0, whether rounded to the nearest or
+    stochastically; m, the tensor's largest |entry|, stays a level); otherwise the exact zero rows.
+
+    Raises:
+        AttackFailure: every patch row or none is at that level: the shuffled positions cannot be read.
+    """
+    obs = meta.defence.observation() if meta.defence is not None else None
+    noise = meta.defence_noise(obs)[0] if obs is not None and obs.noise is not None else 0.0
+    atol = 0.0
+    if obs is not None and obs.quant_bits is not None and obs.quant_bits > 1:
+        pe = [nm for nm in grads if nm.split(".")[-1] == "pos_embed"]
+        top = float(grads[pe[0]].abs().max()) if pe else 0.0
+        atol = quantizer_step(top, obs.quant_bits) / 2 * (1 + 1e-9)
+    S, clean, stats = read_mjp_update(vit, dict(grads), noise=noise, atol=atol)
+    level = "noise" if noise else ("quantiser's nearest-to-zero" if atol else "zero")
+    if not bool(S.any()) or bool(S.all()):
+        raise AttackFailure(f"the update carries a nonzero E_unk gradient but {'every' if S.any() else 'no'} "
+                            f"patch row of dL/dP is at the {level} level: the shuffled positions cannot be read")
+    return S, clean, stats, level

@@ -46,14 +46,13 @@ from pydantic import Field
 from torch.func import functional_call, grad
 
 from fedmjp.config import Float, Int, option
-from defences.transforms import quantizer_step
 from fedmjp.devices import resolve_device
 
 from ..api.base import Attack, AttackFailure, AttackMetadata, AttackOptions, AttackResult, Update, update_to_gradients
 from ..api.registry import Threat, register_attack
 from ..closed_form.first_layer import unwrap_vit
 from ..closed_form.labels import recover_labels
-from ..closed_form.mjp_update import read_mjp_update
+from ..closed_form.mjp_update import read_defended_mjp_update
 from ..solvers.jigsaw import unshuffle_image
 from ..solvers.lm import matrix_free_lm
 from .batch_match import forward_kwargs
@@ -253,24 +252,11 @@ class LikelihoodMatch(Attack):
     def _shuffled(self, model: nn.Module, grads, meta: AttackMetadata, notes: list[str]):
         """None for a plain update; for an MJP client's (a nonzero E_unk gradient): (its shuffled
         positions [N] bool, the gradients with its DAL term removed), read off dL/dP's rows at the
-        defence's noise level (:func:`attacks.closed_form.mjp_update.read_mjp_update`)."""
+        defence's noise level (:func:`attacks.closed_form.mjp_update.read_defended_mjp_update`)."""
         unk = [nm for nm in grads if nm.split(".")[-1] == "unk_embed"]
         if not unk or not float(grads[unk[0]].abs().max()) > 0:
             return None
-        obs = meta.defence.observation() if meta.defence is not None else None
-        noise = meta.defence_noise(obs)[0] if obs is not None and obs.noise is not None else 0.0
-        atol = 0.0
-        if obs is not None and obs.quant_bits is not None and obs.quant_bits > 1:
-            # a zero entry lands on one of the two levels next to 0, half a step away, whether rounded
-            # to the nearest or stochastically (m, the tensor's largest |entry|, stays a level)
-            pe = [nm for nm in grads if nm.split(".")[-1] == "pos_embed"]
-            top = float(grads[pe[0]].abs().max()) if pe else 0.0
-            atol = quantizer_step(top, obs.quant_bits) / 2 * (1 + 1e-9)
-        S, clean, st = read_mjp_update(unwrap_vit(model), dict(grads), noise=noise, atol=atol)
-        level = "noise" if noise else ("quantiser's nearest-to-zero" if atol else "zero")
-        if not bool(S.any()) or bool(S.all()):
-            raise AttackFailure(f"the update carries a nonzero E_unk gradient but {'every' if S.any() else 'no'} "
-                                f"patch row of dL/dP is at the {level} level: the shuffled positions cannot be read")
+        S, clean, st, level = read_defended_mjp_update(unwrap_vit(model), dict(grads), meta)
         notes.append(f"MJP client: {int(S.sum())} shuffled positions read off dL/dP's rows at the {level} level, "
                      "E_unk there in the forward; the image fitted is x~"
                      + (f"; DAL term of weight {st['dal_weight']:.3g} removed" if "dal_weight" in st else ""))

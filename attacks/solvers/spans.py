@@ -48,6 +48,13 @@ def span_rank(G: torch.Tensor, num_tokens: int, noise_factor: float = 10.0) -> t
     return int((sv > noise_factor * max(floor, torch.finfo(G.dtype).tiny)).sum()), Vh
 
 
+def truncated_span(G: torch.Tensor, rank: int) -> torch.Tensor:
+    """[fan-in, rank] orthonormal basis of the row space of a weight gradient ``G`` truncated to ``rank``
+    (its top right singular vectors): the total-least-squares span of a perturbed update, whose
+    smaller singular values the perturbation lifts off zero so that :func:`span_rank` sees no gap."""
+    return torch.linalg.svd(G, full_matrices=False)[2][:rank].T.contiguous()
+
+
 def input_spans(vit: nn.Module, grads: dict, num_tokens: int, noise_factor: float = 10.0) -> list[InputSpan]:
     """Known input spans of the linear layers of every block and of the classifier head.
 

@@ -66,6 +66,7 @@ from ..api.base import Attack, AttackFailure, AttackMetadata, AttackOptions, Att
 from ..api.progress import report
 from ..api.registry import Threat, register_attack
 from ..closed_form.first_layer import is_design_a, unwrap_vit
+from ..closed_form.mjp_update import read_defended_mjp_update
 from ..optimization.batch_match import batch_labels
 from ..solvers.jigsaw import unshuffle_image
 from ..solvers.spans import input_spans, span_rank
@@ -78,6 +79,7 @@ from .placement import (DESIGN_A_POSITION_TOL, POSITION_TOL, assemble_images, as
                         token_offsets)
 from .polish import (ROOT_POLISH_FIT, ROOT_POLISH_JACOBIANS, SPAN_POLISH_JACOBIANS, RootPolish, SpanPolish,
                      refit_membership, root_polish, span_polish)
+from .noisy import NOISY_PATIENCE, NOISY_TOL, noisy_spans, refine_from_prior
 from .roots import RootSearch, find_roots
 from .token_roots import MLPSpans
 from .warm import closed_form_tokens, warm_roots
@@ -309,6 +311,9 @@ class Block0Roots(Attack):
             solve's answer (0: off; :func:`attacks.structure.polish.span_polish`).
         warm_start: at B = 1, start the search from the roots the patch-embedding closed form's read
             leads to (:mod:`attacks.structure.warm`); False: random and steered starts alone.
+        noise_aware: where the metadata names a defence that perturbs the update (quantisation,
+            pruning, local DP, DP-SGD), read it to the defence's noise (:mod:`attacks.structure.noisy`:
+            B = 1, the standard block); False: the exact read, which refuses a perturbed update.
         seed: seed of the starts.
     """
 
@@ -325,6 +330,7 @@ class Block0Roots(Attack):
         structured_rounds: Int = option(STRUCTURED_ROUNDS, ge=0, le=50)
         span_polish: Int = option(SPAN_POLISH_JACOBIANS, ge=0, le=100)
         warm_start: bool = True
+        noise_aware: bool = True
         seed: Int = 0
 
     def __init__(self, **options: Any) -> None:
@@ -335,6 +341,7 @@ class Block0Roots(Attack):
         self.structured_rounds = o.structured_rounds
         self.span_polish = o.span_polish
         self.warm_start = o.warm_start
+        self.noise_aware = o.noise_aware
 
     def _search(self, work: nn.Module, grads: Mapping[str, torch.Tensor], B: int,
                 gen: torch.Generator) -> RootSearch:
@@ -408,6 +415,65 @@ class Block0Roots(Attack):
         out.images = polish.image
         return polish, None
 
+    def _defended(self, model: nn.Module, work: nn.Module, grads: Mapping[str, torch.Tensor], meta: AttackMetadata,
+                  notes: list[str], gen: torch.Generator, t0: float, c0: float) -> AttackResult:
+        """The read of an update under a known perturbing defence (:mod:`attacks.structure.noisy`)."""
+        assert meta.defence is not None
+        T, D, B = int(work.pos_embed.shape[1]), int(work.embed_dim), meta.num_images
+        what = meta.defence.label
+        if B != 1 or is_design_a(work.blocks[0]) or needs_gradient_placement(work):
+            why = (f"B = {B}: the membership step has no noise-aware form" if B != 1 else
+                   "design A's attention solve" if is_design_a(work.blocks[0]) else
+                   f"the patch least squares cannot tell positions apart here (1 + C p^2 >= D = {D})")
+            raise AttackFailure(f"block0_roots reads a defended update ({what}) at B = 1 on the standard block with "
+                                f"T <= D - 1 only; {why} (noise_aware=False: the exact read, which refuses a "
+                                "perturbed update)")
+        shuffled = None
+        unk = [nm for nm in grads if nm.split(".")[-1] == "unk_embed"]
+        if unk and float(grads[unk[0]].abs().max()) > 0:  # an MJP client: its shuffled positions first
+            shuffled, _, _, level = read_defended_mjp_update(work, dict(grads), meta)
+            notes.append(f"MJP client: {int(shuffled.sum())} shuffled positions read off dL/dP's rows at the "
+                         f"{level} level")
+        fc1, fc2 = noisy_spans(grads, B * T)
+        problem = MLPSpans(work.blocks[0], fc1, fc2)
+        found = None
+        if self.warm_start:  # the closed form's read, as at the exact read (its starts off a token converge to none)
+            near = closed_form_tokens(work, grads)
+            found = None if near is None else warm_roots(problem, fc1, near, self.iterations, NOISY_TOL)
+        report(self.name, 0, self.rounds, f"root search on the spans truncated to rank {B * T} ({what})")
+        search = find_roots(work.blocks[0], fc1, fc2, grads["blocks.0.mlp.fc1.weight"].to(torch.float64),
+                            grads["blocks.0.mlp.fc2.weight"].to(torch.float64), B * T, self.starts, self.rounds,
+                            self.iterations, gen, tol=NOISY_TOL, found=found, patience=NOISY_PATIENCE)
+        if not search.roots.shape[0]:
+            raise AttackFailure(f"under {what} no start of the root search on fc1's and fc2's spans truncated to "
+                                f"rank {B * T} came below a squared residual of {NOISY_TOL:g} in "
+                                f"{len(search.per_round)} rounds of {self.starts} starts: the defence's noise "
+                                "leaves no minimum next to a token")
+        report(self.name, 0, None, "positions and patches by their best fit, starts from the image prior")
+        read, roots, prior_added = refine_from_prior(work, grads, problem, search.roots, shuffled, self.iterations)
+        y, label_stats = batch_labels(model, grads, meta, self.seed)
+        images = meta.denormalize(read.images)
+        placed = int((read.position > 0).sum())
+        filled = int(read.filled.sum())
+        notes.append(f"defended update ({what}): {roots.shape[0]} of block 0's {B * T} MLP roots found to the noise "
+                     f"(spans truncated to rank {B * T}, squared residual < {NOISY_TOL:g}; {search.given} from the "
+                     f"closed form's read, {search.roots.shape[0] - search.given} in {search.starts} starts, "
+                     f"{roots.shape[0] - search.roots.shape[0]} from the image prior's); {placed} patches placed by "
+                     "their best fit, then refit to their roots")
+        if filled:
+            notes.append(f"{filled} positions no root took filled from the image prior (biharmonic inpainting "
+                         "of the placed patches), not read off the update")
+        unshuffled = None
+        if shuffled is not None:  # the E_unk tokens' order in the shuffled positions: a jigsaw (setting c)
+            unshuffled = unshuffle_image(images, shuffled, int(work.patch_embed.patch_size[0]))[0]
+        stats = dict(roots_per_round=search.per_round, root_round_modes=search.modes, root_starts=search.starts,
+                     warm_roots=search.given, prior_roots_per_round=prior_added,
+                     roots_found=int(roots.shape[0]), placed_patches=placed, prior_filled=filled,
+                     position_residual_max=float(read.residual[read.position >= 0].max()),
+                     estimate_cpu_s=time.process_time() - c0, time_s=time.perf_counter() - t0,
+                     attack=self.name, notes=notes, shuffled_positions=int(read.shuffled.sum()), **label_stats)
+        return AttackResult(images, [stats], labels=y, unshuffled=unshuffled)
+
     def _reconstruct(self, model: nn.Module, update: Update, meta: AttackMetadata) -> AttackResult:
         t0, c0 = time.perf_counter(), time.process_time()
         B = meta.num_images
@@ -419,6 +485,9 @@ class Block0Roots(Attack):
         check_model(vit, grads, B)
         work = cast(nn.Module, copy.deepcopy(vit)).to("cpu", torch.float64).eval().requires_grad_(False)
         gen = torch.Generator().manual_seed(self.seed)
+        obs = meta.defence.observation() if meta.defence is not None else None
+        if self.noise_aware and obs is not None and obs.perturbs:
+            return self._defended(model, work, grads, meta, notes, gen, t0, c0)
         report(self.name, 0, self.rounds, "root search")
         search = self._search(work, grads, B, gen)
         report(self.name, 0, None, "positions, images and patches solved from the roots")

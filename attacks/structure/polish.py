@@ -111,7 +111,8 @@ def block0_roots_of(block: nn.Module, Z: torch.Tensor) -> torch.Tensor:
 
 
 def root_polish(vit: nn.Module, roots: torch.Tensor, position: torch.Tensor, image: torch.Tensor,
-                patches: torch.Tensor, jacobians: int = ROOT_POLISH_JACOBIANS) -> RootPolish:
+                patches: torch.Tensor, jacobians: int = ROOT_POLISH_JACOBIANS,
+                fitted: torch.Tensor | None = None) -> RootPolish:
     """Past B T = D - 1: every image's patches refit so that block 0 maps them onto their own roots.
 
     Once each root's image and position are known (steps 3 and 4), image b's tokens are a function
@@ -121,7 +122,11 @@ def root_polish(vit: nn.Module, roots: torch.Tensor, position: torch.Tensor, ima
     token only). The linear steps leave the patches close but not exact past the floor (the part of
     the attention outputs the position equations leave free); Gauss-Newton on these equations,
     image by image, takes them to the rounding floor of the roots (Levenberg-Marquardt,
-    :func:`attacks.solvers.lm.dense_lm`, at most ``jacobians`` per image)."""
+    :func:`attacks.solvers.lm.dense_lm`, at most ``jacobians`` per image).
+
+    ``fitted`` [n] bool: the tokens whose row of ``roots`` is a root; the others (stand-ins for tokens
+    the read has no root of, :mod:`attacks.structure.noisy`) keep their patches and enter the fit
+    only through attention (None: every token is fitted)."""
     from torch.func import jvp, vmap
 
     from ..solvers.lm import dense_lm
@@ -140,11 +145,17 @@ def root_polish(vit: nn.Module, roots: torch.Tensor, position: torch.Tensor, ima
         own = idx[position[idx] != 0]  # the patch tokens (the class token's embedding is fixed)
         order = torch.cat([idx[position[idx] == 0], own])
         base, target = off[position[order]], roots[order].to(torch.float64)
-        shape = patches[own].shape
+        fit = torch.ones(len(position), dtype=torch.bool) if fitted is None else fitted.to(torch.bool)
+        rows, free = fit[order], fit[own]
+        held = torch.where(free[:, None], 0.0, patches[own].to(torch.float64))  # the stand-ins' patches
+        pick = torch.eye(own.numel(), dtype=torch.float64)[:, free]  # free patch -> its token
+        shape = patches[own][free].shape
+        target = target[rows]
 
         def fun(x: torch.Tensor) -> torch.Tensor:
-            Z = base + torch.cat([torch.zeros(1, We.shape[0], dtype=x.dtype), x.reshape(shape) @ We.T])
-            return (block0_roots_of(blk, Z) - target).reshape(-1)
+            X = held + pick @ x.reshape(shape)
+            Z = base + torch.cat([torch.zeros(1, We.shape[0], dtype=x.dtype), X @ We.T])
+            return (block0_roots_of(blk, Z)[rows] - target).reshape(-1)
 
         def jacobian(x: torch.Tensor) -> torch.Tensor:
             eye = torch.eye(x.numel(), dtype=torch.float64)
@@ -153,9 +164,9 @@ def root_polish(vit: nn.Module, roots: torch.Tensor, position: torch.Tensor, ima
                               for i in range(0, x.numel(), ROOT_POLISH_CHUNK)]).T
 
         with torch.no_grad():
-            res = dense_lm(fun, jacobian, patches[own].reshape(-1).to(torch.float64), max_jacobians=jacobians,
+            res = dense_lm(fun, jacobian, patches[own][free].reshape(-1).to(torch.float64), max_jacobians=jacobians,
                            floor=ROOT_POLISH_FLOOR * float(target.pow(2).sum()))
-        out[own] = res.theta.reshape(shape)
+        out[own[free]] = res.theta.reshape(shape).to(out.dtype)
         before[b], after[b], norms[b] = res.value_first, res.value, float(target.pow(2).sum())
         taken.append(res.jacobians)
     return RootPolish(out, before, after, taken, norms)

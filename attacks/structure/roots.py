@@ -191,7 +191,7 @@ def find_roots(block: nn.Module, fc1_basis: torch.Tensor, fc2_basis: torch.Tenso
                generator: torch.Generator, tol: float = 1e-16, floor_tol: float = FLOOR_TOL,
                found: torch.Tensor | None = None,
                steer_steps: int = 100, steer_lr: float = 0.05, polish_iterations: int = 30,
-               steered: bool = True) -> RootSearch:
+               steered: bool = True, patience: int = 0) -> RootSearch:
     """Up to ``count`` distinct roots of block 0's per-token MLP problem (module doc).
 
     Each round knows the roots found so far (``found`` before the first) and runs ``starts`` starts
@@ -200,7 +200,9 @@ def find_roots(block: nn.Module, fc1_basis: torch.Tensor, fc2_basis: torch.Tenso
     each new root is polished (``polish_iterations`` more steps) before it joins. Steered rounds move
     their starts by ``steer_steps`` Adam steps (``steer_lr``). The search starts with steered rounds
     (missing ones at once where ``steered`` is False and some roots are given) and stops when
-    ``count`` roots are found or after ``rounds`` rounds."""
+    ``count`` roots are found, after ``rounds`` rounds, or (``patience`` > 0) after that many rounds
+    in a row that add no root: on a defended update (:mod:`attacks.structure.noisy`) a token without
+    a minimum next to it is never found, and the rounds would run out for nothing."""
     eq = RootEquations(MLPSpans(block, fc1_basis, fc2_basis), fc1_basis, fc2_basis, fc1_grad, fc2_grad)
     problem = eq.problem
     found = torch.zeros(0, fc1_basis.shape[0], dtype=torch.float64) if found is None else found.to(torch.float64)
@@ -244,6 +246,8 @@ def find_roots(block: nn.Module, fc1_basis: torch.Tensor, fc2_basis: torch.Tenso
         per_round.append(found.shape[0] - before)
         _logger.info("block0_roots: %s round %d: %d new roots, %d of %d found", modes[-1], len(per_round),
                      per_round[-1], found.shape[0], count)
+        if patience and len(per_round) >= patience and not any(per_round[-patience:]):
+            break
         if modes[-1] == "steered" and per_round[-1] < 2:
             steering = False
     return RootSearch(found, len(per_round) * starts, per_round, modes, given)

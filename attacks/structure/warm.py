@@ -38,13 +38,20 @@ def closed_form_tokens(vit: nn.Module, grads: Mapping[str, torch.Tensor]) -> tor
     X = torch.zeros(system.G.shape[0], system.dW_e.shape[1], dtype=torch.float64)
     X[known] = torch.linalg.lstsq(system.G[known].T, system.dW_e).solution  # the known rows' patches
     image = patches_to_images(X[None], system.info).to(torch.float64)
+    shuffled = system.zero_rows if system.info.has_unk and bool(system.zero_rows.any()) else None
+    return fc1_inputs(vit, image, shuffled)
+
+
+def fc1_inputs(vit: nn.Module, image: torch.Tensor, shuffled: torch.Tensor | None = None) -> torch.Tensor:
+    """Block 0's fc1 inputs [T, D] (float64) of every token of the model input ``image`` [1, C, H, W],
+    E_unk in place of the position embedding at the ``shuffled`` [N] positions (None: none)."""
     captured: list[torch.Tensor] = []
     fc1 = cast(nn.Module, vit.blocks[0].mlp.fc1)
     hook = fc1.register_forward_pre_hook(lambda _m, args: captured.append(args[0].detach()))
     try:
         with torch.no_grad():
-            if system.info.has_unk and bool(system.zero_rows.any()):
-                vit.forward_features(image, unk_mask=system.zero_rows[None])
+            if shuffled is not None and bool(shuffled.any()):
+                vit.forward_features(image, unk_mask=shuffled.reshape(1, -1))
             else:
                 vit.forward_features(image)
     finally:
