@@ -100,8 +100,8 @@ def test_the_best_fits_of_the_true_roots_place_every_token_and_the_shuffled_set(
 
 def test_the_prior_fills_a_hole_from_its_neighbours() -> None:
     """Step 4: a position without a root is inpainted from the positioned patches around it, closer to
-    the photograph than its mean colour; one with no positioned patch among its 8 neighbours, and
-    every position where none is positioned, keeps the mean colour (0)."""
+    the photograph than its mean colour; where none is positioned, every position keeps the mean
+    colour (0)."""
     model, x, mask, *_ = _mjp_client()
     from patchgrid import patchify
     patches = patchify(x, 4)[0].flatten(1).clone()
@@ -115,11 +115,6 @@ def test_the_prior_fills_a_hole_from_its_neighbours() -> None:
     assert float((got[27] - truth).pow(2).mean()) < 0.5 * float(truth.pow(2).mean())
     none = torch.zeros(64, dtype=torch.bool)
     assert float(fill_from_prior(model, patches, none, none).abs().max()) == 0.0
-    island = torch.zeros(64, dtype=torch.bool)
-    island[0] = True  # the top-left patch alone: its 3 neighbours are filled, the rest not
-    got = patchify(fill_from_prior(model, patches, island, island), 4)[0].flatten(1)
-    filled = got.abs().amax(1) > 0
-    assert filled.nonzero().flatten().tolist() == [0, 1, 8, 9]
 
 
 def test_a_defended_batch_of_2_is_a_failed_row_naming_why() -> None:

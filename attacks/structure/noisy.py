@@ -141,21 +141,17 @@ def fill_from_prior(vit: nn.Module, patches: torch.Tensor, known: torch.Tensor,
                     trusted: torch.Tensor) -> torch.Tensor:
     """Step 4 (module doc): the image [1, C, H, W] of ``patches`` [T - 1, C p^2] with the positions not
     ``known`` [T - 1] inpainted (biharmonic) from the ``trusted`` ones' pixels alone (on MJP the
-    positioned patches: a shuffled patch's place is arbitrary), where a trusted patch is among their
-    8 neighbours; the others at the model input's mean colour (0): the prior interpolates across a
-    patch, it does not extrapolate over a region the update left empty."""
+    positioned patches: a shuffled patch's place is arbitrary); the model input's mean colour (0)
+    where none is trusted."""
     C = int(vit.patch_embed.proj.weight.shape[1])
     p = int(vit.patch_embed.patch_size[0])
-    gh, gw = (int(s) for s in vit.patch_embed.grid_size)
-    grid = lambda t: unpatchify(t.reshape(1, -1, C, p, p), (gh, gw))[0]  # noqa: E731
+    grid = lambda t: unpatchify(t.reshape(1, -1, C, p, p), tuple(vit.patch_embed.grid_size))[0]  # noqa: E731
     image = grid(torch.where(known[:, None], patches, 0.0))
-    near = torch.nn.functional.max_pool2d(trusted.reshape(1, 1, gh, gw).to(torch.float64), 3, 1, 1).flatten() > 0
-    hole = ~known & near  # the other unknown positions stay 0: the mean colour
-    if bool(hole.any()):
+    if bool((~known).any()) and bool(trusted.any()):
         unknown = grid((~trusted)[:, None].expand(-1, C * p * p).to(torch.float64))[0] > 0.5
         painted = inpaint_biharmonic(image.permute(1, 2, 0).numpy(), unknown.numpy(), channel_axis=-1)
         fill = torch.from_numpy(np.ascontiguousarray(painted)).permute(2, 0, 1)
-        cover = grid(hole[:, None].expand(-1, C * p * p).to(torch.float64)) > 0.5
+        cover = grid((~known)[:, None].expand(-1, C * p * p).to(torch.float64)) > 0.5
         image = torch.where(cover, fill, image)
     return image[None]
 
