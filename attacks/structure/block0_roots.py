@@ -451,10 +451,15 @@ class Block0Roots(Attack):
                                 "leaves no minimum next to a token")
         report(self.name, 0, None, "positions and patches by their best fit, starts from the image prior")
         read, roots, prior_added = refine_from_prior(work, grads, problem, search.roots, shuffled, self.iterations)
-        y, label_stats = batch_labels(model, grads, meta, self.seed)
-        images = meta.denormalize(read.images)
         placed = int((read.position > 0).sum())
         filled = int(read.filled.sum())
+        if filled > placed:
+            raise AttackFailure(f"under {what} {roots.shape[0]} of block 0's {B * T} MLP roots were found to the noise "
+                                f"(squared residual < {NOISY_TOL:g}): {placed} patches placed, {filled} positions "
+                                "would be the image prior's, more than the update's; the defence's noise leaves most "
+                                "tokens without a minimum next to them")
+        y, label_stats = batch_labels(model, grads, meta, self.seed)
+        images = meta.denormalize(read.images)
         notes.append(f"defended update ({what}): {roots.shape[0]} of block 0's {B * T} MLP roots found to the noise "
                      f"(spans truncated to rank {B * T}, squared residual < {NOISY_TOL:g}; {search.given} from the "
                      f"closed form's read, {search.roots.shape[0] - search.given} in {search.starts} starts, "

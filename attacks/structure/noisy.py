@@ -183,6 +183,8 @@ def _polished(vit: nn.Module, roots: torch.Tensor, fits: Fits, images: torch.Ten
     p = int(vit.patch_embed.patch_size[0])
     grid = patchify(images, p)[0].flatten(1)  # [T - 1, C p^2]
     has = fits.spot >= 0
+    if not bool((fits.spot > 0).any()):  # no patch has a root: nothing to refit
+        return images
     taken = torch.zeros(T, dtype=torch.bool)
     taken[fits.spot[has]] = True
     missing = (~taken).nonzero().flatten()
