@@ -317,7 +317,7 @@ class Block0Roots(Attack):
         seed: seed of the starts.
     """
 
-    threat = Threat(batch="B T <= width - 1 exactly (B <= 2 on the CIFAR models, B = 1 at 224 px); B = 3 on the CIFAR models too, through fc2's completed span and the root polish; one local step", labels="not needed (read off the head)", architecture="standard pre-norm block 0 (the model as trained); design A at B = 1, T <= 100", precision="float64 clients for an exact copy")
+    threat = Threat(batch="B T <= width - 1 exactly (B <= 2 on the CIFAR models, B = 1 at 224 px); B = 3 on the CIFAR models too, through fc2's completed span and the root polish; one local step", labels="not needed (read off the head)", architecture="standard pre-norm block 0 (the model as trained); design A at B = 1, T <= 100", precision="float64 clients for an exact copy; under a defence named in the metadata (B = 1), to the defence's noise")
 
     name = "block0_roots"
 

@@ -205,7 +205,7 @@ def _polished(vit: nn.Module, roots: torch.Tensor, fits: Fits, images: torch.Ten
 def refine_from_prior(vit: nn.Module, grads: Mapping[str, torch.Tensor], problem: MLPSpans, roots: torch.Tensor,
                       shuffled: torch.Tensor | None, iterations: int,
                       rounds: int = PRIOR_ROUNDS) -> tuple[NoisyRead, torch.Tensor, list[int]]:
-    """Steps 3 to 5 (module doc) from the roots [n, D] found so far on the truncated spans of
+    """Steps 3 to 6 (module doc) from the roots [n, D] found so far on the truncated spans of
     ``problem``: (the read, every root found, the roots each round of step 5 added)."""
     read = read_defended(vit, grads, roots, shuffled)
     added: list[int] = []
