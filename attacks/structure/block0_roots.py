@@ -66,7 +66,6 @@ from ..api.base import Attack, AttackFailure, AttackMetadata, AttackOptions, Att
 from ..api.progress import report
 from ..api.registry import Threat, register_attack
 from ..closed_form.first_layer import is_design_a, unwrap_vit
-from ..closed_form.mjp_update import read_defended_mjp_update
 from ..optimization.batch_match import batch_labels
 from ..solvers.jigsaw import unshuffle_image
 from ..solvers.spans import input_spans, span_rank
@@ -79,7 +78,7 @@ from .placement import (DESIGN_A_POSITION_TOL, POSITION_TOL, assemble_images, as
                         token_offsets)
 from .polish import (ROOT_POLISH_FIT, ROOT_POLISH_JACOBIANS, SPAN_POLISH_JACOBIANS, RootPolish, SpanPolish,
                      refit_membership, root_polish, span_polish)
-from .noisy import NOISY_PATIENCE, NOISY_TOL, noisy_spans, refine_from_prior
+from .noisy import NOISY_TOL, read_defended_update
 from .roots import RootSearch, find_roots
 from .token_roots import MLPSpans
 from .warm import closed_form_tokens, warm_roots
@@ -419,61 +418,27 @@ class Block0Roots(Attack):
                   notes: list[str], gen: torch.Generator, t0: float, c0: float) -> AttackResult:
         """The read of an update under a known perturbing defence (:mod:`attacks.structure.noisy`)."""
         assert meta.defence is not None
-        T, D, B = int(work.pos_embed.shape[1]), int(work.embed_dim), meta.num_images
-        what = meta.defence.label
-        if B != 1 or is_design_a(work.blocks[0]) or needs_gradient_placement(work):
-            why = (f"B = {B}: the membership step has no noise-aware form" if B != 1 else
-                   "design A's attention solve" if is_design_a(work.blocks[0]) else
-                   f"the patch least squares cannot tell positions apart here (1 + C p^2 >= D = {D})")
-            raise AttackFailure(f"block0_roots reads a defended update ({what}) at B = 1 on the standard block with "
-                                f"T <= D - 1 only; {why} (noise_aware=False: the exact read, which refuses a "
-                                "perturbed update)")
-        shuffled = None
-        unk = [nm for nm in grads if nm.split(".")[-1] == "unk_embed"]
-        if unk and float(grads[unk[0]].abs().max()) > 0:  # an MJP client: its shuffled positions first
-            shuffled, _, _, level = read_defended_mjp_update(work, dict(grads), meta)
-            notes.append(f"MJP client: {int(shuffled.sum())} shuffled positions read off dL/dP's rows at the "
-                         f"{level} level")
-        fc1, fc2 = noisy_spans(grads, B * T)
-        problem = MLPSpans(work.blocks[0], fc1, fc2)
-        found = None
-        if self.warm_start:  # the closed form's read, as at the exact read (its starts off a token converge to none)
-            near = closed_form_tokens(work, grads)
-            found = None if near is None else warm_roots(problem, fc1, near, self.iterations, NOISY_TOL)
-        report(self.name, 0, self.rounds, f"root search on the spans truncated to rank {B * T} ({what})")
-        search = find_roots(work.blocks[0], fc1, fc2, grads["blocks.0.mlp.fc1.weight"].to(torch.float64),
-                            grads["blocks.0.mlp.fc2.weight"].to(torch.float64), B * T, self.starts, self.rounds,
-                            self.iterations, gen, tol=NOISY_TOL, found=found, patience=NOISY_PATIENCE)
-        if not search.roots.shape[0]:
-            raise AttackFailure(f"under {what} no start of the root search on fc1's and fc2's spans truncated to "
-                                f"rank {B * T} came below a squared residual of {NOISY_TOL:g} in "
-                                f"{len(search.per_round)} rounds of {self.starts} starts: the defence's noise "
-                                "leaves no minimum next to a token")
-        report(self.name, 0, None, "positions and patches by their best fit, starts from the image prior")
-        read, roots, prior_added = refine_from_prior(work, grads, problem, search.roots, shuffled, self.iterations)
-        placed = int((read.position > 0).sum())
-        filled = int(read.filled.sum())
-        if filled > placed:
-            raise AttackFailure(f"under {what} {roots.shape[0]} of block 0's {B * T} MLP roots were found to the noise "
-                                f"(squared residual < {NOISY_TOL:g}): {placed} patches placed, {filled} positions "
-                                "would be the image prior's, more than the update's; the defence's noise leaves most "
-                                "tokens without a minimum next to them")
+        T = int(work.pos_embed.shape[1])
+        out = read_defended_update(work, grads, meta, self.starts, self.rounds, self.iterations, gen,
+                                   self.warm_start)
+        search, read, roots = out.search, out.read, out.roots
+        notes.extend(out.notes)
         y, label_stats = batch_labels(model, grads, meta, self.seed)
         images = meta.denormalize(read.images)
-        notes.append(f"defended update ({what}): {roots.shape[0]} of block 0's {B * T} MLP roots found to the noise "
-                     f"(spans truncated to rank {B * T}, squared residual < {NOISY_TOL:g}; {search.given} from the "
-                     f"closed form's read, {search.roots.shape[0] - search.given} in {search.starts} starts, "
-                     f"{roots.shape[0] - search.roots.shape[0]} from the image prior's); {placed} patches placed by "
-                     "their best fit, then refit to their roots")
-        if filled:
-            notes.append(f"{filled} positions no root took filled from the image prior (biharmonic inpainting "
+        notes.append(f"defended update ({meta.defence.label}): {roots.shape[0]} of block 0's {T} MLP roots found "
+                     f"to the noise (spans truncated to rank {T}, squared residual < {NOISY_TOL:g}; {search.given} "
+                     f"from the closed form's read, {search.roots.shape[0] - search.given} in {search.starts} starts, "
+                     f"{roots.shape[0] - search.roots.shape[0]} from the image prior's); {out.placed} patches placed "
+                     "by their best fit, then refit to their roots")
+        if out.filled:
+            notes.append(f"{out.filled} positions no root took filled from the image prior (biharmonic inpainting "
                          "of the placed patches), not read off the update")
         unshuffled = None
-        if shuffled is not None:  # the E_unk tokens' order in the shuffled positions: a jigsaw (setting c)
-            unshuffled = unshuffle_image(images, shuffled, int(work.patch_embed.patch_size[0]))[0]
+        if out.shuffled is not None:  # the E_unk tokens' order in the shuffled positions: a jigsaw (setting c)
+            unshuffled = unshuffle_image(images, out.shuffled, int(work.patch_embed.patch_size[0]))[0]
         stats = dict(roots_per_round=search.per_round, root_round_modes=search.modes, root_starts=search.starts,
-                     warm_roots=search.given, prior_roots_per_round=prior_added,
-                     roots_found=int(roots.shape[0]), placed_patches=placed, prior_filled=filled,
+                     warm_roots=search.given, prior_roots_per_round=out.prior_added,
+                     roots_found=int(roots.shape[0]), placed_patches=out.placed, prior_filled=out.filled,
                      position_residual_max=float(read.residual[read.position >= 0].max()),
                      estimate_cpu_s=time.process_time() - c0, time_s=time.perf_counter() - t0,
                      attack=self.name, notes=notes, shuffled_positions=int(read.shuffled.sum()), **label_stats)

@@ -49,13 +49,17 @@ from skimage.restoration import inpaint_biharmonic
 
 from patchgrid import patchify, unpatchify
 
+from ..api.base import AttackFailure, AttackMetadata
+from ..api.progress import report
+from ..closed_form.first_layer import is_design_a
+from ..closed_form.mjp_update import read_defended_mjp_update
 from ..solvers.spans import truncated_span
 from .linear import embeddings_less_shift, token_equations, token_offsets
-from .placement import patch_at, position_residuals
+from .placement import needs_gradient_placement, patch_at, position_residuals
 from .polish import ROOT_POLISH_JACOBIANS, root_polish
-from .roots import dedupe
+from .roots import RootSearch, dedupe, find_roots
 from .token_roots import MLPSpans
-from .warm import fc1_inputs, warm_roots
+from .warm import closed_form_tokens, fc1_inputs, warm_roots
 
 #: the root search keeps a start on a defended update's truncated spans where its squared residual in
 #: block 0's per-token problem is below this: the minima next to true tokens sit at 1e-6 to 1e-4 after
@@ -220,3 +224,76 @@ def refine_from_prior(vit: nn.Module, grads: Mapping[str, torch.Tensor], problem
             break
         read = read_defended(vit, grads, roots, shuffled)
     return read, roots, added
+
+
+@dataclass(frozen=True)
+class DefendedRead:
+    """Outcome of :func:`read_defended_update`: the read, the search (steps 1 and 2), every root found
+    (the search's and step 5's), the roots each round of step 5 added, the MJP client's shuffled
+    positions [T - 1] (None: a plain client), the patches placed, the positions from the prior, and
+    the notes on what was read off the update."""
+
+    read: NoisyRead
+    search: RootSearch
+    roots: torch.Tensor
+    prior_added: list[int]
+    shuffled: torch.Tensor | None
+    placed: int
+    filled: int
+    notes: list[str]
+
+
+def read_defended_update(work: nn.Module, grads: Mapping[str, torch.Tensor], meta: AttackMetadata, starts: int,
+                         rounds: int, iterations: int, generator: torch.Generator,
+                         warm_start: bool = True) -> DefendedRead:
+    """Steps 1 to 6 (module doc) on the float64 copy ``work`` and its defended batch-1 update, the
+    defence in ``meta``; the search runs ``starts`` starts a round, ``rounds`` rounds at most,
+    ``iterations`` Levenberg-Marquardt steps a start, first from the closed form's read where
+    ``warm_start`` (:mod:`attacks.structure.warm`).
+
+    Raises:
+        AttackFailure: B > 1, design A, a geometry whose positions the patch least squares cannot tell
+            apart, no root found, or more positions from the prior than from the update.
+    """
+    assert meta.defence is not None
+    T, D, B = int(work.pos_embed.shape[1]), int(work.embed_dim), meta.num_images
+    what = meta.defence.label
+    if B != 1 or is_design_a(work.blocks[0]) or needs_gradient_placement(work):
+        why = (f"B = {B}: the membership step has no noise-aware form" if B != 1 else
+               "design A's attention solve" if is_design_a(work.blocks[0]) else
+               f"the patch least squares cannot tell positions apart here (1 + C p^2 >= D = {D})")
+        raise AttackFailure(f"block0_roots reads a defended update ({what}) at B = 1 on the standard block with "
+                            f"T <= D - 1 only; {why} (noise_aware=False: the exact read, which refuses a "
+                            "perturbed update)")
+    notes: list[str] = []
+    shuffled = None
+    unk = [nm for nm in grads if nm.split(".")[-1] == "unk_embed"]
+    if unk and float(grads[unk[0]].abs().max()) > 0:  # an MJP client: its shuffled positions first
+        shuffled, _, _, level = read_defended_mjp_update(work, dict(grads), meta)
+        notes.append(f"MJP client: {int(shuffled.sum())} shuffled positions read off dL/dP's rows at the "
+                     f"{level} level")
+    fc1, fc2 = noisy_spans(grads, T)
+    problem = MLPSpans(work.blocks[0], fc1, fc2)
+    found = None
+    if warm_start:  # the closed form's read, as at the exact read (its starts off a token converge to none)
+        near = closed_form_tokens(work, grads)
+        found = None if near is None else warm_roots(problem, fc1, near, iterations, NOISY_TOL)
+    report("block0_roots", 0, rounds, f"root search on the spans truncated to rank {T} ({what})")
+    search = find_roots(work.blocks[0], fc1, fc2, grads["blocks.0.mlp.fc1.weight"].to(torch.float64),
+                        grads["blocks.0.mlp.fc2.weight"].to(torch.float64), T, starts, rounds, iterations,
+                        generator, tol=NOISY_TOL, found=found, patience=NOISY_PATIENCE)
+    if not search.roots.shape[0]:
+        raise AttackFailure(f"under {what} no start of the root search on fc1's and fc2's spans truncated to "
+                            f"rank {T} came below a squared residual of {NOISY_TOL:g} in "
+                            f"{len(search.per_round)} rounds of {starts} starts: the defence's noise "
+                            "leaves no minimum next to a token")
+    report("block0_roots", 0, None, "positions and patches by their best fit, starts from the image prior")
+    read, roots, prior_added = refine_from_prior(work, grads, problem, search.roots, shuffled, iterations)
+    placed = int((read.position > 0).sum())
+    filled = int(read.filled.sum())
+    if filled > placed:
+        raise AttackFailure(f"under {what} {roots.shape[0]} of block 0's {T} MLP roots were found to the noise "
+                            f"(squared residual < {NOISY_TOL:g}): {placed} patches placed, {filled} positions "
+                            "would be the image prior's, more than the update's; the defence's noise leaves most "
+                            "tokens without a minimum next to them")
+    return DefendedRead(read, search, roots, prior_added, shuffled, placed, filled, notes)
