@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="likelihood_match's CG preconditioner: vector-Jacobian products per iteration (0: plain CG)")
     p.add_argument("--first", type=int, default=0, help="skip this many images of --images")
     p.add_argument("--rounding", choices=("gaussian", "cells"), default="gaussian")
-    p.add_argument("--start", choices=("april_robust", "invertinggradients_batched", "mean"), default="april_robust",
+    p.add_argument("--start", choices=("april_robust", "block0_roots", "invertinggradients_batched", "mean"), default="april_robust",
                    help="likelihood_match's start (the baseline printed beside it)")
     p.add_argument("--prior", choices=("none", "gaussian"), default="none",
                    help="likelihood_match's prior (gaussian: the shipped CIFAR-10 patch prior, a MAP fit)")

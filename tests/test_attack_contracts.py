@@ -44,7 +44,7 @@ FEW_STEPS: dict[str, dict] = {
     "april_robust": dict(iterations=2, cg_maxiter=20),
     "block0_roots": dict(starts=8, rounds=10),
     "mjp_adaptive": dict(iterations=2, starts=1, probe_iterations=2, fallback_iterations=2),
-    "likelihood_match": dict(iterations=1, cg_iterations=2, start_options=dict(iterations=2, cg_maxiter=20)),
+    "likelihood_match": dict(iterations=1, cg_iterations=2, start="april_robust", start_options=dict(iterations=2, cg_maxiter=20)),
     **{name: dict(iterations=2) for name in attacks.BREACHING_ATTACKS},
 }
 # ig_closed_start runs some of the above as its start (batch_match at B > 1, mjp_adaptive on a

@@ -2,6 +2,7 @@
 the defence the client applies, and on a real 8-bit update it improves on its start."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -75,7 +76,8 @@ def test_likelihood_match_beats_its_start_on_a_real_8bit_update() -> None:
     meta = attacks.AttackMetadata(1, (3, 32, 32), MEAN.double(), STD.double(), y, defence=spec)
     q = apply_update_defence(attacks.compute_update(model, meta.normalize(x), y), spec, torch.Generator())
     start = attacks.create_attack("april_robust").reconstruct(model, q, meta)
-    got = attacks.create_attack("likelihood_match", iterations=3, cg_iterations=20).reconstruct(model, q, meta)
+    got = attacks.create_attack("likelihood_match", iterations=3, cg_iterations=20, start="april_robust"
+                                ).reconstruct(model, q, meta)
     assert not start.failed and not got.failed, (start.reason, got.reason)
     assert psnr(got.images, x) > psnr(start.images, x) + 0.5
     st = got.stats[0]
@@ -157,6 +159,45 @@ def test_the_sketch_preconditioner_is_bounded_and_reaches_the_solver() -> None:
     assert not got.failed and 1 <= got.stats[0]["cg_steps"] and got.stats[0]["residual_end"] < got.stats[0]["residual_start"]
 
 
+def test_the_auto_start_takes_the_read_of_smaller_residual_and_keeps_it_for_the_updates_other_rows() -> None:
+    """``start: auto`` (the default) runs block0_roots and april_robust and starts from the read whose data
+    residual is smaller: on an MJP client's clean update block0_roots reads x~ exactly (residual at the
+    rounding floor, april_robust's first-layer read decades above it), so the fit starts and ends there.
+    Both reads go into the update's estimate store, and a second row of the same update reuses them.
+    Under a defence where block0_roots refuses (this geometry: 1 + C p^2 >= D), april_robust's read is
+    the start and the refusal is noted."""
+    from dataclasses import replace
+
+    from attacks.api.estimates import EstimateStore
+
+    model = _tiny("mjp")
+    x, y = bundled_images(1, 16), torch.tensor([1])
+    mask = torch.zeros(1, 16, dtype=torch.bool)
+    mask[:, ::3] = True
+    store = EstimateStore()
+    meta = attacks.AttackMetadata(1, (3, 16, 16), MEAN.double(), STD.double(), y, estimates=store)
+    update = attacks.compute_update(model, normalize(x), y, unk_mask=mask)
+    got = attacks.create_attack("likelihood_match", iterations=1, cg_iterations=2).reconstruct(model, update, meta)
+    assert not got.failed, got.reason
+    notes = got.stats[0]["notes"]
+    chosen = [n for n in notes if n.startswith("start: ")]
+    assert len(chosen) == 1 and chosen[0].startswith("start: block0_roots (residual "), notes
+    ours, theirs = (float(v) for v in re.findall(r"residual ([0-9.e+-]+); april_robust's ([0-9.e+-]+)", chosen[0])[0])
+    assert ours < 1e-6 * theirs, chosen
+    keep = ~mask[0].reshape(4, 4).repeat_interleave(4, 0).repeat_interleave(4, 1)
+    assert float((got.images[0].double() - x[0]).abs()[:, keep].max()) < 1e-6  # x~'s unshuffled region
+    assert store.computed == 2 and store.reused == 0
+    again = attacks.create_attack("likelihood_match", iterations=1, cg_iterations=2, rounding="cells").reconstruct(
+        model, update, meta)
+    assert not again.failed and store.computed == 2 and store.reused == 2, store
+    spec = validate_defence({"name": "quantize", "bits": 16})
+    sent = apply_update_defence(update, spec, torch.Generator().manual_seed(0))
+    defended = attacks.create_attack("likelihood_match", iterations=1, cg_iterations=2).reconstruct(
+        model, sent, replace(meta, defence=spec, estimates=None))
+    notes = defended.stats[0]["notes"]
+    assert any(n.startswith("start: block0_roots failed (") for n in notes) and "start: april_robust" in notes, notes
+
+
 def test_bad_start_options_fail_when_built() -> None:
     with pytest.raises(ValueError, match="start_options"):
         attacks.create_attack("likelihood_match", start_options={"nonsense": 1})
@@ -164,6 +205,8 @@ def test_bad_start_options_fail_when_built() -> None:
     with pytest.raises(ValueError, match="invertinggradients_batched's.*nonsense"):
         attacks.create_attack("likelihood_match", start="invertinggradients_batched", start_options={"nonsense": 1})
     attacks.create_attack("likelihood_match", start="invertinggradients_batched", start_options={"defence_model": True})
+    with pytest.raises(ValueError, match="start is 'auto'"):  # the default tries two starts
+        attacks.create_attack("likelihood_match", start_options={"iterations": 3})
     with pytest.raises(ValueError, match="start is 'mean'"):
         attacks.create_attack("likelihood_match", start="mean", start_options={"iterations": 3})
 

@@ -5,7 +5,8 @@ A closed form reads the first layer's equations; under a defence they hold only 
 error, and ``april_robust`` solves them in least squares with that error model. Every other entry
 of the update (qkv, the MLPs, the head: about 570k on the CIFAR DeiT against 3,072 unknowns) is
 also an observation of the same image under the same error model. This attack starts from
-``april_robust``'s read and fits the image to all of them at once:
+another attacker's read (by default the better, by this fit's residual, of ``block0_roots``' and
+``april_robust``'s) and fits the image to all of them at once:
 
     min_x  sum_entries r(x)^2,   r = the residual of :meth:`MatchTerms.residual
                                  <attacks.optimization.match_terms.MatchTerms.residual>`
@@ -23,7 +24,7 @@ with the clients' defence from the metadata (:func:`~attacks.optimization.match_
 The solver is Levenberg-Marquardt without forming the Jacobian
 (:func:`attacks.solvers.lm.matrix_free_lm`, plain conjugate gradients): each CG step is one
 Jacobian-vector and one vector-Jacobian product of the model's double backward, in float64. Batch
-1 per update (the start is a batch-1 closed form), labels given or read off the head's bias
+1 per update (its starts are batch-1 reads), labels given or read off the head's bias
 gradient. An MJP client's update (a nonzero E_unk gradient) is fitted with its own forward: the shuffled
 positions are dL/dP's rows at the defence's noise level (exactly zero without noise), E_unk takes
 their place, the client's DAL term is removed from the target, and the image fitted is x~ (its
@@ -60,6 +61,11 @@ from .breaching_adapter import attack_copy, matched_names
 from .match_terms import MatchTerms, defence_match
 
 _DT = torch.float64
+#: the reads ``start: auto`` compares, by the fit's own data residual: block 0's read, the strongest where it
+#: succeeds (an MJP client's x~ under a defence, where april_robust's first-layer read misses it:
+#: docs/results/attacks.md, "likelihood_match from block0_roots' read"), and the closed form's, which
+#: succeeds on every batch-1 update
+AUTO_STARTS = ("block0_roots", "april_robust")
 
 
 def update_residual(work: nn.Module, names: Sequence[str], terms: MatchTerms, labels: torch.Tensor,
@@ -136,12 +142,16 @@ class LikelihoodMatch(Attack):
             :func:`attacks.solvers.lm.matrix_free_lm`), at most 4 x the image's entries.
         rounding: the quantiser's observation model: ``gaussian`` (rounding error as noise of std
             step / sqrt 12) or ``cells`` (the distance outside each entry's cell).
-        start: the attacker whose read is the start, with the same metadata (one of two:
-            ``april_robust``'s closed form, or ``invertinggradients_batched``, first-order matching
-            through the defence, for updates where the closed form's first-layer signal is gone,
-            as after pruning); the mean image where it fails, noted; or ``mean`` (the normalisation
-            mean colour).
-        start_options: options of the start's attacker (checked when this attack is built).
+        start: the attacker whose read is the start, with the same metadata: ``auto`` (the default:
+            each of :data:`AUTO_STARTS` with its default options, the read with the smallest data
+            residual; ``block0_roots`` reads an MJP client's x~ where ``april_robust`` misses it),
+            ``april_robust``'s closed form, ``block0_roots``'s read (the noise-aware read under a
+            defence), or ``invertinggradients_batched``, first-order matching through the defence,
+            for updates where the closed form's first-layer signal is gone, as after pruning; the
+            mean image where every start fails, noted; or ``mean`` (the normalisation mean colour).
+            A start's read is kept in the update's estimate store for the other rows of the update.
+        start_options: options of the start's attacker (checked when this attack is built; one
+            named start only).
         prior: ``none`` (the likelihood alone: its maximum) or ``gaussian``: the learned Gaussian
             patch prior (``prior_path``, default the shipped CIFAR-10 4 x 4 one) added as
             least-squares rows (:func:`patch_prior_residual`): a MAP fit, where the data stop
@@ -165,7 +175,7 @@ class LikelihoodMatch(Attack):
         cg_tol: Float = option(1e-6, gt=0.0, lt=1.0)
         sketch_rows: Int = option(0, ge=0, le=1 << 16)
         rounding: Literal["gaussian", "cells"] = "gaussian"
-        start: Literal["april_robust", "invertinggradients_batched", "mean"] = "april_robust"
+        start: Literal["auto", "april_robust", "block0_roots", "invertinggradients_batched", "mean"] = "auto"
         start_options: dict[str, Any] = Field(default_factory=dict)
         prior: Literal["none", "gaussian"] = "none"
         prior_weight: Optional[Float] = option(None, gt=0.0)
@@ -188,18 +198,22 @@ class LikelihoodMatch(Attack):
             self.patch_prior = load_patch_prior(o.prior_path)  # PriorError (a ValueError) names a bad file
         elif o.prior_weight is not None or o.prior_path is not None:
             raise ValueError("likelihood_match: prior_weight / prior_path are given but prior is 'none'")
-        if o.start == "mean" and o.start_options:
-            raise ValueError("likelihood_match: start_options are given but start is 'mean' (no attacker to pass them to)")
+        if o.start in ("mean", "auto") and o.start_options:
+            raise ValueError(f"likelihood_match: start_options are given but start is '{o.start}' (they go to one "
+                             "named start attacker; name it, e.g. start: april_robust)")
         try:
-            self.start_options = dict(attack_options(o.start, dict(o.start_options))) if o.start != "mean" else {}
+            self.start_options = dict(attack_options(o.start, dict(o.start_options))) if o.start not in (
+                "mean", "auto") else {}
         except ValueError as err:
             raise ValueError(f"likelihood_match: start_options ({o.start}'s): {err}") from None
+        # the start's read goes into (and comes from) the update's estimate store
+        self.shares_estimates = o.start != "mean"
 
     def _reconstruct(self, model: nn.Module, update: Update, meta: AttackMetadata) -> AttackResult:
         t0 = time.perf_counter()
         if meta.num_images != 1:
-            raise AttackFailure(f"likelihood_match fits one image per update (its start is a batch-1 closed "
-                                f"form), got num_images={meta.num_images}; batch_match fits a batch")
+            raise AttackFailure(f"likelihood_match fits one image per update (its starts are batch-1 "
+                                f"reads), got num_images={meta.num_images}; batch_match fits a batch")
         grads, notes = update_to_gradients(update, meta)
         work = attack_copy(model, _DT, self.device)
         size = meta.image_size
@@ -211,7 +225,7 @@ class LikelihoodMatch(Attack):
         notes.extend(more)
         if terms.kind == "bins":
             notes.append(f"rounding model: {self.rounding}")
-        theta0, start_time = self._start(model, update, meta, notes)
+        theta0, start_time = self._start(model, update, meta, notes, fun)
         data_fun, weight = fun, 0.0
         if self.patch_prior is not None:
             pp = self.patch_prior
@@ -272,20 +286,46 @@ class LikelihoodMatch(Attack):
         notes.append(f"labels recovered from the gradient ({self.label_strategy})")
         return recover_labels(grads, head_names, 1, self.label_strategy).to(self.device)
 
-    def _start(self, model: nn.Module, update: Update, meta: AttackMetadata, notes: list[str]
-               ) -> tuple[torch.Tensor, float]:
-        """(flat normalised start [C H W] in float64 on the device, the start's seconds)."""
-        from ..api.registry import create_attack
-
+    def _start(self, model: nn.Module, update: Update, meta: AttackMetadata, notes: list[str],
+               residual: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, float]:
+        """(flat normalised start [C H W] in float64 on the device, the start's seconds): the read of
+        the start attacker (``auto``: of each of :data:`AUTO_STARTS`, the one whose ``residual``, the
+        data term, is smallest), the mean image where none succeeds."""
         t0 = time.perf_counter()
-        if self.start != "mean":
-            got = create_attack(self.start, **{"device": str(self.device), **self.start_options}).reconstruct(
-                model, update, meta)
-            if not got.failed and not any(got.failed_images):
-                notes.append(f"start: {self.start}")
-                return meta.normalize(got.images.to(self.device, _DT)).reshape(-1), time.perf_counter() - t0
-            notes.append(f"start: {self.start} failed ({got.reason}); the mean image")
-        else:
-            notes.append("start: the mean image")
+        names = AUTO_STARTS if self.start == "auto" else () if self.start == "mean" else (self.start,)
+        reads: list[tuple[float, str, torch.Tensor]] = []
+        for name in names:
+            images, reason = self._read(name, model, update, meta)
+            if images is None:
+                notes.append(f"start: {name} failed ({reason})")
+                continue
+            theta = meta.normalize(images.to(self.device, _DT)).reshape(-1)
+            with torch.no_grad():
+                reads.append((float(residual(theta).pow(2).sum()), name, theta))
+        if reads:
+            value, name, theta = min(reads, key=lambda r: r[0])
+            others = "; ".join(f"{n}'s {v:.4g}" for v, n, _ in reads if n != name)
+            notes.append(f"start: {name}" + (f" (residual {value:.4g}; {others})" if others else ""))
+            return theta, time.perf_counter() - t0
+        notes.append("start: the mean image" + (" (every start failed)" if names else ""))
         # the normalisation mean colour is zero in model-input units
         return torch.zeros(math.prod(meta.image_size), dtype=_DT, device=self.device), time.perf_counter() - t0
+
+    def _read(self, name: str, model: nn.Module, update: Update, meta: AttackMetadata
+              ) -> tuple[Optional[torch.Tensor], str]:
+        """(the start attacker ``name``'s images, "") or (None, its failure), computed once per update
+        and options (the update's estimate store)."""
+        from ..api.registry import attack_class, create_attack, option_schema
+
+        options = self.start_options if name == self.start else {}
+        if "device" in option_schema(attack_class(name)).model_fields:  # the start runs where the fit does
+            options = {"device": str(self.device), **options}
+        store, key = meta.estimates, dict(options, read="start")
+        got = store.get(name, key) if store is not None else None
+        if got is None:
+            result = create_attack(name, **options).reconstruct(model, update, meta)
+            failed = result.failed or any(result.failed_images)
+            got = (None, str(result.reason)) if failed else (result.images.detach().cpu(), "")
+            if store is not None:
+                store.put(name, key, got)
+        return got

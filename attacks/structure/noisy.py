@@ -138,7 +138,6 @@ def best_fits(vit: nn.Module, grads: Mapping[str, torch.Tensor], roots: torch.Te
         if spot[j]:
             patches[spot[j] - 1] = patch_at(M, off[at], base[j])[1]
     return Fits(position, residual, patches, spot)
-    return position, best, patches
 
 
 def fill_from_prior(vit: nn.Module, patches: torch.Tensor, known: torch.Tensor,
