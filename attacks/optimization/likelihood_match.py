@@ -63,7 +63,7 @@ from .match_terms import MatchTerms, defence_match
 _DT = torch.float64
 #: the reads ``start: auto`` compares, by the fit's own data residual: block 0's read, the strongest where it
 #: succeeds (an MJP client's x~ under a defence, where april_robust's first-layer read misses it:
-#: docs/results/attacks.md, "likelihood_match from block0_roots' read"), and the closed form's, which
+#: docs/results/structure.md, "The read as likelihood_match's start"), and the closed form's, which
 #: succeeds on every batch-1 update
 AUTO_STARTS = ("block0_roots", "april_robust")
 

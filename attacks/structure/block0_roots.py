@@ -312,11 +312,12 @@ class Block0Roots(Attack):
             leads to (:mod:`attacks.structure.warm`); False: random and steered starts alone.
         noise_aware: where the metadata names a defence that perturbs the update (quantisation,
             pruning, local DP, DP-SGD), read it to the defence's noise (:mod:`attacks.structure.noisy`:
-            B = 1, the standard block); False: the exact read, which refuses a perturbed update.
+            B T <= D - 1 on the standard block, B = 1 on an MJP client); False: the exact read, which
+            refuses a perturbed update.
         seed: seed of the starts.
     """
 
-    threat = Threat(batch="B T <= width - 1 exactly (B <= 2 on the CIFAR models, B = 1 at 224 px); B = 3 on the CIFAR models too, through fc2's completed span and the root polish; one local step", labels="not needed (read off the head)", architecture="standard pre-norm block 0 (the model as trained); design A at B = 1, T <= 100", precision="float64 clients for an exact copy; under a defence named in the metadata (B = 1), to the defence's noise")
+    threat = Threat(batch="B T <= width - 1 exactly (B <= 2 on the CIFAR models, B = 1 at 224 px); B = 3 on the CIFAR models too, through fc2's completed span and the root polish; one local step", labels="not needed (read off the head)", architecture="standard pre-norm block 0 (the model as trained); design A at B = 1, T <= 100", precision="float64 clients for an exact copy; under a defence named in the metadata (B = 1; plain clients to B T <= width - 1), to the defence's noise")
 
     name = "block0_roots"
 
@@ -425,11 +426,13 @@ class Block0Roots(Attack):
         notes.extend(out.notes)
         y, label_stats = batch_labels(model, grads, meta, self.seed)
         images = meta.denormalize(read.images)
-        notes.append(f"defended update ({meta.defence.label}): {roots.shape[0]} of block 0's {T} MLP roots found "
-                     f"to the noise (spans truncated to rank {T}, squared residual < {NOISY_TOL:g}; {search.given} "
+        n = meta.num_images * T
+        notes.append(f"defended update ({meta.defence.label}): {roots.shape[0]} of block 0's {n} MLP roots found "
+                     f"to the noise (spans truncated to rank {n}, squared residual < {NOISY_TOL:g}; {search.given} "
                      f"from the closed form's read, {search.roots.shape[0] - search.given} in {search.starts} starts, "
                      f"{roots.shape[0] - search.roots.shape[0]} from the image prior's); {out.placed} patches placed "
-                     "by their best fit, then refit to their roots")
+                     "by their best fit" + (", each root's image by the attention indicators and the "
+                                            "root residuals" if meta.num_images > 1 else "") + ", then refit to their roots")
         if out.filled:
             notes.append(f"{out.filled} positions no root took filled from the image prior (biharmonic inpainting "
                          "of the placed patches), not read off the update")
@@ -442,7 +445,7 @@ class Block0Roots(Attack):
                      position_residual_max=float(read.residual[read.position >= 0].max()),
                      estimate_cpu_s=time.process_time() - c0, time_s=time.perf_counter() - t0,
                      attack=self.name, notes=notes, shuffled_positions=int(read.shuffled.sum()), **label_stats)
-        return AttackResult(images, [stats], labels=y, unshuffled=unshuffled)
+        return AttackResult(images, [stats] * meta.num_images, labels=y, unshuffled=unshuffled)
 
     def _reconstruct(self, model: nn.Module, update: Update, meta: AttackMetadata) -> AttackResult:
         t0, c0 = time.perf_counter(), time.process_time()

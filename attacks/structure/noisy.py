@@ -34,7 +34,17 @@ defence's noise (docs/results/structure.md, "Under defences"):
    prior's patches and entering through attention only.
 
 What is still empty after step 5 is the prior's, not the update's, and the read says how many
-positions that is. Batch 1 only: the membership step (which image) of a batch has no noise-aware form yet.
+positions that is.
+
+**Batches (plain clients, B T <= D - 1).** The spans are truncated to rank B T, the assignment of
+step 3 takes B roots per position, and each root's image comes from the exact read's attention
+indicators (which tokens share a class token's image) by an assignment per position, repaired by
+the root-residual coordinate descent of the read past D - 1
+(:func:`attacks.structure.polish.refit_membership`, where a lone holder of a position may also move
+to the image that holds none there: :func:`noisy_membership`); steps 4 to 6 run image by image. A
+root left out biases step 2's solves for every token: at B = 2 two of 130 cost about 25 positions
+(tests/test_block0_noisy.py), against none at B = 1. An MJP batch is refused (its E_unk tokens'
+images under noise are not read yet).
 """
 from __future__ import annotations
 
@@ -55,8 +65,8 @@ from ..closed_form.first_layer import is_design_a
 from ..closed_form.mjp_update import read_defended_mjp_update
 from ..solvers.spans import truncated_span
 from .linear import embeddings_less_shift, token_equations, token_offsets
-from .placement import needs_gradient_placement, patch_at, position_residuals
-from .polish import ROOT_POLISH_JACOBIANS, root_polish
+from .placement import image_indicators, needs_gradient_placement, patch_at, position_residuals
+from .polish import ROOT_POLISH_JACOBIANS, refit_membership, root_polish
 from .roots import RootSearch, dedupe, find_roots
 from .token_roots import MLPSpans
 from .warm import closed_form_tokens, fc1_inputs, warm_roots
@@ -76,13 +86,14 @@ class NoisyRead:
     """Outcome of :func:`read_defended`.
 
     Attributes:
-        images: [1, C, H, W] the model input read (x~ on an MJP client, its shuffled patches in the
+        images: [B, C, H, W] the model inputs read (x~ on an MJP client, its shuffled patches in the
             shuffled positions in root order).
         position: [n] each root's position (0: a class token, T: E_unk), -1 where it took none (more
             roots than positions).
         residual: [n] each root's relative residual at its position.
-        filled: [T - 1] bool, the patch positions no root took, filled from the image prior.
+        filled: [B, T - 1] bool, the patch positions no root took, filled from the image prior.
         shuffled: [T - 1] bool, the positions that carried E_unk (all False on a plain client).
+        image: [n] each root's image (0 at B = 1; -1 where it took no position).
     """
 
     images: torch.Tensor
@@ -90,6 +101,7 @@ class NoisyRead:
     residual: torch.Tensor
     filled: torch.Tensor
     shuffled: torch.Tensor
+    image: torch.Tensor
 
 
 def noisy_spans(grads: Mapping[str, torch.Tensor], tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,43 +113,85 @@ def noisy_spans(grads: Mapping[str, torch.Tensor], tokens: int) -> tuple[torch.T
 @dataclass(frozen=True)
 class Fits:
     """Outcome of :func:`best_fits`: each root's position [n] (0: the class token, T: E_unk; -1: none),
-    its relative residual there [n], the patches [T - 1, C p^2] of the grid positions a root took (zero
-    elsewhere) and each root's grid position [n] (an E_unk root's shuffled position; 0: the class
-    token; -1: none)."""
+    its relative residual there [n], the patches [B, T - 1, C p^2] of the grid positions a root took
+    (zero elsewhere), each root's grid position [n] (an E_unk root's shuffled position; 0: the class
+    token; -1: none) and its image [n]."""
 
     position: torch.Tensor
     residual: torch.Tensor
     patches: torch.Tensor
     spot: torch.Tensor
+    image: torch.Tensor
 
 
-def best_fits(vit: nn.Module, grads: Mapping[str, torch.Tensor], roots: torch.Tensor, shuffled: torch.Tensor) -> Fits:
+def best_fits(vit: nn.Module, grads: Mapping[str, torch.Tensor], roots: torch.Tensor, shuffled: torch.Tensor,
+              batch: int = 1) -> Fits:
     """Step 3 (module doc): every root's position by an optimal assignment on the log of its
-    residuals (one root per position, E_unk once per ``shuffled`` [T - 1] position) and its patch
-    there; the E_unk roots take the shuffled positions in the order of their residuals."""
+    residuals (``batch`` roots per position, E_unk once per ``shuffled`` [T - 1] position) and its
+    patch there; the E_unk roots take the shuffled positions in the order of their residuals. At
+    ``batch`` > 1 (plain clients) each root's image by :func:`noisy_membership`."""
     T = int(vit.pos_embed.shape[1])
+    blk = cast(nn.Module, vit.blocks[0])
     eq = token_equations(vit, grads, roots)
-    base = embeddings_less_shift(cast(nn.Module, vit.blocks[0]).attn, eq)
+    base = embeddings_less_shift(blk.attn, eq)
     _, off, M, Qm = token_offsets(vit)
     res = position_residuals(base, off, Qm)
     cols = torch.cat([torch.arange(T)[torch.cat([torch.tensor([True]), ~shuffled])],
-                      torch.full((int(shuffled.sum()),), T)])  # E_unk once per shuffled position
+                      torch.full((int(shuffled.sum()),), T)]).repeat(batch)  # E_unk once per shuffled position
     rows, picked = linear_sum_assignment(res[:, cols].detach().clamp_min(1e-300).log().numpy())
     rows_t, cols_t = torch.as_tensor(rows, dtype=torch.long), cols[torch.as_tensor(picked, dtype=torch.long)]
     position = torch.full((roots.shape[0],), -1, dtype=torch.long)
     position[rows_t] = cols_t
     residual = res[torch.arange(roots.shape[0]), position.clamp_min(0)]
+    shift_patch = [patch_at(M, off[int(at)], base[j]) if 0 < int(at) else None for j, at in enumerate(position)]
+    image = torch.zeros_like(position)
+    if batch > 1:
+        tokens = torch.stack([base[j] + sp[0] if sp is not None else off[0] for j, sp in enumerate(shift_patch)])
+        patches_all = torch.stack([sp[1] if sp is not None else torch.zeros(M.shape[1] - 1, dtype=torch.float64)
+                                   for sp in shift_patch])
+        image = noisy_membership(vit, roots, tokens, eq.outputs, position, patches_all, batch)
     slots = (shuffled.nonzero().flatten() + 1).tolist()
-    patches = torch.zeros(T - 1, M.shape[1] - 1, dtype=torch.float64)
+    patches = torch.zeros(batch, T - 1, M.shape[1] - 1, dtype=torch.float64)
     spot = torch.full_like(position, -1)
     for j in torch.argsort(residual).tolist():
         at = int(position[j])
         if at < 0:
             continue
         spot[j] = slots.pop(0) if at == T else at
-        if spot[j]:
-            patches[spot[j] - 1] = patch_at(M, off[at], base[j])[1]
-    return Fits(position, residual, patches, spot)
+        sp = shift_patch[j] if at < T else patch_at(M, off[at], base[j])
+        if spot[j] and sp is not None:
+            patches[image[j], spot[j] - 1] = sp[1]
+    return Fits(position, residual, patches, spot, image)
+
+
+def noisy_membership(vit: nn.Module, roots: torch.Tensor, tokens: torch.Tensor, outputs: torch.Tensor,
+                     position: torch.Tensor, patches: torch.Tensor, batch: int) -> torch.Tensor:
+    """Step 3's image of each root [n] at ``batch`` > 1 (-1 where it took no position): the exact read's
+    attention indicators (:func:`attacks.structure.placement.image_indicators`: the tokens that share
+    a class token's image) decide each position's holders by an optimal assignment, and the
+    root-residual coordinate descent (:func:`attacks.structure.polish.refit_membership`, holders of a
+    position permuted or a lone holder moved to an image with no root there) repairs what the
+    noise put wrong. ``tokens`` [n, D] the embeddings, ``outputs`` [n, D] the attention outputs,
+    ``patches`` [n, C p^2] each root's patch at its position."""
+    blk = cast(nn.Module, vit.blocks[0])
+    T = int(vit.pos_embed.shape[1])
+    image = torch.full_like(position, -1)
+    idx = (position >= 0).nonzero().flatten()
+    pos = position[idx]
+    if int((pos == 0).sum()) != batch:
+        raise AttackFailure(f"{int((pos == 0).sum())} of the {batch} class tokens were found to the noise: no anchor "
+                            "for each image's membership")
+    m = image_indicators(blk, tokens[idx], outputs[idx], pos, batch)
+    own = torch.empty(idx.numel(), dtype=torch.long)
+    own[(pos == 0).nonzero().flatten()] = torch.arange(batch)
+    for p in range(1, T):  # at most one root of a position per image
+        at = (pos == p).nonzero().flatten()
+        if at.numel():
+            rows, cols = linear_sum_assignment(-m[:, at].numpy())
+            own[at[torch.as_tensor(cols, dtype=torch.long)]] = torch.as_tensor(rows, dtype=torch.long)
+    own, _ = refit_membership(vit, roots[idx], pos, own, patches[idx], missing=True)
+    image[idx] = own
+    return image
 
 
 def fill_from_prior(vit: nn.Module, patches: torch.Tensor, known: torch.Tensor,
@@ -160,68 +214,75 @@ def fill_from_prior(vit: nn.Module, patches: torch.Tensor, known: torch.Tensor,
 
 
 def read_defended(vit: nn.Module, grads: Mapping[str, torch.Tensor], roots: torch.Tensor,
-                  shuffled: torch.Tensor | None, polish_jacobians: int = ROOT_POLISH_JACOBIANS) -> NoisyRead:
+                  shuffled: torch.Tensor | None, polish_jacobians: int = ROOT_POLISH_JACOBIANS,
+                  batch: int = 1) -> NoisyRead:
     """Steps 3, 4 and 6 (module doc) from the roots [n, D] a search on the truncated spans found, the
-    float64 ``vit`` and the (defended) update; ``shuffled`` [T - 1] bool, the MJP client's shuffled
-    positions (None: a plain client); ``polish_jacobians`` 0: no step 6."""
+    float64 ``vit`` and the (defended) update of ``batch`` images; ``shuffled`` [T - 1] bool, the MJP
+    client's shuffled positions (None: a plain client); ``polish_jacobians`` 0: no step 6."""
     T = int(vit.pos_embed.shape[1])
     shuffled = torch.zeros(T - 1, dtype=torch.bool) if shuffled is None else shuffled.to(torch.bool)
     with torch.no_grad():
-        fits = best_fits(vit, grads, roots, shuffled)
-        taken = torch.zeros(T, dtype=torch.bool)
-        taken[fits.spot[fits.spot >= 0]] = True
-        known = taken[1:]
-        images = fill_from_prior(vit, fits.patches, known, known & ~shuffled)
+        fits = best_fits(vit, grads, roots, shuffled, batch)
+        taken = torch.zeros(batch, T, dtype=torch.bool)
+        has = fits.spot >= 0
+        taken[fits.image[has], fits.spot[has]] = True
+        known = taken[:, 1:]
+        images = torch.cat([fill_from_prior(vit, fits.patches[b], known[b], known[b] & ~shuffled)
+                            for b in range(batch)])
         if polish_jacobians:
             images = _polished(vit, roots, fits, images, shuffled, polish_jacobians)
-    return NoisyRead(images, fits.position, fits.residual, ~known, shuffled)
+    return NoisyRead(images, fits.position, fits.residual, ~known, shuffled, fits.image)
 
 
 def _polished(vit: nn.Module, roots: torch.Tensor, fits: Fits, images: torch.Tensor, shuffled: torch.Tensor,
               jacobians: int) -> torch.Tensor:
-    """Step 6 (module doc): the image [1, C, H, W] whose patches block 0 maps onto the roots, from
+    """Step 6 (module doc): the images [B, C, H, W] whose patches block 0 maps onto the roots, from
     ``images`` (the read's); the grid positions without a root keep their patches and enter
     through attention only."""
     T = int(vit.pos_embed.shape[1])
     p = int(vit.patch_embed.patch_size[0])
-    grid = patchify(images, p)[0].flatten(1)  # [T - 1, C p^2]
-    has = fits.spot >= 0
+    grid = patchify(images, p).flatten(2)  # [B, T - 1, C p^2]
     if not bool((fits.spot > 0).any()):  # no patch has a root: nothing to refit
         return images
-    taken = torch.zeros(T, dtype=torch.bool)
-    taken[fits.spot[has]] = True
-    missing = (~taken).nonzero().flatten()
-    spots = torch.cat([fits.spot[has], missing])
-    kinds = torch.cat([fits.position[has], torch.where(missing == 0, 0, torch.where(
-        shuffled[(missing - 1).clamp_min(0)], T, missing))])
-    patches = torch.cat([torch.zeros(1, grid.shape[1], dtype=grid.dtype), grid])[spots]
-    fitted = torch.cat([torch.ones(int(has.sum()), dtype=torch.bool), torch.zeros(missing.numel(), dtype=torch.bool)])
-    no_root = torch.zeros(missing.numel(), roots.shape[1], dtype=roots.dtype)  # never compared (``fitted``)
-    polish = root_polish(vit, torch.cat([roots[has], no_root]), kinds, torch.zeros_like(kinds), patches, jacobians,
-                         fitted)
+    spots, kinds, owner, fitted, held = [], [], [], [], []
+    for b in range(images.shape[0]):
+        has = ((fits.spot >= 0) & (fits.image == b)).nonzero().flatten()
+        taken = torch.zeros(T, dtype=torch.bool)
+        taken[fits.spot[has]] = True
+        missing = (~taken).nonzero().flatten()
+        spots += [fits.spot[has], missing]
+        kinds += [fits.position[has], torch.where(missing == 0, 0, torch.where(
+            shuffled[(missing - 1).clamp_min(0)], T, missing))]
+        owner.append(torch.full((has.numel() + missing.numel(),), b, dtype=torch.long))
+        fitted += [torch.ones(has.numel(), dtype=torch.bool), torch.zeros(missing.numel(), dtype=torch.bool)]
+        held += [roots[has], torch.zeros(missing.numel(), roots.shape[1], dtype=roots.dtype)]  # never compared
+    spot, image = torch.cat(spots), torch.cat(owner)
+    padded = torch.cat([torch.zeros(grid.shape[0], 1, grid.shape[2], dtype=grid.dtype), grid], 1)
+    polish = root_polish(vit, torch.cat(held), torch.cat(kinds), image, padded[image, spot], jacobians,
+                         torch.cat(fitted))
     out = grid.clone()
-    at = spots >= 1
-    out[spots[at] - 1] = polish.patches[at].to(out.dtype)
-    return unpatchify(out.reshape(1, T - 1, -1, p, p), tuple(vit.patch_embed.grid_size))
+    at = spot >= 1
+    out[image[at], spot[at] - 1] = polish.patches[at].to(out.dtype)
+    return unpatchify(out.reshape(*out.shape[:2], -1, p, p), tuple(vit.patch_embed.grid_size))
 
 
 def refine_from_prior(vit: nn.Module, grads: Mapping[str, torch.Tensor], problem: MLPSpans, roots: torch.Tensor,
                       shuffled: torch.Tensor | None, iterations: int,
-                      rounds: int = PRIOR_ROUNDS) -> tuple[NoisyRead, torch.Tensor, list[int]]:
+                      rounds: int = PRIOR_ROUNDS, batch: int = 1) -> tuple[NoisyRead, torch.Tensor, list[int]]:
     """Steps 3 to 6 (module doc) from the roots [n, D] found so far on the truncated spans of
     ``problem``: (the read, every root found, the roots each round of step 5 added)."""
-    read = read_defended(vit, grads, roots, shuffled)
+    read = read_defended(vit, grads, roots, shuffled, batch=batch)
     added: list[int] = []
     for _ in range(rounds):
         if not bool(read.filled.any()):
             break
-        starts = fc1_inputs(vit, read.images, read.shuffled)
+        starts = torch.cat([fc1_inputs(vit, read.images[b:b + 1], read.shuffled) for b in range(batch)])
         before = roots.shape[0]
         roots = dedupe(roots, warm_roots(problem, problem.S1, starts, iterations, NOISY_TOL))
         added.append(roots.shape[0] - before)
         if not added[-1]:
             break
-        read = read_defended(vit, grads, roots, shuffled)
+        read = read_defended(vit, grads, roots, shuffled, batch=batch)
     return read, roots, added
 
 
@@ -257,41 +318,43 @@ def read_defended_update(work: nn.Module, grads: Mapping[str, torch.Tensor], met
     assert meta.defence is not None
     T, D, B = int(work.pos_embed.shape[1]), int(work.embed_dim), meta.num_images
     what = meta.defence.label
-    if B != 1 or is_design_a(work.blocks[0]) or needs_gradient_placement(work):
-        why = (f"B = {B}: the membership step has no noise-aware form" if B != 1 else
-               "design A's attention solve" if is_design_a(work.blocks[0]) else
+    unk = [nm for nm in grads if nm.split(".")[-1] == "unk_embed"]
+    mjp = bool(unk) and float(grads[unk[0]].abs().max()) > 0
+    if (B != 1 and mjp) or B * T > D - 1 or is_design_a(work.blocks[0]) or needs_gradient_placement(work):
+        why = (f"B = {B} MJP clients: the membership step under noise reads plain clients only" if B != 1 and mjp
+               else f"B = {B}: B T = {B * T} > D - 1 = {D - 1}, no token is a root of the truncated spans past it"
+               if B * T > D - 1 else "design A's attention solve" if is_design_a(work.blocks[0]) else
                f"the patch least squares cannot tell positions apart here (1 + C p^2 >= D = {D})")
-        raise AttackFailure(f"block0_roots reads a defended update ({what}) at B = 1 on the standard block with "
-                            f"T <= D - 1 only; {why} (noise_aware=False: the exact read, which refuses a "
-                            "perturbed update)")
+        raise AttackFailure(f"block0_roots reads a defended update ({what}) on the standard block with B T <= D - 1 "
+                            f"(B = 1 on an MJP client) only; {why} (noise_aware=False: the exact read, which "
+                            "refuses a perturbed update)")
     notes: list[str] = []
     shuffled = None
-    unk = [nm for nm in grads if nm.split(".")[-1] == "unk_embed"]
-    if unk and float(grads[unk[0]].abs().max()) > 0:  # an MJP client: its shuffled positions first
+    if mjp:  # an MJP client: its shuffled positions first
         shuffled, _, _, level = read_defended_mjp_update(work, dict(grads), meta)
         notes.append(f"MJP client: {int(shuffled.sum())} shuffled positions read off dL/dP's rows at the "
                      f"{level} level")
-    fc1, fc2 = noisy_spans(grads, T)
+    fc1, fc2 = noisy_spans(grads, B * T)
     problem = MLPSpans(work.blocks[0], fc1, fc2)
     found = None
-    if warm_start:  # the closed form's read, as at the exact read (its starts off a token converge to none)
+    if warm_start and B == 1:  # the closed form's read, as at the exact read (its starts off a token converge to none)
         near = closed_form_tokens(work, grads)
         found = None if near is None else warm_roots(problem, fc1, near, iterations, NOISY_TOL)
-    report("block0_roots", 0, rounds, f"root search on the spans truncated to rank {T} ({what})")
+    report("block0_roots", 0, rounds, f"root search on the spans truncated to rank {B * T} ({what})")
     search = find_roots(work.blocks[0], fc1, fc2, grads["blocks.0.mlp.fc1.weight"].to(torch.float64),
-                        grads["blocks.0.mlp.fc2.weight"].to(torch.float64), T, starts, rounds, iterations,
+                        grads["blocks.0.mlp.fc2.weight"].to(torch.float64), B * T, starts, rounds, iterations,
                         generator, tol=NOISY_TOL, found=found, patience=NOISY_PATIENCE)
     if not search.roots.shape[0]:
         raise AttackFailure(f"under {what} no start of the root search on fc1's and fc2's spans truncated to "
-                            f"rank {T} came below a squared residual of {NOISY_TOL:g} in "
+                            f"rank {B * T} came below a squared residual of {NOISY_TOL:g} in "
                             f"{len(search.per_round)} rounds of {starts} starts: the defence's noise "
                             "leaves no minimum next to a token")
     report("block0_roots", 0, None, "positions and patches by their best fit, starts from the image prior")
-    read, roots, prior_added = refine_from_prior(work, grads, problem, search.roots, shuffled, iterations)
+    read, roots, prior_added = refine_from_prior(work, grads, problem, search.roots, shuffled, iterations, batch=B)
     placed = int((read.position > 0).sum())
     filled = int(read.filled.sum())
     if filled > placed:
-        raise AttackFailure(f"under {what} {roots.shape[0]} of block 0's {T} MLP roots were found to the noise "
+        raise AttackFailure(f"under {what} {roots.shape[0]} of block 0's {B * T} MLP roots were found to the noise "
                             f"(squared residual < {NOISY_TOL:g}): {placed} patches placed, {filled} positions "
                             "would be the image prior's, more than the update's; the defence's noise leaves most "
                             "tokens without a minimum next to them")

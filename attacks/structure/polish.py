@@ -173,7 +173,8 @@ def root_polish(vit: nn.Module, roots: torch.Tensor, position: torch.Tensor, ima
 
 
 def refit_membership(vit: nn.Module, roots: torch.Tensor, position: torch.Tensor, image: torch.Tensor,
-                     patches: torch.Tensor, sweeps: int = MEMBERSHIP_SWEEPS) -> tuple[torch.Tensor, int]:
+                     patches: torch.Tensor, sweeps: int = MEMBERSHIP_SWEEPS,
+                     missing: bool = False) -> tuple[torch.Tensor, int]:
     """Past B T = D - 1: the membership ``image`` [n] repaired where its linear solve was wrong.
 
     The linear steps' patches are close whatever the membership (steps 3 and 4 are separate), and
@@ -183,7 +184,10 @@ def refit_membership(vit: nn.Module, roots: torch.Tensor, position: torch.Tensor
     permuted, a holder moved to an image whose position p was shuffled with one of that image's E_unk
     tokens moved back, and every pair of E_unk tokens in different images swapped, each change kept where
     the sum falls, for at most ``sweeps`` sweeps or until one changes nothing. Each image keeps its
-    class token and its shuffled positions. Returns (the membership, the changes made)."""
+    class token and its shuffled positions. ``missing`` (a plain client's roots read to a defence's
+    noise, some tokens without one): a position with fewer holders than images has roots missing, not
+    shuffled, and a holder is also moved alone to an image that holds none there. Returns (the
+    membership, the changes made)."""
     from itertools import permutations
 
     from .linear import token_offsets
@@ -224,6 +228,20 @@ def refit_membership(vit: nn.Module, roots: torch.Tensor, position: torch.Tensor
                 for b, c_ in pick[1].items():
                     costs[b] = c_
                 changed += 1
+        if missing:  # a lone holder to an image with no root at its position
+            for idx in groups:
+                if idx.numel() in (0, batch):
+                    continue
+                for s in idx.tolist():
+                    a = int(image[s])
+                    for c in sorted(set(range(batch)) - set(image[idx].tolist())):
+                        trial = image.clone()
+                        trial[s] = c
+                        ca, cc = cost(a, trial), cost(c, trial)
+                        if ca + cc < costs[a] + costs[c]:
+                            image, costs[a], costs[c] = trial, ca, cc
+                            a = c
+                            changed += 1
         unk = (position == T).nonzero().flatten().tolist()
         for idx in groups:  # a token to an image whose position p was shuffled, an E_unk token back
             if not unk or idx.numel() in (0, batch):
