@@ -158,7 +158,7 @@ def best_fits(vit: nn.Module, grads: Mapping[str, torch.Tensor], roots: torch.Te
         if at < 0:
             continue
         spot[j] = slots.pop(0) if at == T else at
-        sp = shift_patch[j] if at < T else patch_at(M, off[at], base[j])
+        sp = shift_patch[j]
         if spot[j] and sp is not None:
             patches[image[j], spot[j] - 1] = sp[1]
     return Fits(position, residual, patches, spot, image)
