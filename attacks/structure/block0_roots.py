@@ -443,9 +443,9 @@ class Block0Roots(Attack):
                      warm_roots=search.given, prior_roots_per_round=out.prior_added,
                      roots_found=int(roots.shape[0]), placed_patches=out.placed, prior_filled=out.filled,
                      position_residual_max=float(read.residual[read.position >= 0].max()),
-                     estimate_cpu_s=time.process_time() - c0, time_s=time.perf_counter() - t0,
+                     estimate_cpu_s=time.process_time() - c0, time_s=(time.perf_counter() - t0) / meta.num_images,
                      attack=self.name, notes=notes, shuffled_positions=int(read.shuffled.sum()), **label_stats)
-        return AttackResult(images, [stats] * meta.num_images, labels=y, unshuffled=unshuffled)
+        return AttackResult(images, [dict(stats) for _ in range(meta.num_images)], labels=y, unshuffled=unshuffled)
 
     def _reconstruct(self, model: nn.Module, update: Update, meta: AttackMetadata) -> AttackResult:
         t0, c0 = time.perf_counter(), time.process_time()

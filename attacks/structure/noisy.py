@@ -65,7 +65,7 @@ from ..closed_form.first_layer import is_design_a
 from ..closed_form.mjp_update import read_defended_mjp_update
 from ..solvers.spans import truncated_span
 from .linear import embeddings_less_shift, token_equations, token_offsets
-from .placement import image_indicators, needs_gradient_placement, patch_at, position_residuals
+from .placement import assign_images, image_indicators, needs_gradient_placement, patch_at, position_residuals
 from .polish import ROOT_POLISH_JACOBIANS, refit_membership, root_polish
 from .roots import RootSearch, dedupe, find_roots
 from .token_roots import MLPSpans
@@ -93,7 +93,6 @@ class NoisyRead:
         residual: [n] each root's relative residual at its position.
         filled: [B, T - 1] bool, the patch positions no root took, filled from the image prior.
         shuffled: [T - 1] bool, the positions that carried E_unk (all False on a plain client).
-        image: [n] each root's image (0 at B = 1; -1 where it took no position).
     """
 
     images: torch.Tensor
@@ -101,7 +100,6 @@ class NoisyRead:
     residual: torch.Tensor
     filled: torch.Tensor
     shuffled: torch.Tensor
-    image: torch.Tensor
 
 
 def noisy_spans(grads: Mapping[str, torch.Tensor], tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,14 +179,7 @@ def noisy_membership(vit: nn.Module, roots: torch.Tensor, tokens: torch.Tensor, 
     if int((pos == 0).sum()) != batch:
         raise AttackFailure(f"{int((pos == 0).sum())} of the {batch} class tokens were found to the noise: no anchor "
                             "for each image's membership")
-    m = image_indicators(blk, tokens[idx], outputs[idx], pos, batch)
-    own = torch.empty(idx.numel(), dtype=torch.long)
-    own[(pos == 0).nonzero().flatten()] = torch.arange(batch)
-    for p in range(1, T):  # at most one root of a position per image
-        at = (pos == p).nonzero().flatten()
-        if at.numel():
-            rows, cols = linear_sum_assignment(-m[:, at].numpy())
-            own[at[torch.as_tensor(cols, dtype=torch.long)]] = torch.as_tensor(rows, dtype=torch.long)
+    own, _, _ = assign_images(image_indicators(blk, tokens[idx], outputs[idx], pos, batch), pos, T, missing=True)
     own, _ = refit_membership(vit, roots[idx], pos, own, patches[idx], missing=True)
     image[idx] = own
     return image
@@ -231,7 +222,7 @@ def read_defended(vit: nn.Module, grads: Mapping[str, torch.Tensor], roots: torc
                             for b in range(batch)])
         if polish_jacobians:
             images = _polished(vit, roots, fits, images, shuffled, polish_jacobians)
-    return NoisyRead(images, fits.position, fits.residual, ~known, shuffled, fits.image)
+    return NoisyRead(images, fits.position, fits.residual, ~known, shuffled)
 
 
 def _polished(vit: nn.Module, roots: torch.Tensor, fits: Fits, images: torch.Tensor, shuffled: torch.Tensor,

@@ -204,10 +204,12 @@ def image_indicators(blk: nn.Module, Z: torch.Tensor, C: torch.Tensor, pos: torc
     return m
 
 
-def assign_images(m: torch.Tensor, pos: torch.Tensor, T: int) -> tuple[torch.Tensor, float, torch.Tensor]:
+def assign_images(m: torch.Tensor, pos: torch.Tensor, T: int,
+                  missing: bool = False) -> tuple[torch.Tensor, float, torch.Tensor]:
     """Step 4's assignment from the indicators ``m`` [B, n]: (each token's image [n], the smallest
     |m - 0.5| the assignment used, the patch positions no placed token holds [B, T - 1] bool: the
-    shuffled ones, each taken by one E_unk token)."""
+    shuffled ones, each taken by one E_unk token). ``missing`` (a plain client's roots read to a
+    defence's noise): positions no token holds are roots the search missed, not refused."""
     batch, n = m.shape
     image = torch.empty(n, dtype=torch.long)
     image[(pos == 0).nonzero().flatten()] = torch.arange(batch)
@@ -232,7 +234,7 @@ def assign_images(m: torch.Tensor, pos: torch.Tensor, T: int) -> tuple[torch.Ten
         rows, cols = linear_sum_assignment(-m[slots][:, idx].numpy())
         image[idx[cols]] = slots[torch.as_tensor(rows, dtype=torch.long)]
         margin = min(margin, float((m[slots[rows], idx[cols]] - 0.5).abs().min()))
-    elif bool(free.any()):
+    elif bool(free.any()) and not missing:
         raise AttackFailure("an image lacks tokens at some positions and no root carries E_unk")
     return image, margin, free
 
